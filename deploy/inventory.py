@@ -1,0 +1,387 @@
+"""hosts.yaml -> frozen, validated objects. The only module that knows the YAML layout.
+
+``load(path)`` returns an :class:`Inventory` or raises :class:`InventoryError` whose
+issues name the file, the field path (``nodes[2].address``), the YAML line and what is
+expected. Nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import Issue, InventoryError
+
+# Names end up in container names, file names and command lines: keep them boring.
+_SAFE = re.compile(r"[A-Za-z0-9_.-]+")
+_JOB = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
+                       r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# Paths reach remote shells (quoted) and `docker -v SRC:DST` (where ':' and ',' break).
+_PATH = re.compile(r"[A-Za-z0-9_./+@=-]+")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _safe_name(v: str) -> str:
+    if not _SAFE.fullmatch(v):
+        raise ValueError("only letters, digits, '_', '.' and '-' are allowed")
+    return v
+
+
+def _job_name(v: str) -> str:
+    if not _JOB.fullmatch(v):
+        raise ValueError("lower-case letters, digits, '_', '.' and '-', starting with a letter or digit")
+    return v
+
+
+def _address(v: str) -> str:
+    try:
+        ipaddress.ip_address(v)
+        return v
+    except ValueError:
+        pass
+    if not _HOSTNAME.fullmatch(v):
+        raise ValueError("expected an IP address or a DNS name")
+    return v
+
+
+def _abs_path(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError("expected an absolute path (starting with '/')")
+    if not _PATH.fullmatch(v):
+        raise ValueError("path may contain only letters, digits and '_./+@=-'")
+    return v
+
+
+def _path(v: str) -> str:
+    if not _PATH.fullmatch(v):
+        raise ValueError("path may contain only letters, digits and '_./+@=-'")
+    return v
+
+
+def _local_path(v: str) -> str:
+    if not v or any(ord(c) < 32 for c in v):
+        raise ValueError("expected a file path without control characters")
+    return v
+
+
+def _image(v: str) -> str:
+    if not _IMAGE.fullmatch(v):
+        raise ValueError("expected an image reference like name:tag or registry/name:tag")
+    return v
+
+
+def _no_nul(v: str) -> str:
+    if "\x00" in v:
+        raise ValueError("NUL characters are not allowed")
+    return v
+
+
+SafeName = Annotated[str, AfterValidator(_safe_name)]
+JobName = Annotated[str, AfterValidator(_job_name)]
+Address = Annotated[str, AfterValidator(_address)]
+AbsPath = Annotated[str, AfterValidator(_abs_path)]
+PathStr = Annotated[str, AfterValidator(_path)]
+LocalPath = Annotated[str, AfterValidator(_local_path)]
+"""A path only ever opened on the operator's machine (never sent to a shell)."""
+ImageRef = Annotated[str, AfterValidator(_image)]
+Arg = Annotated[str, AfterValidator(_no_nul)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+
+
+class Job(_Model):
+    name: JobName
+    """Container name prefix and default rendezvous id."""
+    runtime: Literal["docker", "host"] = "docker"
+    """docker: one container per node; host: torchrun straight on the node."""
+    max_restarts: int = Field(default=3, ge=0)
+    """torchrun --max-restarts."""
+
+
+class Rendezvous(_Model):
+    node: SafeName
+    """Name of the node that hosts the c10d store (must be in nodes)."""
+    port: Port = 29400
+    id: SafeName | None = None
+    """Rendezvous id; defaults to job.name."""
+    join_timeout: int = Field(default=600, ge=1)
+    """Seconds torchrun waits for all nodes (--rdzv-conf join_timeout=)."""
+
+
+class SshOverrides(_Model):
+    user: SafeName | None = None
+    port: Port | None = None
+    key: LocalPath | None = None
+    known_hosts: LocalPath | None = None
+    host_key_policy: Literal["strict", "accept-new"] | None = None
+    connect_timeout: int | None = Field(default=None, ge=1)
+
+
+class Ssh(_Model):
+    """SSH defaults for every node. Keys or the agent only: there is no password field."""
+
+    user: SafeName = "root"
+    port: Port = 22
+    key: LocalPath | None = "~/.ssh/id_ed25519"
+    """Private key file on the operator's machine; null = ssh-agent only."""
+    known_hosts: LocalPath = "~/.ssh/known_hosts"
+    host_key_policy: Literal["strict", "accept-new"] = "strict"
+    """strict: unknown or changed host keys are refused; accept-new: record unknown ones."""
+    connect_timeout: int = Field(default=10, ge=1)
+
+    def merged(self, over: SshOverrides | None) -> "Ssh":
+        if over is None:
+            return self
+        return self.model_copy(update=over.model_dump(exclude_none=True))
+
+
+class Node(_Model):
+    name: SafeName
+    address: Address
+    connection: Literal["ssh", "local"] = "ssh"
+    """ssh, or local: run on this machine without SSH (like ansible_connection=local)."""
+    gpus: int = Field(default=0, ge=0)
+    """0 = CPU node (gloo); >0: nvidia-smi must list at least that many."""
+    procs: int | None = Field(default=None, ge=1)
+    """Processes on this node; defaults to gpus, or 1 on a CPU node."""
+    interface: SafeName | None = None
+    """NIC for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME."""
+    ssh: SshOverrides | None = None
+
+    @property
+    def nprocs(self) -> int:
+        if self.procs is not None:
+            return self.procs
+        return self.gpus or 1
+
+
+class Image(_Model):
+    name: ImageRef = "ddp-trainer:latest"
+    dockerfile: LocalPath = "Dockerfile"
+    context: LocalPath = "."
+    """Build context, relative to the directory of hosts.yaml."""
+    build_args: dict[SafeName, Arg] = Field(default_factory=dict)
+    compress: bool = False
+    """gzip -1 in the save|load pipe (slower on a fast link, see FIELD_NOTES)."""
+
+    @field_validator("build_args")
+    @classmethod
+    def _env_like_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _ENV_NAME.fullmatch(k):
+                raise ValueError(f"build arg name {k!r} must look like an identifier")
+        return v
+
+
+class Mount(_Model):
+    host: AbsPath
+    container: AbsPath
+
+
+class Storage(_Model):
+    data: Mount
+    checkpoints: Mount
+    min_free_gb: float = Field(default=1, ge=0)
+
+
+class Train(_Model):
+    python: PathStr = "python3"
+    """Host runtime: interpreter on the nodes that has this package installed. A
+    relative path containing '/' is resolved against the directory of hosts.yaml."""
+    args: tuple[Arg, ...] = ()
+    """Trainer flags; --data-dir/--ckpt-dir are added by the tool."""
+
+
+class Inventory(_Model):
+    job: Job
+    rendezvous: Rendezvous
+    ssh: Ssh = Field(default_factory=Ssh)
+    nodes: tuple[Node, ...] = Field(min_length=1)
+    image: Image = Field(default_factory=Image)
+    storage: Storage
+    train: Train = Field(default_factory=Train)
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Inventory":
+        problems = cross_field_problems(self)
+        if problems:
+            raise _CrossFieldProblems(problems)
+        return self
+
+    @property
+    def base_dir(self) -> Path:
+        return self._base_dir
+
+    @property
+    def rdzv_id(self) -> str:
+        return self.rendezvous.id or self.job.name
+
+    @property
+    def rdzv_node(self) -> Node:
+        return next(n for n in self.nodes if n.name == self.rendezvous.node)
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def ssh_for(self, node: Node) -> Ssh:
+        return self.ssh.merged(node.ssh)
+
+    def python_path(self) -> str:
+        p = self.train.python
+        if "/" in p and not p.startswith("/"):
+            return str((self._base_dir / p).resolve())
+        return p
+
+    def context_path(self) -> Path:
+        return (self._base_dir / self.image.context).resolve()
+
+    def dockerfile_path(self) -> Path:
+        return (self._base_dir / self.image.dockerfile).resolve()
+
+
+class _CrossFieldProblems(Exception):
+    """Not a ValueError on purpose: pydantic lets it through with its field paths intact."""
+
+    def __init__(self, problems: list[tuple[tuple, str]]):
+        super().__init__(problems)
+        self.problems = problems
+
+
+def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
+    """Rules that span several fields, as (field path, message) pairs."""
+    out: list[tuple[tuple, str]] = []
+    names = Counter(n.name for n in inv.nodes)
+    pairs = Counter((n.address, n.connection) for n in inv.nodes)
+    seen_names: set[str] = set()
+    seen_pairs: set[tuple[str, str]] = set()
+    for i, n in enumerate(inv.nodes):
+        if names[n.name] > 1 and n.name in seen_names:
+            out.append((("nodes", i, "name"), f"duplicate node name {n.name!r}"))
+        seen_names.add(n.name)
+        pair = (n.address, n.connection)
+        if pairs[pair] > 1 and pair in seen_pairs:
+            out.append((("nodes", i, "address"),
+                        f"duplicate address {n.address!r} (connection {n.connection}); each node needs its own host"))
+        seen_pairs.add(pair)
+        if n.gpus > 0 and n.procs is not None and n.procs > n.gpus:
+            out.append((("nodes", i, "procs"),
+                        f"procs ({n.procs}) must be <= gpus ({n.gpus}) on a GPU node"))
+    if inv.rendezvous.node not in names:
+        out.append((("rendezvous", "node"),
+                    f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
+    return out
+
+
+# ---------------------------------------------------------------- loading + error mapping
+
+
+def load(path: str | Path) -> Inventory:
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InventoryError([Issue(label, "", None, f"cannot read the file: {e.strerror or e}")]) from e
+    return loads(text, label=label, base_dir=path.resolve().parent)
+
+
+def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None) -> Inventory:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise InventoryError([Issue(label, "", line, f"YAML syntax error: {problem}")]) from e
+    lines: dict[tuple, int] = {}
+    dupes: list[Issue] = []
+    if root is not None:
+        _index_lines(root, (), lines, dupes, label)
+    if dupes:
+        raise InventoryError(dupes)
+    if not isinstance(data, dict):
+        raise InventoryError([Issue(label, "", 1, "expected a mapping with job, rendezvous, nodes, storage, ...")])
+    try:
+        inv = Inventory.model_validate(data)
+    except ValidationError as e:
+        raise InventoryError([_issue(label, tuple(err["loc"]), _message(err), lines) for err in e.errors()]) from e
+    except _CrossFieldProblems as e:
+        raise InventoryError([_issue(label, loc, msg, lines) for loc, msg in e.problems]) from e
+    inv._base_dir = base_dir or Path.cwd()
+    return inv
+
+
+def field_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _issue(label: str, loc: tuple, message: str, lines: dict[tuple, int]) -> Issue:
+    # Pydantic adds validator tags (e.g. 'function-after[...]') to some locs; drop them.
+    loc = tuple(p for p in loc if isinstance(p, int) or "[" not in str(p))
+    line = None
+    for k in range(len(loc), -1, -1):
+        if loc[:k] in lines:
+            line = lines[loc[:k]]
+            break
+    return Issue(label, field_path(loc), line, message)
+
+
+def _message(err: dict) -> str:
+    kind = err["type"]
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "extra_forbidden":
+        return "unknown key (check the spelling; see the comments in hosts.yaml)"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if "input" in err and kind not in ("missing",) and not isinstance(err["input"], (dict, list)):
+        msg += f", got {err['input']!r}"
+    return msg
+
+
+def _index_lines(node: yaml.Node, loc: tuple, lines: dict, dupes: list, label: str) -> None:
+    lines[loc] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        seen: set = set()
+        for key, value in node.value:
+            k = key.value
+            if k in seen:
+                dupes.append(Issue(label, field_path(loc + (k,)), key.start_mark.line + 1,
+                                   "key appears twice in the same mapping"))
+            seen.add(k)
+            lines[loc + (k,)] = key.start_mark.line + 1
+            _index_lines(value, loc + (k,), lines, dupes, label)
+            lines[loc + (k,)] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _index_lines(item, loc + (i,), lines, dupes, label)

@@ -1,0 +1,361 @@
+"""The only module that talks to nodes (and the only one that imports fabric).
+
+Commands arrive as argv lists; ``command_line`` (``shlex.join``) is the single place where a
+list becomes a shell string. A node with ``connection: local`` runs its argv with
+``subprocess`` (no shell, no SSH). Every call runs on all nodes in parallel, returns a
+:class:`Result` per node, and with ``check=True`` raises one :class:`RemoteFailure` that
+carries every node's outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+from fabric import Config, Connection
+from invoke.exceptions import CommandTimedOut
+
+from .errors import RemoteFailure
+from .inventory import Inventory, Node
+
+log = logging.getLogger(__name__)
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The exact string a remote shell receives for ``argv``."""
+    return shlex.join(argv)
+
+
+@dataclass(frozen=True)
+class Result:
+    node: str
+    exit_code: int | None
+    """None when the command never ran (connection failure, timeout)."""
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    """Why the command did not run: 'unreachable: ...', 'auth refused: ...', 'host key ...'."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def connected(self) -> bool:
+        return self.error is None
+
+    def summary(self) -> str:
+        if self.error:
+            return self.error
+        last = (self.stderr.strip() or self.stdout.strip()).splitlines()
+        tail = last[-1] if last else "no output"
+        return f"exit {self.exit_code}: {tail}"
+
+
+class _ConnectError(Exception):
+    pass
+
+
+class Remote:
+    """Connections to the inventory's nodes, opened lazily, one per node, reused."""
+
+    def __init__(self, inv: Inventory, *, max_workers: int = 32) -> None:
+        self.inv = inv
+        self.max_workers = max_workers
+        self._conns: dict[str, Connection] = {}
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+
+    def __enter__(self) -> "Remote":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for p in list(self._procs):
+            _kill(p)
+        for c in self._conns.values():
+            try:
+                c.close()
+            except Exception:  # closing is best effort
+                log.debug("close failed", exc_info=True)
+        self._conns.clear()
+
+    # ------------------------------------------------------------------ public API
+
+    def run(
+        self,
+        commands: Mapping[str, Sequence[str]],
+        *,
+        what: str = "command",
+        timeout: float | None = None,
+        check: bool = True,
+        hint: str | None = None,
+    ) -> dict[str, Result]:
+        """Run ``commands[node] `` on each named node in parallel."""
+        results = self._parallel(commands, lambda n, argv: self._run_one(n, argv, timeout))
+        if check and not all(r.ok for r in results.values()):
+            raise RemoteFailure(what, results, hint=hint)
+        return results
+
+    def run_all(self, argv: Sequence[str], **kw) -> dict[str, Result]:
+        return self.run({n.name: argv for n in self.inv.nodes}, **kw)
+
+    def stream(
+        self,
+        commands: Mapping[str, Sequence[str]],
+        on_line: Callable[[str, str], None],
+    ) -> dict[str, Result]:
+        """Run long commands (``logs --follow``), calling ``on_line(node, line)`` per line."""
+        return self._parallel(commands, lambda n, argv: self._stream_one(n, argv, on_line))
+
+    def send(
+        self,
+        node: str,
+        source: Iterable[bytes],
+        argv: Sequence[str],
+        on_bytes: Callable[[int], None] = lambda n: None,
+    ) -> Result:
+        """Feed ``source`` to the stdin of ``argv`` on ``node`` (e.g. ``docker load``)."""
+        n = self.inv.node(node)
+        try:
+            if n.connection == "local":
+                return _send_local(node, source, argv, on_bytes)
+            conn = self._connect(n)
+            chan = conn.transport.open_session()
+            chan.exec_command(command_line(argv))
+            for chunk in source:
+                chan.sendall(chunk)
+                on_bytes(len(chunk))
+            chan.shutdown_write()
+            out = chan.makefile("rb").read().decode(errors="replace")
+            err = chan.makefile_stderr("rb").read().decode(errors="replace")
+            return Result(node, chan.recv_exit_status(), out, err)
+        except _ConnectError as e:
+            return Result(node, None, error=str(e))
+        except (OSError, paramiko.SSHException) as e:
+            return Result(node, None, error=f"transfer broke: {e}")
+
+    def parallel(self, nodes: Sequence[str], fn: Callable[[str], Result]) -> dict[str, Result]:
+        """Run ``fn(node)`` for each node in the thread pool (for callers composing calls)."""
+        return self._parallel({n: () for n in nodes}, lambda n, _argv: fn(n))
+
+    # ------------------------------------------------------------------ internals
+
+    def _parallel(self, commands, fn) -> dict[str, Result]:
+        if not commands:
+            return {}
+        workers = min(self.max_workers, len(commands))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="remote") as pool:
+            futures = {node: pool.submit(self._guard, fn, node, argv) for node, argv in commands.items()}
+            return {node: f.result() for node, f in futures.items()}
+
+    @staticmethod
+    def _guard(fn, node, argv) -> Result:
+        try:
+            return fn(node, argv)
+        except Exception as e:  # one node's surprise must not hide the others' results
+            log.debug("unexpected error on %s", node, exc_info=True)
+            return Result(node, None, error=f"{type(e).__name__}: {e}")
+
+    def _run_one(self, node: str, argv: Sequence[str], timeout: float | None) -> Result:
+        n = self.inv.node(node)
+        log.debug("%s: %s", node, command_line(argv))
+        if n.connection == "local":
+            try:
+                p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                   stdin=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                return Result(node, None, error=f"timed out after {timeout:g} s")
+            except OSError as e:
+                return Result(node, 127, "", f"cannot run {argv[0]}: {e.strerror}")
+            return Result(node, p.returncode, p.stdout, p.stderr)
+        try:
+            conn = self._connect(n)
+            r = conn.run(command_line(argv), hide=True, warn=True, in_stream=False, timeout=timeout)
+            return Result(node, r.exited, r.stdout, r.stderr)
+        except _ConnectError as e:
+            return Result(node, None, error=str(e))
+        except CommandTimedOut:
+            return Result(node, None, error=f"timed out after {timeout:g} s")
+        except (OSError, paramiko.SSHException) as e:
+            return Result(node, None, error=f"connection lost: {e}")
+
+    def _stream_one(self, node: str, argv: Sequence[str], on_line) -> Result:
+        n = self.inv.node(node)
+        if n.connection == "local":
+            p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, text=True, errors="replace")
+            self._procs.add(p)
+            try:
+                for line in p.stdout:
+                    on_line(node, line.rstrip("\n"))
+                return Result(node, p.wait())
+            finally:
+                self._procs.discard(p)
+        try:
+            conn = self._connect(n)
+            writer = _LineWriter(node, on_line)
+            r = conn.run(command_line(argv), hide=False, warn=True, in_stream=False,
+                         out_stream=writer, err_stream=writer)
+            writer.flush_rest()
+            return Result(node, r.exited)
+        except _ConnectError as e:
+            return Result(node, None, error=str(e))
+        except (OSError, paramiko.SSHException, EOFError) as e:
+            return Result(node, None, error=f"connection lost: {e}")
+
+    def _connect(self, n: Node) -> Connection:
+        with self._lock:
+            conn = self._conns.get(n.name)
+            if conn is None:
+                conn = self._conns[n.name] = self._new_connection(n)
+        if not conn.is_connected:
+            _open(conn, n, self.inv)
+        return conn
+
+    def _new_connection(self, n: Node) -> Connection:
+        s = self.inv.ssh_for(n)
+        connect_kwargs: dict = {"allow_agent": True, "look_for_keys": False}
+        if s.key:
+            connect_kwargs["key_filename"] = [os.path.expanduser(s.key)]
+        config = Config(overrides={"load_ssh_configs": False})
+        conn = Connection(n.address, user=s.user, port=s.port, config=config,
+                          connect_timeout=s.connect_timeout, connect_kwargs=connect_kwargs)
+        known = Path(os.path.expanduser(s.known_hosts))
+        if s.host_key_policy == "accept-new":
+            known.parent.mkdir(parents=True, exist_ok=True)
+            known.touch(mode=0o600, exist_ok=True)
+            # AutoAddPolicy records an unknown key in the file loaded last; a *changed* key
+            # still raises BadHostKeyException whatever the policy.
+            conn.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        else:
+            conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        if known.exists():
+            conn.client.load_host_keys(str(known))
+        return conn
+
+
+def _open(conn: Connection, n: Node, inv: Inventory) -> None:
+    s = inv.ssh_for(n)
+    where = f"{s.user}@{n.address}:{s.port}"
+    try:
+        conn.open()
+    except paramiko.BadHostKeyException as e:
+        raise _ConnectError(
+            f"host key mismatch for {where} (got {e.key.get_name()}; check {s.known_hosts}: "
+            "the host was reinstalled or this is not the host you think)") from e
+    except paramiko.AuthenticationException as e:
+        raise _ConnectError(f"auth refused for {where} (key {s.key or 'from agent'}: {e})") from e
+    except paramiko.SSHException as e:
+        if "not found in known_hosts" in str(e):
+            raise _ConnectError(
+                f"host key unknown for {where} (add it to {s.known_hosts}, e.g. ssh-keyscan, "
+                "or set ssh.host_key_policy: accept-new)") from e
+        raise _ConnectError(f"ssh failed for {where}: {e}") from e
+    except FileNotFoundError as e:
+        raise _ConnectError(f"ssh key not found: {e.filename}") from e
+    except (socket.timeout, TimeoutError) as e:
+        raise _ConnectError(f"unreachable: {where} timed out after {s.connect_timeout} s") from e
+    except OSError as e:
+        raise _ConnectError(f"unreachable: {where} ({e.strerror or e})") from e
+
+
+class _LineWriter:
+    """A file-like sink for invoke's out_stream that hands over whole lines."""
+
+    def __init__(self, node: str, on_line) -> None:
+        self.node, self.on_line, self.buf = node, on_line, ""
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            self.buf += text
+            *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.on_line(self.node, line)
+
+    def flush(self) -> None:
+        pass
+
+    def flush_rest(self) -> None:
+        if self.buf:
+            self.on_line(self.node, self.buf)
+            self.buf = ""
+
+
+def _send_local(node: str, source: Iterable[bytes], argv: Sequence[str], on_bytes) -> Result:
+    p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out: list[bytes] = []
+    err: list[bytes] = []
+    readers = [threading.Thread(target=lambda s=s, b=b: b.append(s.read()), daemon=True)
+               for s, b in ((p.stdout, out), (p.stderr, err))]
+    for t in readers:
+        t.start()
+    try:
+        for chunk in source:
+            p.stdin.write(chunk)
+            on_bytes(len(chunk))
+    except BrokenPipeError:
+        pass
+    finally:
+        p.stdin.close()
+    code = p.wait()
+    for t in readers:
+        t.join()
+    return Result(node, code, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"))
+
+
+def run_here(argv: Sequence[str], *, timeout: float | None = None) -> Result:
+    """Run on the operator's machine (docker build, image inspect)."""
+    log.debug("local: %s", command_line(argv))
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        return Result("local", 127, "", f"cannot run {argv[0]}: {e.strerror}")
+    except subprocess.TimeoutExpired:
+        return Result("local", None, error=f"timed out after {timeout:g} s")
+    return Result("local", p.returncode, p.stdout, p.stderr)
+
+
+def local_pipeline(stages: Sequence[Sequence[str]], chunk: int = 1 << 20) -> Iterable[bytes]:
+    """Yield the stdout of ``stage1 | stage2 | ...`` run here, without a shell.
+
+    Raises RuntimeError after the data if any stage exits non-zero.
+    """
+    procs: list[subprocess.Popen] = []
+    prev = None
+    for argv in stages:
+        p = subprocess.Popen(list(argv), stdin=prev or subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        if prev is not None:
+            prev.close()
+        prev = p.stdout
+        procs.append(p)
+    try:
+        while data := prev.read(chunk):
+            yield data
+    finally:
+        prev.close()
+        for p in procs:
+            code = p.wait()
+            if code != 0:
+                err = p.stderr.read().decode(errors="replace").strip()
+                raise RuntimeError(f"{command_line(p.args)} exited {code}: {err}")
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        p.kill()
+    except OSError:
+        pass
