@@ -1,0 +1,54 @@
+"""Helpers for tests that run the real trainer: small configs, torchrun, MNIST-format files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SMALL = ["--synthetic-size", "1024", "--batch-size", "32", "--eval-batch-size", "256",
+         "--log-every", "4", "--epochs", "2"]
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def torchrun_cmd(tmp: Path, *flags: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "trainer", "--data-dir", str(tmp / "data"), "--ckpt-dir", str(tmp / "ckpt"), *flags]
+
+
+def run_torchrun(tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(tmp, *flags, nproc=nproc), env=trainer_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def metrics(ckpt_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt_dir / "final_model.pt", weights_only=True)
+
+
+def write_idx_mnist(root: Path, folder: str = "MNIST", train: int = 600, test: int = 200, seed: int = 0) -> None:
+    """MNIST-format IDX files (uncompressed, as torchvision keeps them after download) with a
+    learnable pattern per class, so that torchvision's own reader loads them."""
+    gen = torch.Generator().manual_seed(seed)
+    patterns = torch.rand(10, 28, 28, generator=gen)
+    raw = root / folder / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", train), ("t10k", test)):
+        labels = torch.randint(0, 10, (n,), generator=gen)
+        images = ((0.5 * patterns[labels] + 0.5 * torch.rand(n, 28, 28, generator=gen)) * 255).to(torch.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.numpy().tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.to(torch.uint8).numpy().tobytes())

@@ -1,0 +1,75 @@
+"""Entry point: parse the config, join the job, build, resume, train, tear down."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from . import data
+from .build import build
+from .checkpoint import CheckpointError, CheckpointManager, save_final_model
+from .config import ConfigError, TrainConfig, load_config
+from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
+from .loop import Context, Position, evaluate, restore, steps_per_epoch, train
+from .metrics import MetricsWriter
+
+log = logging.getLogger("trainer")
+
+
+def run(cfg: TrainConfig, env: DistEnv) -> dict:
+    """One whole training job on an already set-up process; returns the final evaluation."""
+    fetched = data.prepare(env, cfg.dataset, cfg.data_dir, cfg.synthetic_size, cfg.download)
+    if fetched:
+        log.info("dataset %s %s under %s", cfg.dataset, fetched, cfg.data_dir)
+    train_set, test_set = data.load(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    spec = data.SPECS[cfg.dataset]
+    ctx = Context(
+        cfg=cfg, env=env,
+        built=build(cfg, env, spec, steps_per_epoch(cfg, env, len(train_set))),
+        train=train_set.to(env.device), test=test_set.to(env.device),
+        normalize=data.Normalizer(spec, env.device),
+        checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
+        metrics=MetricsWriter(env, cfg.ckpt_dir),
+    )
+    torch_seed_per_rank(cfg, env)
+    pos = Position()
+    latest = ctx.checkpoints.latest() if cfg.resume and env.is_main else None
+    latest = broadcast_object(env, str(latest) if latest else None)
+    if latest:
+        pos = restore(ctx, ctx.checkpoints.load(latest))
+        log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
+    pos = train(ctx, pos)
+    final = evaluate(ctx)
+    if env.is_main:
+        save_final_model(cfg.ckpt_dir, ctx.built.raw_model.state_dict())
+        ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step, **final})
+    return final
+
+
+def torch_seed_per_rank(cfg: TrainConfig, env: DistEnv) -> None:
+    """After the identical initialisation, each rank gets its own dropout stream."""
+    torch.manual_seed(cfg.seed + 7919 * env.rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(argv)
+        env = setup(cfg.device, cfg.backend)
+    except (ConfigError, DistSetupError) as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run(cfg, env)
+    except (data.DatasetUnavailable, CheckpointError) as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        teardown(env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

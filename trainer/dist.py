@@ -1,0 +1,129 @@
+"""The distributed environment, read once: ranks, world size, device and backend.
+
+Works under torchrun (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE are set) and as a plain
+single process (no process group at all; every collective below is then a no-op).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class DistSetupError(RuntimeError):
+    """The process cannot join the job as configured (e.g. more processes than GPUs)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None when running as a single process without a process group
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only process that writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: the process that does per-node work such as the dataset download."""
+        return self.local_rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistSetupError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def pick_device(requested: str, local_rank: int, local_world_size: int) -> torch.device:
+    want_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise DistSetupError("device cuda was requested but no GPU is visible; use --device cpu "
+                             "or check the driver and CUDA_VISIBLE_DEVICES")
+    if local_world_size > visible:
+        raise DistSetupError(
+            f"{local_world_size} processes on this node but only {visible} GPU(s) visible; "
+            f"start torchrun with --nproc-per-node {visible} or fewer")
+    return torch.device("cuda", local_rank)
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise DistSetupError("backend nccl needs a GPU device; use --backend gloo on CPUs")
+    return requested
+
+
+def setup(requested_device: str = "auto", requested_backend: str = "auto") -> DistEnv:
+    """Reads the launcher's environment once and joins the process group when launched by torchrun."""
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+    device = pick_device(requested_device, local_rank, local_world_size)
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    backend = pick_backend(requested_backend, device) if launched else None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if backend is not None and not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, **kwargs)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def teardown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        if env.device.type == "cuda":
+            dist.barrier(device_ids=[env.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """Sums a tensor over all ranks in place (one collective) and returns it."""
+    if env.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_objects(env: DistEnv, obj: object) -> list:
+    """Every rank's object, in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    out: list = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(env: DistEnv, obj: object) -> object:
+    """Rank 0's object on every rank."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,193 @@
+"""The train and evaluation loops. They receive built objects and build nothing themselves."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .build import Built, amp_dtype
+from .checkpoint import CheckpointError, CheckpointManager
+from .config import TrainConfig
+from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
+from .dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
+
+
+@dataclass
+class Position:
+    """Where training stands: the epoch, the micro-batches of it already consumed, optimizer steps."""
+
+    epoch: int = 0
+    micro: int = 0
+    global_step: int = 0
+
+
+@dataclass
+class Context:
+    cfg: TrainConfig
+    env: DistEnv
+    built: Built
+    train: TensorData
+    test: TensorData
+    normalize: Normalizer
+    checkpoints: CheckpointManager
+    metrics: MetricsWriter
+
+
+# --- checkpoint state -----------------------------------------------------------------------------
+
+def _rng_state(env: DistEnv) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(env.device)
+    return state
+
+
+def save_checkpoint(ctx: Context, pos: Position) -> None:
+    """Collective: every rank hands over its RNG state; rank 0 writes; a failure stops every rank."""
+    rng = gather_objects(ctx.env, _rng_state(ctx.env))
+    error = None
+    if ctx.env.is_main:
+        b = ctx.built
+        state = {
+            "model": b.raw_model.state_dict(), "optimizer": b.optimizer.state_dict(),
+            "scheduler": b.scheduler.state_dict(), "scaler": b.scaler.state_dict(),
+            "epoch": pos.epoch, "micro": pos.micro, "global_step": pos.global_step,
+            "world_size": ctx.env.world_size, "rng": rng, "config": ctx.cfg.to_dict(),
+        }
+        try:
+            ctx.checkpoints.save(state, pos.global_step)
+        except CheckpointError as exc:
+            error = str(exc)
+    error = broadcast_object(ctx.env, error)
+    if error:
+        raise CheckpointError(error)
+
+
+def restore(ctx: Context, state: dict) -> Position:
+    b = ctx.built
+    b.raw_model.load_state_dict(state["model"])
+    b.optimizer.load_state_dict(state["optimizer"])
+    b.scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"]:
+        b.scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    if state["world_size"] == ctx.env.world_size:
+        mine = rng[ctx.env.rank]
+        torch.set_rng_state(mine["cpu"])
+        if "cuda" in mine and ctx.env.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], ctx.env.device)
+    else:  # a resized job cannot replay each rank's stream; keep it deterministic all the same
+        torch.manual_seed(ctx.cfg.seed + 7919 * ctx.env.rank + state["global_step"])
+    return Position(state["epoch"], state["micro"], state["global_step"])
+
+
+# --- evaluation -----------------------------------------------------------------------------------
+
+def _sync_buffers(ctx: Context) -> None:
+    """BatchNorm statistics of rank 0 on every rank, so that all ranks evaluate the same model."""
+    if ctx.env.distributed:
+        for buffer in ctx.built.raw_model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> dict:
+    """Each rank scores a disjoint shard of the test set; the counts are summed over ranks."""
+    _sync_buffers(ctx)
+    model = ctx.built.raw_model
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=ctx.env.device)
+    dtype = amp_dtype(ctx.cfg)
+    for idx in eval_shard(ctx.env, len(ctx.test), ctx.env.device).split(ctx.cfg.eval_batch_size):
+        x = ctx.normalize(ctx.test.images[idx])
+        y = ctx.test.labels[idx]
+        with torch.autocast(ctx.env.device.type, dtype=dtype, enabled=dtype is not None):
+            out = model(x)
+        sums[0] += F.cross_entropy(out.float(), y, reduction="sum").double()
+        sums[1] += (out.argmax(1) == y).sum().double()
+        sums[2] += y.numel()
+    loss_sum, correct, count = all_reduce_sum(ctx.env, sums).tolist()
+    return {"eval_loss": loss_sum / count, "eval_acc": correct / count, "eval_samples": int(count)}
+
+
+# --- training -------------------------------------------------------------------------------------
+
+def steps_per_epoch(cfg: TrainConfig, env: DistEnv, n_train: int) -> int:
+    return train_sampler(env, n_train, cfg.seed).num_samples // (cfg.batch_size * cfg.grad_accum)
+
+
+def _augment_generator(env: DistEnv) -> torch.Generator:
+    return torch.Generator(device=env.device)
+
+
+def train(ctx: Context, pos: Position) -> Position:
+    """Trains from ``pos`` to the end (or max_steps); checkpoints and logs on the way."""
+    cfg, env, b = ctx.cfg, ctx.env, ctx.built
+    sampler = train_sampler(env, len(ctx.train), cfg.seed)
+    dtype = amp_dtype(cfg)
+    aug = cfg.augment and cfg.dataset == "cifar10"
+    generator = _augment_generator(env) if aug else None
+    stats, timer = RunningStats(env.device), IntervalTimer()
+    done = lambda: cfg.max_steps and pos.global_step >= cfg.max_steps  # noqa: E731
+
+    while pos.epoch < cfg.epochs and not done():
+        batches = epoch_batches(sampler, pos.epoch, cfg.batch_size, cfg.grad_accum, env.device)
+        b.model.train()
+        for i in range(pos.micro, len(batches)):
+            idx = batches[i]
+            images = ctx.train.images[idx]
+            if generator is not None:
+                generator.manual_seed(cfg.seed * 1_000_003 + pos.epoch * 100_003 + i * 101 + env.rank)
+                images = augment(images, generator)
+            x, y = ctx.normalize(images), ctx.train.labels[idx]
+            stepping = (i + 1) % cfg.grad_accum == 0
+            sync = contextlib.nullcontext() if stepping or not env.distributed else b.model.no_sync()
+            with sync:
+                with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
+                    out = b.model(x)
+                    loss = F.cross_entropy(out, y)
+                b.scaler.scale(loss / cfg.grad_accum).backward()
+            stats.add(loss.detach().float() * y.numel(), (out.argmax(1) == y).sum(), y.numel())
+            if not stepping:
+                continue
+            _optimizer_step(cfg, b)
+            pos.global_step += 1
+            pos.micro = i + 1
+            timer.tick()
+            if pos.global_step % cfg.log_every == 0:
+                _log_train(ctx, pos, stats, timer)
+            if cfg.ckpt_every and pos.global_step % cfg.ckpt_every == 0 and pos.micro < len(batches):
+                save_checkpoint(ctx, pos)
+            if done():
+                break
+        if pos.micro >= len(batches):
+            pos.epoch, pos.micro = pos.epoch + 1, 0
+        if timer.steps:
+            _log_train(ctx, pos, stats, timer)
+        ctx.metrics.write({"kind": "eval", "epoch": pos.epoch, "step": pos.global_step, **evaluate(ctx)})
+        save_checkpoint(ctx, pos)
+    return pos
+
+
+def _optimizer_step(cfg: TrainConfig, b: Built) -> None:
+    if cfg.clip_grad:
+        b.scaler.unscale_(b.optimizer)
+        torch.nn.utils.clip_grad_norm_(b.raw_model.parameters(), cfg.clip_grad)
+    b.scaler.step(b.optimizer)
+    b.scaler.update()
+    b.optimizer.zero_grad(set_to_none=True)
+    b.scheduler.step()
+
+
+def _log_train(ctx: Context, pos: Position, stats: RunningStats, timer: IntervalTimer) -> None:
+    totals = stats.reduce(ctx.env)
+    record = {"kind": "train", "epoch": pos.epoch, "step": pos.global_step,
+              "loss": totals["loss"], "acc": totals["acc"],
+              "lr": ctx.built.optimizer.param_groups[0]["lr"],
+              **timer.rates(totals["samples"]), "peak_mem_mb": peak_memory_mb(ctx.env.device)}
+    ctx.metrics.write(record)
