@@ -199,18 +199,22 @@ def stop_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return ("sh", "-c", HOST_STOP, "sh", run_dir(inv, node))
 
 
+MERGE_STDERR = 'exec "$@" 2>&1'
+
+
 def logs_argv(inv: Inventory, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
-    n = "all" if tail is None else str(tail)
+    """The node's output (stdout and stderr merged), last ``tail`` lines or all."""
     if inv.job.runtime == "docker":
-        argv = ["docker", "logs", "--tail", n]
+        argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
         if follow:
             argv.append("--follow")
-        return (*argv, container_name(inv, node))
-    log = f"{run_dir(inv, node)}/log"
-    argv = ["tail", "-n", "+1" if tail is None else str(tail)]
-    if follow:
-        argv.append("-F")
-    return (*argv, log)
+        argv.append(container_name(inv, node))
+    else:
+        argv = ["tail", "-n", "+1" if tail is None else str(tail)]
+        if follow:
+            argv.append("-F")
+        argv.append(f"{run_dir(inv, node)}/log")
+    return ("sh", "-c", MERGE_STDERR, "sh", *argv)
 
 
 def make_dirs_argv(inv: Inventory) -> tuple[str, ...]:

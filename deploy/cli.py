@@ -1,0 +1,328 @@
+"""ddp-deploy: one small command per verb.
+
+Library errors become one line per problem on stderr and an exit code (2: bad input,
+1: a node failed); the full traceback goes only to the debug log (``DDP_DEPLOY_LOG``,
+default ``~/.cache/ddp-deploy/debug.log``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from . import image, plan, preflight
+from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
+from .inventory import Inventory, load
+from .remote import Remote, command_line
+
+log = logging.getLogger("deploy")
+out = Console(highlight=False, soft_wrap=True)
+
+
+def _log_path() -> Path:
+    return Path(os.environ.get("DDP_DEPLOY_LOG", Path.home() / ".cache" / "ddp-deploy" / "debug.log"))
+
+
+def _setup_logging(verbose: bool) -> None:
+    root = logging.getLogger("deploy")
+    root.setLevel(logging.DEBUG)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    try:
+        path = _log_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(path)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+        root.addHandler(fh)
+    except OSError:
+        pass
+    if verbose:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(logging.Formatter("debug: %(message)s"))
+        root.addHandler(sh)
+
+
+class _Group(click.Group):
+    """Turns library errors into one-line messages and exit codes."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DeployError as e:
+            log.debug("failed", exc_info=True)
+            for line in e.lines():
+                click.echo(f"error: {line}", err=True)
+            raise click.exceptions.Exit(e.exit_code) from None
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+        except Exception as e:
+            log.exception("internal error")
+            click.echo(f"error: internal error: {type(e).__name__}: {e} (traceback in {_log_path()})", err=True)
+            raise click.exceptions.Exit(1) from None
+
+
+class _State:
+    def __init__(self, hosts: str) -> None:
+        self.hosts = hosts
+        self._inv: Inventory | None = None
+
+    @property
+    def inv(self) -> Inventory:
+        if self._inv is None:
+            self._inv = load(self.hosts)
+        return self._inv
+
+
+pass_state = click.make_pass_decorator(_State)
+dry_run_option = click.option("--dry-run", is_flag=True, help="Print the per-node commands; touch nothing.")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--hosts", default="hosts.yaml", envvar="DDP_HOSTS", show_default=True,
+              help="Inventory file (env DDP_HOSTS).")
+@click.option("-v", "--verbose", is_flag=True, help="Debug output on stderr.")
+@click.pass_context
+def cli(ctx: click.Context, hosts: str, verbose: bool) -> None:
+    """Deploy and run multi-node PyTorch DDP training described by hosts.yaml."""
+    _setup_logging(verbose)
+    ctx.obj = _State(hosts)
+
+
+@cli.command()
+@pass_state
+def validate(st: _State) -> None:
+    """Parse and validate hosts.yaml only (no connection)."""
+    inv = st.inv
+    procs = sum(n.nprocs for n in inv.nodes)
+    click.echo(f"{st.hosts}: ok: job {inv.job.name}, runtime {inv.job.runtime}, {len(inv.nodes)} nodes, "
+               f"{procs} processes, rendezvous {inv.rdzv_node.address}:{inv.rendezvous.port}")
+
+
+@cli.command()
+@pass_state
+def check(st: _State) -> None:
+    """Preflight checks on every node, in parallel."""
+    inv = st.inv
+    with Remote(inv) as remote:
+        checks = preflight.run_checks(inv, remote)
+    table = Table("node", "check", "result", "detail", title="preflight")
+    for c in checks:
+        table.add_row(c.node, c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail)
+    out.print(table)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        raise RuntimeFailure(f"{len(failed)} check(s) failed",
+                             hint="; ".join(f"{c.node} {c.name}: {c.detail}" for c in failed))
+    click.echo(f"all {len(checks)} checks passed")
+
+
+@cli.command()
+@dry_run_option
+@click.option("--build/--no-build", default=True, help="Build the image here first (docker runtime).")
+@pass_state
+def deploy(st: _State, dry_run: bool, build: bool) -> None:
+    """Create the shared directories; get the image (docker) or check the interpreter (host)."""
+    inv = st.inv
+    mk = plan.make_dirs_argv(inv)
+    if dry_run:
+        for n in inv.nodes:
+            _show(n.name, mk)
+        if inv.job.runtime == "docker":
+            if build:
+                _show("local", image.build_argv(inv))
+            pipe = " | ".join(command_line(s) for s in image.save_stages(inv))
+            for n in inv.nodes:
+                click.echo(f"[{n.name}] if its image ID differs: {pipe} | {n.name}: {command_line(image.LOAD_ARGV)}")
+        else:
+            for n in inv.nodes:
+                _show(n.name, plan.python_check_argv(inv))
+        return
+    with Remote(inv) as remote:
+        remote.run_all(mk, what="creating the storage directories",
+                       hint="the ssh user must be root or own the parent directories")
+        click.echo(f"directories ready: {inv.storage.data.host}, {inv.storage.checkpoints.host}")
+        if inv.job.runtime == "host":
+            res = remote.run_all(plan.python_check_argv(inv), what="python check",
+                                 hint=f"install this package for {inv.python_path()} on the node (train.python)")
+            for n, r in res.items():
+                click.echo(f"{n}: {inv.python_path()} has trainer and torch {r.stdout.strip()}")
+            return
+        image_id = image.build(inv) if build else image.local_id(inv)
+        click.echo(f"image {inv.image.name} = {image_id}")
+        outcomes = _ship_with_progress(inv, remote, image_id)
+    for n, o in outcomes.items():
+        click.echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB" if o.sent_bytes else "up to date"))
+
+
+cli.add_command(deploy, name="sync")
+
+
+def _ship_with_progress(inv, remote, image_id):
+    sizes = image.run_here(["docker", "image", "inspect", "--format", "{{.Size}}", inv.image.name])
+    total = int(sizes.stdout.strip()) if sizes.ok and sizes.stdout.strip().isdigit() else None
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        tasks: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def on_progress(node: str, k: int) -> None:
+            with lock:
+                if node not in tasks:
+                    tasks[node] = progress.add_task(node, total=total)
+            progress.advance(tasks[node], k)
+
+        return image.ship(inv, remote, image_id, on_progress)
+
+
+@cli.command()
+@dry_run_option
+@click.option("--wait", is_flag=True, help="Follow until torchrun exits on every node.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@pass_state
+def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
+    """Start the job on every node (all or nothing)."""
+    inv = st.inv
+    specs = plan.launch_plan(inv)
+    if dry_run:
+        for s in specs:
+            _show(s.node, s.argv)
+        return
+    with Remote(inv) as remote:
+        states = _states(inv, remote)
+        unreachable = [n for n, s in states.items() if s.state == "unreachable"]
+        if unreachable:
+            raise RuntimeFailure(f"unreachable: {', '.join(unreachable)}", hint="run `ddp-deploy check`")
+        previous = {n: s.state for n, s in states.items() if s.exists}
+        if previous:
+            raise RuntimeFailure("a previous run still exists on "
+                                 + ", ".join(f"{n} ({s})" for n, s in previous.items()),
+                                 hint="run `ddp-deploy stop` first")
+        results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120)
+        if not all(r.ok for r in results.values()):
+            started = [n for n, r in results.items() if r.ok]
+            remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in results}, check=False, timeout=120)
+            raise RemoteFailure("launch", results,
+                                hint=f"stopped the nodes that had started ({', '.join(started) or 'none'})")
+        click.echo(f"started {inv.job.name} on {len(specs)} nodes "
+                   f"({sum(n.nprocs for n in inv.nodes)} processes)")
+        if not wait:
+            return
+        final = _wait(inv, remote, timeout)
+    _print_status(inv, final)
+    failed = [n for n, s in final.items() if s.state != "exited(0)"]
+    if failed:
+        raise RuntimeFailure(f"the job failed on {', '.join(failed)}", hint="see `ddp-deploy logs`")
+    click.echo("all nodes finished with exit code 0")
+
+
+def _wait(inv, remote, timeout):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        states = _states(inv, remote)
+        if all(s.state.startswith("exited") or s.state == "absent" for s in states.values()):
+            return states
+        if deadline is not None and time.monotonic() > deadline:
+            _print_status(inv, states)
+            raise RuntimeFailure(f"still running after {timeout:g} s",
+                                 hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
+        time.sleep(1)
+
+
+def _states(inv, remote) -> dict[str, plan.NodeState]:
+    res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
+    return {n: (plan.parse_status(r.stdout) if r.ok else plan.NodeState("unreachable", r.summary()))
+            for n, r in res.items()}
+
+
+def _print_status(inv, states) -> None:
+    table = Table("node", "state", "ranks", "last metrics", title=f"job {inv.job.name}")
+    for n, s in states.items():
+        color = {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
+        table.add_row(n, f"[{color}]{s.state}[/]", str(inv.node(n).nprocs), s.metrics)
+    out.print(table)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_state
+def status(st: _State, as_json: bool) -> None:
+    """State of the job on every node."""
+    inv = st.inv
+    with Remote(inv) as remote:
+        states = _states(inv, remote)
+    if as_json:
+        click.echo(json.dumps([{"node": n, "state": s.state, "ranks": inv.node(n).nprocs, "metrics": s.metrics}
+                               for n, s in states.items()]))
+    else:
+        _print_status(inv, states)
+
+
+@cli.command()
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
+@click.option("-n", "--tail", type=click.IntRange(min=0), default=None, help="Last N lines per node.")
+@pass_state
+def logs(st: _State, follow: bool, tail: int | None) -> None:
+    """Every node's output, each line prefixed with the node name."""
+    inv = st.inv
+    width = max(len(n.name) for n in inv.nodes)
+    lock = threading.Lock()
+
+    def emit(node: str, line: str) -> None:
+        with lock:
+            click.echo(f"{node:<{width}} | {line}")
+
+    cmds = {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in inv.nodes}
+    with Remote(inv) as remote:
+        if follow:
+            results = remote.stream(cmds, emit)
+        else:
+            results = remote.run(cmds, check=False, timeout=120)
+            for n, r in results.items():
+                if r.ok:
+                    for line in r.stdout.splitlines():
+                        emit(n, line)
+    bad = {n: r for n, r in results.items() if not r.ok}
+    if bad:
+        raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
+
+
+@cli.command()
+@dry_run_option
+@pass_state
+def stop(st: _State, dry_run: bool) -> None:
+    """Remove the containers / kill the process groups on every reachable node (idempotent)."""
+    inv = st.inv
+    cmds = {n.name: plan.stop_argv(inv, n) for n in inv.nodes}
+    if dry_run:
+        for n, argv in cmds.items():
+            _show(n, argv)
+        return
+    with Remote(inv) as remote:
+        results = remote.run(cmds, check=False, timeout=120)
+    for n, r in results.items():
+        click.echo(f"{n}: {r.stdout.strip() if r.ok else r.summary()}")
+    if not all(r.ok for r in results.values()):
+        raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
+
+
+def _show(node: str, argv) -> None:
+    click.echo(f"[{node}] {command_line(argv)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="ddp-deploy")
+
+
+__all__ = ["cli", "main", "InputError"]
