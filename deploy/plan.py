@@ -36,9 +36,9 @@ cat "$run/pid"
 
 # $1 = run dir. Line 1: absent | running | exited CODE; line 2: last METRICS line, if any.
 HOST_STATUS = r"""run=$1
-if [ ! -e "$run/pid" ]; then echo absent
+if [ ! -e "$run/pid" ]; then echo absent; exit 0
 elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
-elif kill -0 -- "-$(cat "$run/pid")" 2>/dev/null; then echo running
+elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
 else echo "exited ?"
 fi
 [ -e "$run/log" ] && grep '^METRICS ' "$run/log" | tail -n 1
@@ -49,10 +49,11 @@ exit 0
 HOST_STOP = r"""run=$1
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid")
-  kill -TERM -- "-$pid" 2>/dev/null
-  i=0; while kill -0 -- "-$pid" 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
-  kill -KILL -- "-$pid" 2>/dev/null
+  kill -TERM "-$pid" 2>/dev/null
+  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+  kill -KILL "-$pid" 2>/dev/null
   echo stopped
+elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
 fi
 rm -f "$run/pid" "$run/exit"

@@ -1,0 +1,145 @@
+"""The `local` connection path for real: check, deploy, launch --wait, status, logs, stop on
+a one-node host-runtime inventory running the real trainer (python -m trainer) under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy.cli import cli
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "256",
+              "--batch-size", "32", "--log-every", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inventory(tmp_path: Path, args: list[str], procs: int = 2) -> Path:
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(json.dumps({  # JSON is YAML
+        "job": {"name": "localtest", "runtime": "host", "max_restarts": 0},
+        "rendezvous": {"node": "here", "port": _free_port(), "join_timeout": 60},
+        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs}],
+        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
+                    "min_free_gb": 0.01},
+        "train": {"python": sys.executable, "args": args},
+    }))
+    return hosts
+
+
+@pytest.fixture
+def ddp(tmp_path):
+    runner = CliRunner()
+    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
+
+    def run(hosts: Path, *args: str):
+        return runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
+
+    yield run
+
+
+def _state(ddp, hosts):
+    r = ddp(hosts, "status", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)[0]
+
+
+def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tmp_path):
+    hosts = _inventory(tmp_path, TRAIN_ARGS)
+    r = ddp(hosts, "check")
+    assert r.exit_code == 0, r.output
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "nas/ckpt").is_dir() and (tmp_path / "nas/data").is_dir()
+
+    r = ddp(hosts, "launch", "--wait", "--timeout", "240")
+    assert r.exit_code == 0, r.output + str(r.exception)
+    assert "all nodes finished with exit code 0" in r.stdout
+
+    st = _state(ddp, hosts)
+    assert st["state"] == "exited(0)" and st["ranks"] == 2
+    assert st["metrics"].startswith("METRICS {")
+    assert (tmp_path / "nas/ckpt/metrics.jsonl").exists()
+
+    r = ddp(hosts, "logs", "--tail", "3")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("here | ") for line in lines)
+
+    r = ddp(hosts, "check")  # the finished run is still recorded: check says so
+    assert r.exit_code == 1 and "previous run" in r.stdout
+
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1 and "run `ddp-deploy stop` first" in r.stderr
+
+    r = ddp(hosts, "stop")
+    assert r.exit_code == 0, r.output
+    assert _state(ddp, hosts)["state"] == "absent"
+    assert ddp(hosts, "stop").exit_code == 0  # idempotent
+
+
+def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
+    hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
+                                  "--batch-size", "32"], procs=1)
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 0, r.output
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
+    pgid = int((run_dir / "pid").read_text())
+    assert _state(ddp, hosts)["state"] == "running"
+
+    r = ddp(hosts, "stop")
+    assert r.exit_code == 0 and "here: stopped" in r.stdout
+    assert _state(ddp, hosts)["state"] == "absent"
+    deadline = time.time() + 10
+    while time.time() < deadline and _group_alive(pgid):
+        time.sleep(0.2)
+    assert not _group_alive(pgid)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_path):
+    hosts = _inventory(tmp_path, TRAIN_ARGS)
+    hosts.write_text(hosts.read_text().replace(sys.executable, "/nonexistent/bin/python"))
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1
+    assert r.stderr.startswith("error: here: launch: exit 1: exited with 127 at once")
+    assert _state(ddp, hosts)["state"] == "absent"
+
+
+def test_launch_wait_exits_1_when_the_trainer_fails(ddp, tmp_path):
+    hosts = _inventory(tmp_path, ["--dataset", "no-such-dataset"], procs=1)
+    r = ddp(hosts, "launch", "--wait", "--timeout", "120")
+    assert r.exit_code == 1
+    assert "the job failed on here" in r.stderr
+    assert _state(ddp, hosts)["state"].startswith("exited(")
+    assert ddp(hosts, "stop").exit_code == 0
+
+
+def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
+    hosts = _inventory(tmp_path, TRAIN_ARGS)
+    r = ddp(hosts, "launch", "--dry-run")
+    assert r.exit_code == 0
+    assert r.stdout.startswith("[here] sh -c ")
+    assert "-m torch.distributed.run" in r.stdout and "is_host=1" in r.stdout
+    assert not (tmp_path / "nas").exists()

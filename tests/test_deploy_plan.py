@@ -1,0 +1,120 @@
+"""The per-node commands are data: assert on them for a 3-node inventory."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+from deploy import plan
+from deploy.inventory import loads
+from deploy.remote import command_line
+
+THREE_NODES = """
+job: {name: demo, runtime: docker, max_restarts: 2}
+rendezvous: {node: b, port: 29500, join_timeout: 120}
+nodes:
+  - {name: a, address: 198.18.0.11, gpus: 2, interface: eth0}
+  - {name: b, address: 198.18.0.12, gpus: 2}
+  - {name: c, address: 198.18.0.13}
+storage:
+  data: {host: /nas/data, container: /data}
+  checkpoints: {host: /nas/ckpt, container: /ckpt}
+train:
+  args: [--dataset, synthetic, --note, "it's $(rm -rf /); `id` > x"]
+"""
+
+
+def _inv(text=THREE_NODES, **replace):
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    return loads(text)
+
+
+def _opt(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_rendezvous_is_host_only_on_the_endpoint_node():
+    specs = plan.launch_plan(_inv())
+    confs = {s.node: _opt(s.torchrun, "--rdzv-conf") for s in specs}
+    assert confs == {"a": "join_timeout=120", "b": "is_host=1,join_timeout=120", "c": "join_timeout=120"}
+    assert {_opt(s.torchrun, "--rdzv-endpoint") for s in specs} == {"198.18.0.12:29500"}
+
+
+def test_each_node_gets_its_own_local_addr_and_inventory_order_rank():
+    specs = plan.launch_plan(_inv())
+    assert [_opt(s.torchrun, "--local-addr") for s in specs] == ["198.18.0.11", "198.18.0.12", "198.18.0.13"]
+    assert [_opt(s.torchrun, "--node-rank") for s in specs] == ["0", "1", "2"]
+    assert all(_opt(s.torchrun, "--max-restarts") == "2" for s in specs)
+    assert all(_opt(s.torchrun, "--rdzv-id") == "demo" for s in specs)
+
+
+def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():
+    specs = plan.launch_plan(_inv())
+    assert [_opt(s.torchrun, "--nproc-per-node") for s in specs] == ["2", "2", "1"]
+    assert _opt(specs[0].torchrun, "--nnodes") == "3:3"
+    same = plan.launch_plan(_inv(**{"address: 198.18.0.13}": "address: 198.18.0.13, gpus: 2}"}))
+    assert _opt(same[0].torchrun, "--nnodes") == "3"
+
+
+def test_docker_command_for_a_gpu_node():
+    spec = plan.launch_plan(_inv())[0]
+    argv = list(spec.argv)
+    assert argv[:5] == ["docker", "run", "-d", "--name", "demo-a"]
+    assert _opt(argv, "--label") == "ddp.job=demo"
+    assert _opt(argv, "--network") == "host" and _opt(argv, "--ipc") == "host"
+    assert _opt(argv, "--gpus") == "all"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["GLOO_SOCKET_IFNAME=eth0",
+                                                                     "NCCL_SOCKET_IFNAME=eth0"]
+    image_at = argv.index("ddp-trainer:latest")
+    sep = argv.index("--")
+    assert tuple(argv[image_at + 1:sep]) == spec.torchrun
+    assert argv[sep + 1:sep + 5] == ["--data-dir", "/data", "--ckpt-dir", "/ckpt"]
+
+
+def test_cpu_node_gets_no_gpus_flag_and_no_interface_env():
+    argv = plan.launch_plan(_inv())[2].argv
+    assert "--gpus" not in argv and "-e" not in argv
+
+
+def test_host_runtime_runs_torchrun_with_host_paths_detached():
+    inv = _inv(**{"runtime: docker": "runtime: host"})
+    spec = plan.launch_plan(inv)[0]
+    argv = list(spec.argv)
+    assert argv[:2] == ["sh", "-c"] and argv[2] == plan.HOST_START
+    assert argv[4] == "/nas/ckpt/.ddp-deploy/demo/a"
+    cmd = argv[5:]
+    assert cmd[:3] == ["env", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
+    assert cmd[3:6] == ["python3", "-m", "torch.distributed.run"]
+    t = cmd.index("trainer")
+    assert cmd[t - 1] == "-m"
+    assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
+    assert spec.mounts == ()
+
+
+def test_hostile_but_valid_trainer_args_survive_quoting_as_one_argument():
+    spec = plan.launch_plan(_inv())[0]
+    hostile = "it's $(rm -rf /); `id` > x"
+    assert spec.argv[-1] == hostile
+    line = command_line(spec.argv)
+    assert shlex.split(line) == list(spec.argv)
+    # A real shell hands it back unchanged, nothing executed.
+    echoed = subprocess.run(["sh", "-c", f"printf '%s' {shlex.quote(hostile)}"], capture_output=True, text=True)
+    assert echoed.stdout == hostile
+
+
+def test_stop_status_logs_target_the_job_container():
+    inv = _inv()
+    a = inv.node("a")
+    assert plan.stop_argv(inv, a)[-1] == "demo-a"
+    assert plan.status_argv(inv, a)[-1] == "demo-a"
+    logs = plan.logs_argv(inv, a, tail=5, follow=True)
+    assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
+
+
+def test_parse_status_reads_state_and_last_metrics_line():
+    s = plan.parse_status('exited 1\nMETRICS {"step": 3}\n')
+    assert (s.state, s.metrics, s.failed, s.exists) == ("exited(1)", 'METRICS {"step": 3}', True, True)
+    assert plan.parse_status("absent\n").exists is False
+    assert plan.parse_status("running\n").state == "running"
