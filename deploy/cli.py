@@ -123,8 +123,8 @@ def check(st: _State) -> None:
     out.print(table)
     failed = [c for c in checks if not c.ok]
     if failed:
-        raise RuntimeFailure(f"{len(failed)} check(s) failed",
-                             hint="; ".join(f"{c.node} {c.name}: {c.detail}" for c in failed))
+        raise RuntimeFailure(f"{len(failed)} check(s) failed: "
+                             + ", ".join(f"{c.node} {c.name}" for c in failed), hint="see the table above")
     click.echo(f"all {len(checks)} checks passed")
 
 
