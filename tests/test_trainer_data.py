@@ -57,7 +57,7 @@ def test_synthetic_dataset_is_written_once_and_found_afterwards(tmp_path):
     assert data.prepare(env(0, 1), "synthetic", str(tmp_path), 256, True) == "found"
     assert (tmp_path / "synthetic" / "synthetic-256.pt").stat().st_mtime_ns == stamp
     train, test = data.load("synthetic", str(tmp_path), 256)
-    assert train.images.shape == (256, 1, 28, 28) and len(test) == data.SYNTHETIC_TEST_SIZE
+    assert train.images.shape == (256, 1, 28, 28) and len(test) == 256
 
 
 def test_missing_dataset_offline_is_a_clear_error(tmp_path):

@@ -49,6 +49,6 @@ def write_idx_mnist(root: Path, folder: str = "MNIST", train: int = 600, test: i
     raw.mkdir(parents=True, exist_ok=True)
     for prefix, n in (("train", train), ("t10k", test)):
         labels = torch.randint(0, 10, (n,), generator=gen)
-        images = ((0.5 * patterns[labels] + 0.5 * torch.rand(n, 28, 28, generator=gen)) * 255).to(torch.uint8)
+        images = ((0.8 * patterns[labels] + 0.2 * torch.rand(n, 28, 28, generator=gen)) * 255).to(torch.uint8)
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.numpy().tobytes())
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.to(torch.uint8).numpy().tobytes())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -44,12 +45,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomically(path: Path, write) -> None:
-    """write(handle) into a temporary file next to path, fsync it, rename it over path."""
+def _serialize(obj: object) -> memoryview:
+    """torch.save into memory: file-system errors then surface as plain OSError from our write."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def _write_atomically(path: Path, data: bytes | memoryview) -> None:
+    """Writes data to a temporary file next to path, fsyncs it and renames it over path."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
-            write(handle)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -106,9 +114,10 @@ class CheckpointManager:
         path = self.path_for(step)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path, lambda handle: torch.save(state, handle))
-            marker = json.dumps({"step": step, "size": path.stat().st_size, "sha256": _sha256(path)})
-            _write_atomically(self._marker(path), lambda handle: handle.write(marker.encode()))
+            data = _serialize(state)
+            _write_atomically(path, data)
+            marker = {"step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            _write_atomically(self._marker(path), json.dumps(marker).encode())
         except OSError as exc:
             self._discard(path)
             previous = self.latest()
@@ -151,5 +160,5 @@ def save_final_model(directory: str | os.PathLike, state_dict: dict) -> Path:
     """The trained weights alone, written once, atomically."""
     path = Path(directory) / "final_model.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, lambda handle: torch.save(state_dict, handle))
+    _write_atomically(path, _serialize(state_dict))
     return path

@@ -20,7 +20,6 @@ from torch.utils.data import DistributedSampler
 
 from .dist import DistEnv, gather_objects
 
-SYNTHETIC_TEST_SIZE = 2048
 SYNTHETIC_DATA_SEED = 20240601  # the synthetic data is a fixed dataset, independent of --seed
 
 
@@ -73,6 +72,10 @@ def file_lock(path: Path) -> Iterator[None]:
 
 # --- the per-dataset "download" into the shared directory ---------------------------------------
 
+def synthetic_test_size(train_size: int) -> int:
+    return min(2048, max(256, train_size // 4))
+
+
 def _synthetic_file(root: Path, size: int) -> Path:
     return root / "synthetic" / f"synthetic-{size}.pt"
 
@@ -80,7 +83,7 @@ def _synthetic_file(root: Path, size: int) -> Path:
 def _make_synthetic(path: Path, size: int) -> None:
     """A learnable 10-class problem: each image is its class's fixed pattern blended with noise."""
     gen = torch.Generator().manual_seed(SYNTHETIC_DATA_SEED)
-    total = size + SYNTHETIC_TEST_SIZE
+    total = size + synthetic_test_size(size)
     patterns = torch.rand(10, 1, 28, 28, generator=gen)
     labels = torch.randint(0, 10, (total,), generator=gen)
     noise = torch.rand(total, 1, 28, 28, generator=gen)
