@@ -204,11 +204,13 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         unreachable = [n for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
             raise RuntimeFailure(f"unreachable: {', '.join(unreachable)}", hint="run `ddp-deploy check`")
-        previous = {n: s.state for n, s in states.items() if s.exists}
-        if previous:
-            raise RuntimeFailure("a previous run still exists on "
-                                 + ", ".join(f"{n} ({s})" for n, s in previous.items()),
-                                 hint="run `ddp-deploy stop` first")
+        running = [n for n, s in states.items() if s.running]
+        if running:
+            raise RuntimeFailure(f"a previous run of {inv.job.name} is still running on {', '.join(running)}",
+                                 hint="run `ddp-deploy stop` first; two runs never share a rendezvous")
+        finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
+        if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
+            remote.run(finished, check=True, timeout=120)
         results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120)
         if not all(r.ok for r in results.values()):
             started = [n for n, r in results.items() if r.ok]

@@ -7,6 +7,8 @@ expected. Nothing here opens a connection.
 
 from __future__ import annotations
 
+import os
+
 import ipaddress
 import re
 from collections import Counter
@@ -251,7 +253,7 @@ class Inventory(_Model):
     def python_path(self) -> str:
         p = self.train.python
         if "/" in p and not p.startswith("/"):
-            return str((self._base_dir / p).resolve())
+            return os.path.normpath(self._base_dir / p)  # no resolve(): a venv's python is a symlink
         return p
 
     def context_path(self) -> Path:

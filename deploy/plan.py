@@ -239,6 +239,10 @@ class NodeState:
         return self.state not in ("absent", "unreachable")
 
     @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
     def failed(self) -> bool:
         return self.state.startswith("exited(") and self.state != "exited(0)"
 

@@ -198,6 +198,11 @@ def _previous_run(inv, remote, nodes) -> list[Check]:
             out.append(Check(node, "previous run", False, r.summary()))
             continue
         st = plan.parse_status(r.stdout)
-        out.append(Check(node, "previous run", not st.exists,
-                         "none" if not st.exists else f"{st.state}: run `ddp-deploy stop` first"))
+        if st.running:
+            detail = "still running: run `ddp-deploy stop` first"
+        elif st.exists:
+            detail = f"finished ({st.state}); launch clears it and the job resumes from its checkpoint"
+        else:
+            detail = "none"
+        out.append(Check(node, "previous run", not st.running, detail))
     return out

@@ -80,11 +80,14 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     lines = r.stdout.splitlines()
     assert len(lines) == 3 and all(line.startswith("here | ") for line in lines)
 
-    r = ddp(hosts, "check")  # the finished run is still recorded: check says so
-    assert r.exit_code == 1 and "previous run" in r.stdout
+    r = ddp(hosts, "check")  # a finished run does not block: check notes it
+    assert r.exit_code == 0 and "finished (exited(0))" in r.stdout
 
-    r = ddp(hosts, "launch")
-    assert r.exit_code == 1 and "run `ddp-deploy stop` first" in r.stderr
+    trained = len((tmp_path / "nas/ckpt/metrics.jsonl").read_text().splitlines())
+    r = ddp(hosts, "launch", "--wait", "--timeout", "240")  # launching again resumes: nothing left to train
+    assert r.exit_code == 0, r.output + str(r.exception)
+    records = [json.loads(line) for line in (tmp_path / "nas/ckpt/metrics.jsonl").read_text().splitlines()]
+    assert [rec["kind"] for rec in records[trained:]] == ["final"]
 
     r = ddp(hosts, "stop")
     assert r.exit_code == 0, r.output
@@ -100,6 +103,12 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
     pgid = int((run_dir / "pid").read_text())
     assert _state(ddp, hosts)["state"] == "running"
+
+    r = ddp(hosts, "check")
+    assert r.exit_code == 1 and "still running" in r.stdout
+    r = ddp(hosts, "launch")  # a second run never joins the first one's rendezvous
+    assert r.exit_code == 1 and "still running on here" in r.stderr and "ddp-deploy stop" in r.stderr
+    assert int((run_dir / "pid").read_text()) == pgid
 
     r = ddp(hosts, "stop")
     assert r.exit_code == 0 and "here: stopped" in r.stdout

@@ -18,14 +18,14 @@ from .metrics import MetricsWriter
 log = logging.getLogger("trainer")
 
 
-def run(cfg: TrainConfig, env: DistEnv) -> dict:
-    """One whole training job on an already set-up process; returns the final evaluation."""
+def make_context(cfg: TrainConfig, env: DistEnv) -> Context:
+    """Makes the dataset present (once per node), loads it onto the device and builds everything."""
     fetched = data.prepare(env, cfg.dataset, cfg.data_dir, cfg.synthetic_size, cfg.download)
     if fetched:
         log.info("dataset %s %s under %s", cfg.dataset, fetched, cfg.data_dir)
     train_set, test_set = data.load(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
     spec = data.SPECS[cfg.dataset]
-    ctx = Context(
+    return Context(
         cfg=cfg, env=env,
         built=build(cfg, env, spec, steps_per_epoch(cfg, env, len(train_set))),
         train=train_set.to(env.device), test=test_set.to(env.device),
@@ -33,6 +33,11 @@ def run(cfg: TrainConfig, env: DistEnv) -> dict:
         checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
         metrics=MetricsWriter(env, cfg.ckpt_dir),
     )
+
+
+def run(cfg: TrainConfig, env: DistEnv) -> dict:
+    """One whole training job on an already set-up process; returns the final evaluation."""
+    ctx = make_context(cfg, env)
     torch_seed_per_rank(cfg, env)
     pos = Position()
     latest = ctx.checkpoints.latest() if cfg.resume and env.is_main else None

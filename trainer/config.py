@@ -45,7 +45,7 @@ class TrainConfig:
     eval_batch_size: int = field(default=512, metadata={"help": "samples per process per eval batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     optimizer: str = field(default="sgd", metadata={"help": f"one of {', '.join(OPTIMIZERS)}"})
-    lr: float = field(default=0.05, metadata={"help": "peak learning rate"})
+    lr: float = field(default=0.01, metadata={"help": "peak learning rate"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=0.0, metadata={"help": "decoupled (adamw) or L2 (sgd) weight decay"})
     scheduler: str = field(default="cosine", metadata={"help": f"one of {', '.join(SCHEDULERS)}"})

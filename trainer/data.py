@@ -87,7 +87,7 @@ def _make_synthetic(path: Path, size: int) -> None:
     patterns = torch.rand(10, 1, 28, 28, generator=gen)
     labels = torch.randint(0, 10, (total,), generator=gen)
     noise = torch.rand(total, 1, 28, 28, generator=gen)
-    images = ((0.35 * patterns[labels] + 0.65 * noise) * 255).round().to(torch.uint8)
+    images = ((0.5 * patterns[labels] + 0.5 * noise) * 255).round().to(torch.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save({"train_x": images[:size].clone(), "train_y": labels[:size].clone(),

@@ -1,9 +1,11 @@
 """The image's entrypoint: torchrun options, then ``--``, then trainer flags.
 
-``launch.py --nnodes 3 ... -- --dataset mnist`` runs
+``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs
 ``torchrun --nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a
-trainer flag and torchrun runs standalone on this machine with one process per GPU (or per
-CPU core when there is none), or ``$NPROC_PER_NODE`` processes when that is set.
+trainer flag and torchrun runs standalone on this machine: one process per visible GPU, or one
+process on a CPU-only machine, or ``$NPROC_PER_NODE``. ``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``
+(set in the image to its volumes) are passed as the default ``--data-dir`` / ``--ckpt-dir``;
+explicit flags win.
 """
 
 from __future__ import annotations
@@ -12,14 +14,24 @@ import os
 import sys
 
 
+def default_nproc() -> str:
+    import torch
+
+    return str(torch.cuda.device_count() or 1)
+
+
 def torchrun_argv(args: list[str], environ: dict[str, str]) -> list[str]:
     if "--" in args:
         cut = args.index("--")
         launcher, trainer = args[:cut], args[cut + 1:]
     else:
-        launcher = ["--standalone", "--nproc-per-node", environ.get("NPROC_PER_NODE", "auto")]
-        trainer = args
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *trainer]
+        nproc = environ.get("NPROC_PER_NODE") or default_nproc()
+        launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
+    defaults = []
+    for var, flag in (("DDP_DATA_DIR", "--data-dir"), ("DDP_CKPT_DIR", "--ckpt-dir")):
+        if environ.get(var):
+            defaults += [flag, environ[var]]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *defaults, *trainer]
 
 
 def main() -> None:
