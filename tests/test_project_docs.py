@@ -1,0 +1,51 @@
+"""README, Makefile and the CLI say the same thing."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from deploy.cli import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return {t for line in re.findall(r"^([a-z][\w -]*):", text, re.M) for t in line.split()}
+
+
+def test_every_make_target_the_readme_names_exists():
+    named = set(re.findall(r"`make ([a-z-]+)", (ROOT / "README.md").read_text()))
+    named |= set(re.findall(r"^make ([a-z-]+)", (ROOT / "README.md").read_text(), re.M))
+    assert named and named <= make_targets()
+
+
+def test_the_issue_s_make_targets_exist():
+    assert {"deploy", "launch", "status", "logs", "stop", "check", "run-local", "test"} <= make_targets()
+
+
+def test_every_ddp_deploy_verb_in_the_readme_and_makefile_is_a_cli_command():
+    used = set(re.findall(r"ddp-deploy (?:--hosts \S+ )?([a-z]+)", (ROOT / "README.md").read_text()))
+    used |= set(re.findall(r"\$\(DEPLOY\) ([a-z]+)", (ROOT / "Makefile").read_text()))
+    assert used and used <= set(cli.commands)
+
+
+def test_the_readme_s_test_command_is_what_ci_runs():
+    assert "make test" in (ROOT / "README.md").read_text()
+    assert re.search(r"^make test$", (ROOT / ".ci/run").read_text(), re.M)
+
+
+def test_every_flag_the_readme_shows_for_the_trainer_exists():
+    help_text = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
+    shown = set(re.findall(r"(--[a-z][a-z-]+)", (ROOT / "README.md").read_text().split("## The image")[0].split("## The trainer")[1]))
+    torchrun_only = {"--standalone", "--nproc-per-node"}
+    assert shown - torchrun_only and all(flag in help_text for flag in shown - torchrun_only)
+
+
+def test_deploy_help_lists_every_verb():
+    result = CliRunner().invoke(cli, ["--help"])
+    for verb in ("validate", "check", "deploy", "sync", "launch", "status", "logs", "stop"):
+        assert verb in result.output
