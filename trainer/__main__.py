@@ -49,7 +49,8 @@ def run(cfg: TrainConfig, env: DistEnv) -> dict:
     final = evaluate(ctx)
     if env.is_main:
         save_final_model(cfg.ckpt_dir, ctx.built.raw_model.state_dict())
-        ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step, **final})
+        ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step,
+                           "world_size": env.world_size, "backend": env.backend, **final})
     return final
 
 
