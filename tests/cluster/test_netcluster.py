@@ -1,0 +1,189 @@
+"""The test cluster itself: real hosts, each with its own SSH server, Docker daemon and address."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from . import netcluster
+
+pytestmark = pytest.mark.cluster
+
+
+def test_ssh_with_strict_host_keys_reaches_each_node_at_its_own_address(cluster):
+    for h in cluster.hosts:
+        r = cluster.ssh(h.name, ["ip", "-4", "-o", "addr", "show", "dev", "eth0"])
+        assert r.returncode == 0, r.stderr
+        assert f"inet {h.address}/24" in r.stdout
+        others = [o.address for o in cluster.hosts if o is not h]
+        assert not any(f"inet {a}/" in r.stdout for a in others)
+
+
+def test_ssh_refuses_a_host_whose_key_is_not_known(cluster, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    argv = cluster.ssh_argv("node1", ["true"])
+    argv[argv.index(f"UserKnownHostsFile={cluster.known_hosts}")] = f"UserKnownHostsFile={empty}"
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 255
+    assert "host key" in r.stderr.lower() or "verification failed" in r.stderr.lower()
+
+
+def test_ssh_sessions_get_the_nodes_docker_host_and_the_test_python_on_path(cluster):
+    for h in cluster.hosts:
+        r = cluster.ssh(h.name, ["sh", "-c", 'echo "$DOCKER_HOST"; echo "$PATH"'])
+        docker_host, path = r.stdout.splitlines()
+        assert docker_host == cluster.node_docker_host(h.name)
+        assert netcluster.os.path.dirname(sys.executable) in path.split(":")
+
+
+def test_each_node_has_its_own_docker_daemon_without_the_base_image(cluster):
+    ids = {}
+    for h in cluster.hosts:
+        r = cluster.ssh(h.name, ["docker", "info", "--format", "{{json .}}"])
+        assert r.returncode == 0, r.stderr
+        info = json.loads(r.stdout)
+        ids[h.name] = info["ID"]
+        assert info["DockerRootDir"].endswith(f"/{h.name}")
+        # images have to be shipped to a node: none is there to start with
+        r = cluster.ssh(h.name, ["docker", "image", "inspect", cluster.base_image])
+        assert r.returncode != 0
+    operator = subprocess.run(
+        ["docker", "-H", cluster.operator_docker_host, "info", "--format", "{{.ID}}"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    assert len(set(ids.values()) | {operator}) == len(cluster.hosts) + 1, ids
+
+
+def test_a_file_written_to_the_nas_by_node1_is_read_by_node3(cluster):
+    path = f"{cluster.nas_dir}/hello-from-node1"
+    r = cluster.ssh("node1", ["sh", "-c", f"echo written-by-node1 > {path}"])
+    assert r.returncode == 0, r.stderr
+    r = cluster.ssh("node3", ["cat", path])
+    assert r.stdout.strip() == "written-by-node1"
+
+
+def test_the_container_user_can_write_to_the_nas(cluster):
+    for sub in ("data", "ckpt"):
+        r = cluster.run_on("node2", ["setpriv", "--reuid", "1000", "--regid", "1000",
+                                     "--clear-groups", "touch", f"{cluster.nas_dir}/{sub}/uid1000"])
+        assert r.returncode == 0, r.stderr
+
+
+def test_operator_daemon_runs_the_base_image_with_torch(cluster):
+    r = subprocess.run(
+        ["docker", "-H", cluster.operator_docker_host, "run", "--rm", "--network", "host",
+         cluster.base_image, "python", "-c",
+         "import torch, numpy, yaml; print(torch.__version__)"],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("2.13.0")
+
+
+def test_a_container_on_a_node_with_host_network_sees_the_nodes_address(cluster):
+    """The premise of the docker runtime: --network host on node2's daemon is node2's network.
+    (A tiny image of the machine's own cat and libc, imported straight into node2's daemon.)"""
+    files = ["usr/bin/cat", "lib64/ld-linux-x86-64.so.2", "lib/x86_64-linux-gnu/libc.so.6"]
+    tar = subprocess.Popen(["tar", "-C", "/", "-ch", *files], stdout=subprocess.PIPE)
+    imported = cluster.run_on("node2", ["docker", "import", "-", "ddp-probe:cat"],
+                              stdin=tar.stdout)
+    tar.stdout.close()
+    assert tar.wait() == 0 and imported.returncode == 0, imported.stderr
+    r = cluster.ssh("node2", ["docker", "run", "--rm", "--network", "host", "ddp-probe:cat",
+                              "/usr/bin/cat", "/proc/net/fib_trie"])
+    assert r.returncode == 0, r.stderr
+    assert cluster.host("node2").address in r.stdout
+    assert cluster.host("node1").address not in r.stdout
+
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+    print("listening", flush=True)
+    conn, peer = s.accept()
+    conn.sendall(("pong to " + peer[0]).encode())
+    conn.close()
+""")
+
+CLIENT = textwrap.dedent("""
+    import socket, sys
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])) as c:
+        print(c.recv(100).decode())
+""")
+
+
+def _serve_once(cluster, name, port):
+    h = cluster.host(name)
+    server = subprocess.Popen(
+        ["nsenter", f"--net=/var/run/netns/{h.ns}", sys.executable, "-c", SERVER,
+         h.address, str(port)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "listening"
+    return server
+
+
+def _connect(cluster, src, dst, port, timeout=5.0):
+    return cluster.run_on(src, [sys.executable, "-c", CLIENT, cluster.host(dst).address,
+                                str(port), str(timeout)], timeout=timeout + 30)
+
+
+def test_two_nodes_reach_each_other_over_tcp(cluster):
+    server = _serve_once(cluster, "node2", 45123)
+    try:
+        r = _connect(cluster, "node1", "node2", 45123)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == f"pong to {cluster.host('node1').address}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_node_whose_link_is_down_is_unreachable_until_it_comes_back(cluster):
+    server = _serve_once(cluster, "node3", 45124)
+    try:
+        cluster.take_link_down("node3")
+        try:
+            r = _connect(cluster, "node1", "node3", 45124, timeout=2.0)
+            assert r.returncode != 0
+        finally:
+            cluster.bring_link_up("node3")
+        r = _connect(cluster, "node1", "node3", 45124, timeout=10.0)
+        assert r.returncode == 0, r.stderr
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_hosts_yaml_describes_every_node_and_the_cluster_paths(cluster, tmp_path):
+    yaml = pytest.importorskip("yaml")
+    path = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=3,
+                                    train_args=["--epochs", "2"], job={"max_restarts": 0})
+    doc = yaml.safe_load(path.read_text())
+    assert doc["job"] == {"name": "ddp-test", "runtime": "host", "max_restarts": 0}
+    assert [n["address"] for n in doc["nodes"]] == [h.address for h in cluster.hosts]
+    assert {n["procs"] for n in doc["nodes"]} == {3}
+    assert doc["ssh"]["known_hosts"] == cluster.known_hosts
+    assert doc["train"]["args"] == ["--epochs", "2"]
+    assert doc["storage"]["data"]["host"].startswith(cluster.nas_dir)
+
+
+def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster):
+    """Runs last in this file: the other test files get the rebuilt cluster."""
+    state_dir = cluster.state_dir
+    cluster.down()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert netcluster.BRIDGE not in links and "ddpv" not in links
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True,
+                          text=True).stdout.strip() == ""
+    assert subprocess.run(["iptables", "-C", *netcluster.FORWARD_RULE],
+                          capture_output=True).returncode != 0
+    assert netcluster._processes_referencing(
+        [netcluster.RUN_ROOT, netcluster.DATA_ROOT, netcluster.operator_store_path()]) == []
+    mounts = open("/proc/self/mounts").read()
+    assert "ddpcluster" not in mounts and "operator-docker-" not in mounts
+    assert not state_dir.exists() and not netcluster.RUN_ROOT.exists()
+
+    cluster.up()
+    r = cluster.ssh("node3", ["docker", "info", "--format", "{{.ID}}"])
+    assert r.returncode == 0, r.stderr
