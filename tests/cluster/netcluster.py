@@ -736,9 +736,11 @@ class NetCluster:
         _run(["ip", "link", "set", self.host(name).veth, "up"])
 
     def hosts_config(self, runtime: str = "docker", procs: int = 2,
-                     train_args: Sequence[str] | None = None, **overrides: Any) -> dict:
+                     train_args: Sequence[str] | None = None, interface: str | None = None,
+                     **overrides: Any) -> dict:
         """The hosts.yaml content for the deploy tool; each override replaces or updates a
-        top-level section (a dict updates that section's keys, anything else replaces it)."""
+        top-level section (a dict updates that section's keys, anything else replaces it).
+        ``interface``: every node's NIC name (``eth0`` here); null leaves it to the tool."""
         nas = Path(self.nas_dir)
         config: dict[str, Any] = {
             "job": {"name": "ddp-test", "runtime": runtime, "max_restarts": 3},
@@ -747,7 +749,7 @@ class NetCluster:
                     "known_hosts": self.known_hosts, "host_key_policy": "strict",
                     "connect_timeout": 10},
             "nodes": [{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0,
-                       "procs": procs, "interface": None} for h in self.hosts],
+                       "procs": procs, "interface": interface} for h in self.hosts],
             "image": {"name": "ddp-trainer:test", "dockerfile": "Dockerfile",
                       "context": str(REPO_ROOT), "build_args": {"BASE_IMAGE": self.base_image},
                       "compress": False},
@@ -767,11 +769,12 @@ class NetCluster:
 
     def write_hosts_yaml(self, path: str | os.PathLike, runtime: str = "docker",
                          procs: int = 2, train_args: Sequence[str] | None = None,
-                         **overrides: Any) -> Path:
+                         interface: str | None = None, **overrides: Any) -> Path:
         import yaml
         path = Path(path)
         path.write_text(yaml.safe_dump(
-            self.hosts_config(runtime, procs, train_args, **overrides), sort_keys=False))
+            self.hosts_config(runtime, procs, train_args, interface, **overrides),
+            sort_keys=False))
         return path
 
 
@@ -863,12 +866,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     up_p = sub.add_parser("up", help="build the cluster and write STATE/cluster.json")
     up_p.add_argument("--nodes", type=int, default=3)
     up_p.add_argument("--state", required=True, help="state directory (created if missing)")
+    up_p.add_argument("--fresh-operator", action="store_true",
+                      help="start the operator daemon empty and load the base image tar into it")
     down_p = sub.add_parser("down", help="remove the cluster described in STATE")
     down_p.add_argument("--state", required=True)
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
-            cluster = NetCluster(nodes=args.nodes, state_dir=args.state).up()
+            cluster = NetCluster(nodes=args.nodes, state_dir=args.state,
+                                 keep_operator_store=not args.fresh_operator).up()
             print(json.dumps(cluster.describe(), indent=2))
         else:
             teardown(Path(args.state).resolve(), remove_state=False)

@@ -168,6 +168,17 @@ def test_hosts_yaml_describes_every_node_and_the_cluster_paths(cluster, tmp_path
     assert doc["storage"]["data"]["host"].startswith(cluster.nas_dir)
 
 
+def test_hosts_yaml_is_accepted_by_the_deploy_tools_inventory(cluster, tmp_path):
+    inventory = pytest.importorskip("deploy.inventory")
+    for runtime in ("docker", "host"):
+        path = cluster.write_hosts_yaml(tmp_path / f"{runtime}.yaml", runtime=runtime,
+                                        interface="eth0")
+        inv = inventory.load(path)
+        assert [n.address for n in inv.nodes] == [h.address for h in cluster.hosts]
+        assert inv.rdzv_node.name == "node1"
+        assert inv.context_path() == netcluster.REPO_ROOT
+
+
 def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster):
     """Runs last in this file: the other test files get the rebuilt cluster."""
     state_dir = cluster.state_dir
