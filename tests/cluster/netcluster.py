@@ -401,7 +401,6 @@ class NetCluster:
         self.keep_operator_store = keep_operator_store
         self.timings = _Timings()
         self._daemons: dict[str, subprocess.Popen] = {}
-        self._is_up = False
 
     # ---- paths
 
@@ -446,6 +445,7 @@ class NetCluster:
         if problems:
             raise ClusterError("cannot build the test cluster: " + "; ".join(problems))
         start = time.monotonic()
+        self.timings = _Timings()
         try:
             with self.timings.step("clean leftovers"):
                 cleanup_leftovers()
@@ -453,7 +453,6 @@ class NetCluster:
             RUN_ROOT.mkdir(parents=True, exist_ok=True)
             CURRENT.write_text(json.dumps({"state_dir": str(self.state_dir),
                                            "owned": self._own_state_dir}))
-            self._is_up = True
             with self.timings.step("operator dockerd"):
                 self._start_operator()
             loader_error: list[BaseException] = []
@@ -497,7 +496,6 @@ class NetCluster:
         teardown(self.state_dir, remove_state=self._own_state_dir,
                  procs=list(self._daemons.values()))
         self._daemons.clear()
-        self._is_up = False
         _log(f"cluster down in {time.monotonic() - start:.1f} s")
 
     def __enter__(self) -> "NetCluster":
@@ -694,9 +692,7 @@ class NetCluster:
     def from_state(cls, state_dir: str | os.PathLike) -> "NetCluster":
         """The cluster described by ``state_dir/cluster.json`` (made by ``up``)."""
         desc = json.loads((Path(state_dir) / "cluster.json").read_text())
-        c = cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"])
-        c._is_up = True
-        return c
+        return cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"])
 
     # ---- helpers for tests and benchmarks
 
