@@ -260,7 +260,8 @@ class Inventory(_Model):
         return (self._base_dir / self.image.context).resolve()
 
     def dockerfile_path(self) -> Path:
-        return (self._base_dir / self.image.dockerfile).resolve()
+        """Relative to the build context, as in docker compose."""
+        return (self.context_path() / self.image.dockerfile).resolve()
 
 
 class _CrossFieldProblems(Exception):

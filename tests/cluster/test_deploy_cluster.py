@@ -1,0 +1,135 @@
+"""The deploy tool on the real cluster: 3 hosts with their own sshd and Docker daemon, a shared NAS.
+
+Everything goes through the tool's CLI (as an operator would run it); the assertions look at
+the hosts directly (their own Docker daemons, the NAS files) so the tool cannot vouch for itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "2",
+         "--log-every", "2", "--eval-batch-size", "128"]
+
+
+def ddp(cluster, hosts: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
+           "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def image_id_on(cluster, node: str, image: str) -> str | None:
+    r = cluster.run_on(node, ["docker", "image", "inspect", "--format", "{{.Id}}", image])
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def containers_on(cluster, node: str) -> list[str]:
+    r = cluster.run_on(node, ["docker", "ps", "-a", "--format", "{{.Names}}"], check=True)
+    return r.stdout.split()
+
+
+def records(nas: Path) -> list[dict]:
+    return [json.loads(line) for line in (nas / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def fresh_nas(cluster):
+    """An empty NAS for each test (the cluster itself is shared by the session)."""
+    nas = Path(cluster.nas_dir)
+    for sub in ("data", "ckpt"):
+        subprocess.run(["rm", "-rf", str(nas / sub)], check=True)
+    return nas
+
+
+def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(cluster, fresh_nas, tmp_path):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, train_args=TRAIN, interface="eth0")
+    nodes = [h.name for h in cluster.hosts]
+
+    ok(ddp(cluster, hosts, "check"))
+
+    first = ok(ddp(cluster, hosts, "deploy"))
+    built = subprocess.run(["docker", "-H", cluster.operator_docker_host, "image", "inspect", "--format",
+                            "{{.Id}}", "ddp-trainer:test"], capture_output=True, text=True, check=True).stdout.strip()
+    for node in nodes:
+        assert f"{node}: shipped" in first.stdout
+        assert image_id_on(cluster, node, "ddp-trainer:test") == built  # each daemon has the exact image
+
+    again = ok(ddp(cluster, hosts, "deploy"))
+    assert "shipped" not in again.stdout
+    assert all(f"{node}: up to date" in again.stdout for node in nodes)
+
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+
+    final = records(fresh_nas)[-1]
+    assert final["kind"] == "final" and final["world_size"] == 6 and final["backend"] == "gloo"
+    assert (fresh_nas / "ckpt" / "final_model.pt").exists()
+    assert list((fresh_nas / "ckpt").glob("ckpt-*.pt.ok"))
+    assert (fresh_nas / "data" / "synthetic" / "synthetic-1536.pt").exists()
+
+    status = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)
+    assert {s["node"]: s["state"] for s in status} == {node: "exited(0)" for node in nodes}
+    assert sum(s["ranks"] for s in status) == 6
+    assert any(s["metrics"].startswith("METRICS ") for s in status)
+
+    logs = ok(ddp(cluster, hosts, "logs")).stdout.splitlines()
+    assert {line.split(" | ", 1)[0] for line in logs} == set(nodes)
+    said = [line for line in logs if "dataset synthetic" in line]
+    assert sum("fetched" in line for line in said) == 1  # downloaded once for the whole cluster
+    assert sum("found" in line for line in said) == 2
+
+    ok(ddp(cluster, hosts, "stop"))
+    for node in nodes:
+        assert containers_on(cluster, node) == []
+
+
+def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, tmp_path):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=2, train_args=TRAIN, interface="eth0")
+    ok(ddp(cluster, hosts, "check"))
+    ok(ddp(cluster, hosts, "deploy"))
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    final = records(fresh_nas)[-1]
+    assert final["kind"] == "final" and final["world_size"] == 6
+    status = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)
+    assert all(s["state"] == "exited(0)" for s in status)
+    ok(ddp(cluster, hosts, "stop"))
+    for h in cluster.hosts:
+        leftover = cluster.run_on(h.name, ["pgrep", "-f", "torch.distributed.run"])
+        assert leftover.stdout.strip() == ""
+
+
+def test_dry_run_prints_every_node_s_command_and_starts_nothing(cluster, fresh_nas, tmp_path):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, train_args=TRAIN, interface="eth0")
+    out = ok(ddp(cluster, hosts, "launch", "--dry-run")).stdout
+    for h in cluster.hosts:
+        assert f"--local-addr {h.address}" in out
+    assert out.count("is_host=1") == 1
+    for h in cluster.hosts:
+        assert containers_on(cluster, h.name) == []
+
+
+def test_launch_refuses_to_start_anywhere_when_a_node_is_unreachable(cluster, fresh_nas, tmp_path):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, train_args=TRAIN, interface="eth0",
+                                     ssh={"connect_timeout": 3})
+    cluster.take_link_down("node3")
+    try:
+        r = ddp(cluster, hosts, "launch", timeout=120)
+    finally:
+        cluster.bring_link_up("node3")
+    assert r.returncode == 1 and "node3" in r.stderr
+    for h in cluster.hosts[:2]:
+        assert containers_on(cluster, h.name) == []
