@@ -194,12 +194,15 @@ def _ship_with_progress(inv, remote, image_id):
 def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
     """Start the job on every node (all or nothing)."""
     inv = st.inv
-    specs = plan.launch_plan(inv)
     if dry_run:
-        for s in specs:
+        for s in plan.launch_plan(inv):
             _show(s.node, s.argv)
+            if inv.node(s.node).interface is None:
+                click.echo(f"[{s.node}] GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: the interface holding "
+                           f"{inv.node(s.node).address}, detected at launch")
         return
     with Remote(inv) as remote:
+        specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
         states = _states(inv, remote)
         unreachable = [n for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
@@ -227,6 +230,22 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
     if failed:
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}", hint="see `ddp-deploy logs`")
     click.echo("all nodes finished with exit code 0")
+
+
+def _detect_interfaces(inv, remote) -> dict[str, str]:
+    """NICs holding each node's address, for nodes whose inventory names none."""
+    todo = [n.name for n in inv.nodes if n.interface is None]
+    if not todo:
+        return {}
+    found = {}
+    for name, r in remote.run({n: plan.INTERFACES_ARGV for n in todo}, check=False, timeout=30).items():
+        nic = plan.interface_holding(inv.node(name).address, r.stdout) if r.ok else None
+        if nic:
+            found[name] = nic
+        else:
+            click.echo(f"warning: {name}: no interface holds {inv.node(name).address}; gloo/NCCL pick one from "
+                       f"the hostname (set nodes[].interface if the job hangs)", err=True)
+    return found
 
 
 def _wait(inv, remote, timeout):

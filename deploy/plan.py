@@ -141,10 +141,30 @@ def _endpoint(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
-def node_env(node: Node) -> tuple[tuple[str, str], ...]:
-    if node.interface is None:
+# Lists every address of a node, one per line: "<index>: <ifname> inet <addr>/<len> ...".
+INTERFACES_ARGV = ("ip", "-o", "addr", "show")
+
+
+def interface_holding(address: str, ip_output: str) -> str | None:
+    """The interface that holds ``address``, from the output of INTERFACES_ARGV, or None.
+
+    gloo and NCCL pick their interface from the hostname, which on many fleets (and Debian's
+    default 127.0.1.1 entry) resolves to loopback: the workers then hang or are refused. The
+    interface holding the node's inventory address is the one the other nodes can reach.
+    """
+    for line in ip_output.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] in ("inet", "inet6") and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return None
+
+
+def node_env(node: Node, detected: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The NIC for gloo and NCCL: the inventory's, else the one detected on the node."""
+    interface = node.interface or detected
+    if interface is None:
         return ()
-    return (("GLOO_SOCKET_IFNAME", node.interface), ("NCCL_SOCKET_IFNAME", node.interface))
+    return (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", interface))
 
 
 def trainer_flags(inv: Inventory) -> tuple[str, ...]:
@@ -156,11 +176,11 @@ def trainer_flags(inv: Inventory) -> tuple[str, ...]:
     return dirs + tuple(inv.train.args)
 
 
-def launch_spec(inv: Inventory, index: int) -> LaunchSpec:
+def launch_spec(inv: Inventory, index: int, detected_interface: str | None = None) -> LaunchSpec:
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
     trainer = trainer_flags(inv)
-    env = node_env(node)
+    env = node_env(node, detected_interface)
     s = inv.storage
     if inv.job.runtime == "docker":
         mounts = ((s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container))
@@ -184,8 +204,10 @@ def launch_spec(inv: Inventory, index: int) -> LaunchSpec:
                       env=env, mounts=mounts, argv=tuple(argv))
 
 
-def launch_plan(inv: Inventory) -> list[LaunchSpec]:
-    return [launch_spec(inv, i) for i in range(len(inv.nodes))]
+def launch_plan(inv: Inventory, interfaces: dict[str, str] | None = None) -> list[LaunchSpec]:
+    """Every node's launch; ``interfaces`` holds NICs detected on nodes whose inventory has none."""
+    interfaces = interfaces or {}
+    return [launch_spec(inv, i, interfaces.get(n.name)) for i, n in enumerate(inv.nodes)]
 
 
 def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:

@@ -118,3 +118,23 @@ def test_parse_status_reads_state_and_last_metrics_line():
     assert (s.state, s.metrics, s.failed, s.exists) == ("exited(1)", 'METRICS {"step": 3}', True, True)
     assert plan.parse_status("absent\n").exists is False
     assert plan.parse_status("running\n").state == "running"
+
+
+IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
+1: lo    inet6 ::1/128 scope host \\       valid_lft forever preferred_lft forever
+2: eth0@if7    inet 198.18.0.12/24 scope global eth0\\       valid_lft forever preferred_lft forever
+3: ib0    inet6 fd00::12/64 scope global \\       valid_lft forever preferred_lft forever
+"""
+
+
+def test_the_interface_holding_the_node_address_is_found():
+    assert plan.interface_holding("198.18.0.12", IP_ADDR) == "eth0"
+    assert plan.interface_holding("fd00::12", IP_ADDR) == "ib0"
+    assert plan.interface_holding("198.18.0.1", IP_ADDR) is None
+
+
+def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
+    specs = plan.launch_plan(_inv(), {"a": "eth7", "b": "eth8"})
+    assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
+    assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
+    assert specs[2].env == ()  # nothing known: left to gloo/NCCL
