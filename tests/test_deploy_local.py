@@ -152,3 +152,27 @@ def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
     assert r.stdout.startswith("[here] sh -c ")
     assert "-m torch.distributed.run" in r.stdout and "is_host=1" in r.stdout
     assert not (tmp_path / "nas").exists()
+
+
+def test_logs_follow_streams_new_lines_prefixed_with_the_node_until_interrupted(ddp, tmp_path):
+    import subprocess
+
+    hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
+                                  "--batch-size", "32", "--log-every", "1"], procs=1)
+    assert ddp(hosts, "launch").exit_code == 0
+    follower = subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), "logs", "--follow"],
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    try:
+        seen, deadline = [], time.time() + 120
+        while len([s for s in seen if "METRICS" in s]) < 3 and time.time() < deadline:
+            seen.append(follower.stdout.readline())
+        metrics_lines = [s for s in seen if "METRICS" in s]
+        assert len(metrics_lines) >= 3 and all(s.startswith("here | ") for s in metrics_lines)
+        steps = [json.loads(s.split("METRICS ", 1)[1])["step"] for s in metrics_lines]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)  # new lines as they come
+        assert follower.poll() is None  # still following
+    finally:
+        follower.terminate()
+        follower.wait(timeout=30)
+        assert ddp(hosts, "stop").exit_code == 0
