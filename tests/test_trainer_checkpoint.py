@@ -31,6 +31,14 @@ def test_keeps_only_the_last_k(tmp_path):
         "ckpt-000000004.pt", "ckpt-000000004.pt.ok", "ckpt-000000005.pt", "ckpt-000000005.pt.ok"]
 
 
+def test_the_checkpoint_just_written_is_never_pruned_even_below_older_higher_steps(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (900, 1000):
+        mgr.save(state(step), step)
+    mgr.save(state(8), 8)
+    assert [s for s, _ in mgr.complete()] == [1000, 8]
+
+
 def test_truncated_checkpoint_is_skipped_never_loaded(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(state(1), 1)

@@ -58,3 +58,13 @@ def test_cli_exits_2_with_one_line_naming_the_field():
     proc = subprocess.run([sys.executable, "-m", "trainer", "--epochs", "-1"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "trainer: error: epochs: must be >= 1, got -1"
+
+
+def test_image_volume_defaults_come_from_the_environment_below_yaml_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_DATA_DIR", "/data")
+    monkeypatch.setenv("DDP_CKPT_DIR", "/ckpt")
+    assert (load_config([]).data_dir, load_config([]).ckpt_dir) == ("/data", "/ckpt")
+    conf = tmp_path / "c.yaml"
+    conf.write_text("data_dir: /from/yaml\n")
+    cfg = load_config(["--config", str(conf), "--ckpt-dir", "/from/flag"])
+    assert (cfg.data_dir, cfg.ckpt_dir) == ("/from/yaml", "/from/flag")

@@ -44,11 +44,19 @@ def test_eval_shards_cover_every_test_sample_exactly_once():
     assert sorted(got.tolist()) == list(range(n))
 
 
-def test_augment_keeps_shape_and_content_of_a_pure_shift():
-    images = torch.arange(2 * 3 * 8 * 8, dtype=torch.uint8).view(2, 3, 8, 8)
-    out = data.augment(images, torch.Generator().manual_seed(0), pad=2)
-    assert out.shape == images.shape
-    assert out.dtype == torch.uint8
+def test_augment_is_a_per_sample_random_crop_of_the_padded_image_and_a_horizontal_flip():
+    n, pad = 6, 2
+    images = torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8)
+    out = data.augment(images, torch.Generator().manual_seed(5), pad=pad)
+    draws = torch.Generator().manual_seed(5)  # the same draws, in the same order
+    off_y = torch.randint(0, 2 * pad + 1, (n,), generator=draws)
+    off_x = torch.randint(0, 2 * pad + 1, (n,), generator=draws)
+    flip = torch.rand(n, generator=draws) < 0.5
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    for i in range(n):
+        crop = padded[i, :, off_y[i]:off_y[i] + 8, off_x[i]:off_x[i] + 8]
+        assert torch.equal(out[i], crop.flip(-1) if flip[i] else crop)
+    assert flip.any() and not flip.all()  # both branches were exercised
 
 
 def test_synthetic_dataset_is_written_once_and_found_afterwards(tmp_path):

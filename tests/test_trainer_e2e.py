@@ -131,3 +131,13 @@ def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(tmp_path):
     said = [err for _, err in outputs]
     assert sum("dataset synthetic fetched" in e for e in said) == 1
     assert sum("dataset synthetic found" in e for e in said) == 1
+
+
+def test_resuming_with_another_model_or_without_resume_is_refused_naming_the_cause(tmp_path):
+    assert_ok(run_torchrun(tmp_path, *SMALL, "--epochs", "1", nproc=1))
+    other = run_torchrun(tmp_path, *SMALL, "--epochs", "1", "--model", "lenet", nproc=1)
+    assert other.returncode != 0
+    assert "trainer: error: model: the checkpoints in" in other.stderr
+    fresh = run_torchrun(tmp_path, *SMALL, "--epochs", "1", "--no-resume", nproc=1)
+    assert fresh.returncode != 0
+    assert "holds checkpoints of an earlier run" in fresh.stderr

@@ -12,7 +12,7 @@ from .build import build
 from .checkpoint import CheckpointError, CheckpointManager, save_final_model
 from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
-from .loop import Context, Position, evaluate, restore, steps_per_epoch, train
+from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
 from .metrics import MetricsWriter
 
 log = logging.getLogger("trainer")
@@ -39,6 +39,9 @@ def run(cfg: TrainConfig, env: DistEnv) -> dict:
     """One whole training job on an already set-up process; returns the final evaluation."""
     ctx = make_context(cfg, env)
     torch_seed_per_rank(cfg, env)
+    if not cfg.resume and env.is_main and ctx.checkpoints.complete():
+        raise ResumeMismatch(f"resume: --no-resume, but {cfg.ckpt_dir} holds checkpoints of an earlier run; "
+                             f"use an empty --ckpt-dir or remove them")
     pos = Position()
     latest = ctx.checkpoints.latest() if cfg.resume and env.is_main else None
     latest = broadcast_object(env, str(latest) if latest else None)
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(cfg, env)
+    except ResumeMismatch as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
     except (data.DatasetUnavailable, CheckpointError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 1

@@ -118,6 +118,7 @@ class CheckpointManager:
             _write_atomically(path, data)
             marker = {"step": step, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             _write_atomically(self._marker(path), json.dumps(marker).encode())
+            self.prune(keep=path)
         except OSError as exc:
             self._discard(path)
             previous = self.latest()
@@ -125,7 +126,6 @@ class CheckpointManager:
             cause = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             raise CheckpointError(f"checkpoint for step {step} not written to {self.dir}: {cause}; "
                                   f"{kept}; free space or fix the volume, then restart to resume") from exc
-        self.prune()
         return path
 
     def _discard(self, path: Path) -> None:
@@ -135,9 +135,13 @@ class CheckpointManager:
             except OSError:
                 pass
 
-    def prune(self) -> None:
-        """Deletes complete checkpoints beyond keep_last (marker first) and stale temporary files."""
-        for _, path in self.complete()[self.keep_last:]:
+    def prune(self, keep: Path | None = None) -> None:
+        """Deletes complete checkpoints beyond keep_last (marker first) and stale temporary files.
+
+        ``keep`` (the checkpoint just written) always stays, whatever the step numbers around it.
+        """
+        others = [path for _, path in self.complete() if path != keep]
+        for path in others[self.keep_last - (keep is not None):]:
             self._discard(path)
         for entry in self.dir.iterdir():
             if entry.name.startswith(".ckpt-") and ".tmp-" in entry.name:

@@ -1,6 +1,7 @@
 """One typed training config, from defaults, an optional YAML file and command-line flags.
 
-Precedence: dataclass defaults < ``--config FILE.yaml`` < explicit flags. Every field is
+Precedence: dataclass defaults < ``$DDP_DATA_DIR``/``$DDP_CKPT_DIR`` < ``--config FILE.yaml`` <
+explicit flags. Every field is
 validated in ``__post_init__``; a bad value raises :class:`ConfigError` naming the field.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,6 +23,10 @@ SCHEDULERS = ("constant", "cosine", "step")
 AMP_MODES = ("none", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+# Environment variables that set a field's default (the image points them at its volumes).
+ENV_DEFAULTS = {"data_dir": "DDP_DATA_DIR", "ckpt_dir": "DDP_CKPT_DIR"}
 
 
 class ConfigError(ValueError):
@@ -157,6 +163,9 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     """Parses flags (and the YAML file they name) into a validated TrainConfig."""
     args = vars(build_parser().parse_args(argv))
     values: dict[str, object] = {}
+    for name, var in ENV_DEFAULTS.items():  # the image's volumes, below the YAML file and flags
+        if os.environ.get(var):
+            values[name] = os.environ[var]
     config_file = args.pop("config", None)
     if config_file:
         values.update(_read_yaml(Path(config_file)))

@@ -3,9 +3,8 @@
 ``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs
 ``torchrun --nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a
 trainer flag and torchrun runs standalone on this machine: one process per visible GPU, or one
-process on a CPU-only machine, or ``$NPROC_PER_NODE``. ``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``
-(set in the image to its volumes) are passed as the default ``--data-dir`` / ``--ckpt-dir``;
-explicit flags win.
+process on a CPU-only machine, or ``$NPROC_PER_NODE``. (``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``,
+set in the image to its volumes, are read by the trainer's config as defaults.)
 """
 
 from __future__ import annotations
@@ -27,11 +26,7 @@ def torchrun_argv(args: list[str], environ: dict[str, str]) -> list[str]:
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
-    defaults = []
-    for var, flag in (("DDP_DATA_DIR", "--data-dir"), ("DDP_CKPT_DIR", "--ckpt-dir")):
-        if environ.get(var):
-            defaults += [flag, environ[var]]
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *defaults, *trainer]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *trainer]
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ from .config import TrainConfig
 from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
 from .dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,12 +66,29 @@ def save_checkpoint(ctx: Context, pos: Position) -> None:
             ctx.checkpoints.save(state, pos.global_step)
         except CheckpointError as exc:
             error = str(exc)
+        except Exception as exc:  # any failure must reach every rank, or they wait in a collective
+            error = f"checkpoint for step {pos.global_step} not written to {ctx.checkpoints.dir}: {exc}"
     error = broadcast_object(ctx.env, error)
     if error:
         raise CheckpointError(error)
 
 
+class ResumeMismatch(ValueError):
+    """The checkpoint was written by a run whose model or data differ from this one."""
+
+
+# Fields that make a checkpoint a different job; and those that only change the batch layout.
+_SAME_JOB = ("dataset", "model", "synthetic_size")
+_BATCH_LAYOUT = ("batch_size", "grad_accum", "seed")
+
+
 def restore(ctx: Context, state: dict) -> Position:
+    saved = state["config"]
+    for name in _SAME_JOB:
+        if saved.get(name) != getattr(ctx.cfg, name):
+            raise ResumeMismatch(f"{name}: the checkpoints in {ctx.cfg.ckpt_dir} were written with "
+                                 f"{name}={saved.get(name)!r}, this run has {getattr(ctx.cfg, name)!r}; "
+                                 f"use another --ckpt-dir or the same {name}")
     b = ctx.built
     b.raw_model.load_state_dict(state["model"])
     b.optimizer.load_state_dict(state["optimizer"])
@@ -83,7 +103,15 @@ def restore(ctx: Context, state: dict) -> Position:
             torch.cuda.set_rng_state(mine["cuda"], ctx.env.device)
     else:  # a resized job cannot replay each rank's stream; keep it deterministic all the same
         torch.manual_seed(ctx.cfg.seed + 7919 * ctx.env.rank + state["global_step"])
-    return Position(state["epoch"], state["micro"], state["global_step"])
+    pos = Position(state["epoch"], state["micro"], state["global_step"])
+    relaid = [n for n in _BATCH_LAYOUT if saved.get(n) != getattr(ctx.cfg, n)]
+    if state["world_size"] != ctx.env.world_size:
+        relaid.append("world size")
+    if relaid and pos.micro:
+        # The position inside the epoch counts micro-batches of the old layout: replay the epoch.
+        log.warning("resuming at the start of epoch %d: %s changed since the checkpoint", pos.epoch, ", ".join(relaid))
+        pos.micro = 0
+    return pos
 
 
 # --- evaluation -----------------------------------------------------------------------------------
@@ -161,16 +189,17 @@ def train(ctx: Context, pos: Position) -> Position:
             timer.tick()
             if pos.global_step % cfg.log_every == 0:
                 _log_train(ctx, pos, stats, timer)
-            if cfg.ckpt_every and pos.global_step % cfg.ckpt_every == 0 and pos.micro < len(batches):
-                save_checkpoint(ctx, pos)
             if done():
                 break
+            if cfg.ckpt_every and pos.global_step % cfg.ckpt_every == 0 and pos.micro < len(batches):
+                save_checkpoint(ctx, pos)
         if pos.micro >= len(batches):
             pos.epoch, pos.micro = pos.epoch + 1, 0
         if timer.steps:
             _log_train(ctx, pos, stats, timer)
         ctx.metrics.write({"kind": "eval", "epoch": pos.epoch, "step": pos.global_step, **evaluate(ctx)})
         save_checkpoint(ctx, pos)
+        timer.reset()  # evaluation and the checkpoint are not training throughput
     return pos
 
 

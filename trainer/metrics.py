@@ -9,6 +9,7 @@ shared volume.
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 from .dist import DistEnv, all_reduce_sum
 
 PREFIX = "METRICS "
+log = logging.getLogger(__name__)
 
 
 class RunningStats:
@@ -61,9 +63,12 @@ class MetricsWriter:
             return
         record = {"time": round(time.time(), 3), **record}
         line = json.dumps(record, sort_keys=False)
-        with open(self.path, "a") as handle:
-            handle.write(line + "\n")
         print(PREFIX + line, file=sys.stdout, flush=True)
+        try:
+            with open(self.path, "a") as handle:
+                handle.write(line + "\n")
+        except OSError as exc:  # rank 0 alone must not die here while the others wait in a collective
+            log.warning("metrics line not appended to %s: %s", self.path, exc.strerror or exc)
 
 
 class IntervalTimer:
