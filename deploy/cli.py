@@ -217,9 +217,12 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120)
         if not all(r.ok for r in results.values()):
             started = [n for n, r in results.items() if r.ok]
-            remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in results}, check=False, timeout=120)
-            raise RemoteFailure("launch", results,
-                                hint=f"stopped the nodes that had started ({', '.join(started) or 'none'})")
+            undo = remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in results}, check=False, timeout=120)
+            stuck = [n for n, r in undo.items() if not r.ok]
+            hint = f"stopped the nodes that had started ({', '.join(started) or 'none'})"
+            if stuck:
+                hint = f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop` once they are reachable"
+            raise RemoteFailure("launch", results, hint=hint)
         click.echo(f"started {inv.job.name} on {len(specs)} nodes "
                    f"({sum(n.nprocs for n in inv.nodes)} processes)")
         if not wait:
@@ -248,12 +251,23 @@ def _detect_interfaces(inv, remote) -> dict[str, str]:
     return found
 
 
+UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
+
+
 def _wait(inv, remote, timeout):
     deadline = None if timeout is None else time.monotonic() + timeout
+    silent = {n.name: 0 for n in inv.nodes}
     while True:
         states = _states(inv, remote)
         if all(s.state.startswith("exited") or s.state == "absent" for s in states.values()):
             return states
+        for n, s in states.items():
+            silent[n] = silent[n] + 1 if s.state == "unreachable" else 0
+        lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
+        if lost:
+            _print_status(inv, states)
+            raise RuntimeFailure(f"lost contact with {', '.join(lost)} while the job ran",
+                                 hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume")
         if deadline is not None and time.monotonic() > deadline:
             _print_status(inv, states)
             raise RuntimeFailure(f"still running after {timeout:g} s",

@@ -24,6 +24,7 @@ HOST_START = r"""run=$1; shift
 if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
 mkdir -p "$run" || exit 1
 rm -f "$run/exit" "$run/log"
+DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
 setsid sh -c 'echo $$ > "$0/pid.tmp" && mv "$0/pid.tmp" "$0/pid"; "$@" > "$0/log" 2>&1 < /dev/null; echo $? > "$0/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
 i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 [ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
@@ -46,12 +47,18 @@ exit 0
 """
 
 # $1 = run dir. Kills the process group if it still runs, then forgets the run (log kept).
+# torchrun starts each worker in a session of its own, so the group does not hold them: it
+# gets 40 s to shut them down (it gives them 30 s), then every process still carrying this
+# run's DDP_DEPLOY_RUN marker in its environment is killed too.
 HOST_STOP = r"""run=$1
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid")
   kill -TERM "-$pid" 2>/dev/null
-  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 400 ]; do sleep 0.1; i=$((i+1)); done
   kill -KILL "-$pid" 2>/dev/null
+  for p in /proc/[0-9]*; do
+    grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
   echo stopped
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
@@ -186,7 +193,7 @@ def launch_spec(inv: Inventory, index: int, detected_interface: str | None = Non
         mounts = ((s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container))
         argv = ["docker", "run", "-d", "--name", container_name(inv, node),
                 "--label", f"ddp.job={inv.job.name}", "--label", f"ddp.node={node.name}",
-                "--network", "host", "--ipc", "host"]
+                "--network", "host", "--ipc", "host", "--pull", "never"]  # only the image deploy verified
         if node.gpus > 0:
             argv += ["--gpus", "all"]
         for src, dst in mounts:

@@ -110,13 +110,31 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     assert r.exit_code == 1 and "still running on here" in r.stderr and "ddp-deploy stop" in r.stderr
     assert int((run_dir / "pid").read_text()) == pgid
 
+    deadline = time.time() + 60
+    while time.time() < deadline and len(_tagged(run_dir)) < 2:  # torchrun and its worker
+        time.sleep(0.2)
+    assert len(_tagged(run_dir)) >= 2
+
     r = ddp(hosts, "stop")
     assert r.exit_code == 0 and "here: stopped" in r.stdout
     assert _state(ddp, hosts)["state"] == "absent"
     deadline = time.time() + 10
-    while time.time() < deadline and _group_alive(pgid):
+    while time.time() < deadline and (_group_alive(pgid) or _tagged(run_dir)):
         time.sleep(0.2)
     assert not _group_alive(pgid)
+    assert _tagged(run_dir) == []  # the workers, in sessions of their own, are gone too
+
+
+def _tagged(run_dir: Path) -> list[int]:
+    """Processes whose environment carries this run's marker (torchrun and every worker)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"DDP_DEPLOY_RUN={run_dir}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
 
 
 def _group_alive(pgid: int) -> bool:
