@@ -47,13 +47,21 @@ def records(nas: Path) -> list[dict]:
     return [json.loads(line) for line in (nas / "ckpt" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture
-def fresh_nas(cluster):
-    """An empty NAS for each test (the cluster itself is shared by the session)."""
-    nas = Path(cluster.nas_dir)
+def _empty_nas(nas: Path) -> None:
+    """data/ and ckpt/ empty and owned by uid 1000, as the fixture made them."""
     for sub in ("data", "ckpt"):
         subprocess.run(["rm", "-rf", str(nas / sub)], check=True)
-    return nas
+        (nas / sub).mkdir()
+        os.chown(nas / sub, 1000, 1000)
+
+
+@pytest.fixture
+def fresh_nas(cluster):
+    """An empty NAS for each test (the cluster itself is shared by the session), and after it."""
+    nas = Path(cluster.nas_dir)
+    _empty_nas(nas)
+    yield nas
+    _empty_nas(nas)
 
 
 def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(cluster, fresh_nas, tmp_path):
