@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--only-check", action="store_true", help="time `check` alone (1 vs all nodes)")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="ddp-bench-deploy-"))
@@ -75,10 +76,13 @@ def main() -> None:
     redeploy_mb: list[float] = []
     with NetCluster(nodes=3) as cluster:
         one, every = inventory(cluster, workdir, 1), inventory(cluster, workdir, len(cluster.hosts))
-        ddp(cluster, every, "deploy")  # builds the image once, so later rounds time shipping alone
+        if not args.only_check:
+            ddp(cluster, every, "deploy")  # builds the image once, so later rounds time shipping alone
         for _ in range(args.rounds):
             times["check_1"].append(ddp(cluster, one, "check")[0])
             times["check_all"].append(ddp(cluster, every, "check")[0])
+            if args.only_check:
+                continue
             drop_image(cluster)
             times["deploy_1"].append(ddp(cluster, one, "deploy", "--no-build")[0])
             drop_image(cluster)
@@ -102,20 +106,24 @@ def main() -> None:
             ddp(cluster, every, "stop")
         nodes = len(cluster.hosts)
 
+    times = {k: v for k, v in times.items() if v}
     med = {k: statistics.median(v) for k, v in times.items()}
     record = {
         "bench": "deploy", "nodes": nodes, "rounds": args.rounds, "seconds": times, "median": med,
         "check_all_over_1": med["check_all"] / med["check_1"],
-        "deploy_all_over_1": med["deploy_all"] / med["deploy_1"],
+        "deploy_all_over_1": med["deploy_all"] / med["deploy_1"] if "deploy_1" in med else None,
         "redeploy_image_mb": redeploy_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for k, v in med.items():
         print(f"{k:22s} {v:8.2f} s   rounds: {', '.join(f'{x:.2f}' for x in times[k])}")
     print(f"check  {nodes} nodes / 1 node = {record['check_all_over_1']:.2f}")
-    print(f"deploy {nodes} nodes / 1 node = {record['deploy_all_over_1']:.2f}")
-    print(f"repeated deploy sent {max(redeploy_mb):.1f} MB of image")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only_check:
+        (out / "deploy-check.json").write_text(json.dumps(record, indent=2) + "\n")
+        return
+    print(f"deploy {nodes} nodes / 1 node = {record['deploy_all_over_1']:.2f}")
+    print(f"repeated deploy sent {max(redeploy_mb):.1f} MB of image")
     (out / "deploy.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

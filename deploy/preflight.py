@@ -6,6 +6,9 @@ An unreachable node gets one failed ``ssh`` check naming the cause and no furthe
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
 import secrets
 from dataclasses import dataclass
 
@@ -75,20 +78,21 @@ def run_checks(inv: Inventory, remote: Remote) -> list[Check]:
         return checks
 
     if inv.job.runtime == "docker":
-        checks += _simple(remote, up, "docker", ["docker", "version", "--format", "{{.Server.Version}}"],
-                          lambda r: (True, f"engine {r.stdout.strip()}"),
-                          "docker engine not usable")
+        engine = partial(_simple, remote, up, "docker", ["docker", "version", "--format", "{{.Server.Version}}"],
+                         lambda r: (True, f"engine {r.stdout.strip()}"), "docker engine not usable")
     else:
-        checks += _simple(remote, up, "python", list(plan.python_check_argv(inv)),
-                          lambda r: (True, f"torch {r.stdout.strip()}"),
-                          f"{inv.python_path()} cannot import trainer and torch")
+        engine = partial(_simple, remote, up, "python", list(plan.python_check_argv(inv)),
+                         lambda r: (True, f"torch {r.stdout.strip()}"),
+                         f"{inv.python_path()} cannot import trainer and torch")
     gpu_nodes = [n for n in up if inv.node(n).gpus > 0]
-    checks += _gpus(inv, remote, gpu_nodes)
-    storage = _storage(inv, remote, up)
-    checks += storage
-    checks += _shared(inv, remote, up)
-    checks += _rendezvous(inv, remote, up)
-    checks += _previous_run(inv, remote, up)
+    # The checks are independent of one another: they run at the same time, each over every
+    # node in parallel, on the connections opened above (one SSH channel per command).
+    groups = [engine, partial(_gpus, inv, remote, gpu_nodes), partial(_storage, inv, remote, up),
+              partial(_shared, inv, remote, up), partial(_rendezvous, inv, remote, up),
+              partial(_previous_run, inv, remote, up)]
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="check") as pool:
+        for found in pool.map(lambda group: group(), groups):
+            checks += found
     return checks
 
 
