@@ -38,9 +38,11 @@ def test_standalone_docker_run_trains_on_this_machine_as_a_non_root_user(cluster
     for sub in ("data", "ckpt"):
         (vol / sub).mkdir(parents=True)
         os.chown(vol / sub, 1000, 1000)
-    run = docker(cluster, "run", "--rm", "-e", "NPROC_PER_NODE=2", "-v", f"{vol / 'data'}:/data",
-                 "-v", f"{vol / 'ckpt'}:/ckpt", "ddp-trainer:standalone",  # the README's one command
-                 "--epochs", "1", "--synthetic-size", "512", "--batch-size", "32")
+    # The README's one command. The test daemons run without a bridge network (--bridge=none),
+    # so the container takes the host's network, where its hostname resolves.
+    run = docker(cluster, "run", "--rm", "--network", "host", "-e", "NPROC_PER_NODE=2",
+                 "-v", f"{vol / 'data'}:/data", "-v", f"{vol / 'ckpt'}:/ckpt", "ddp-trainer:standalone",
+                 "--epochs", "1", "--synthetic-size", "512", "--batch-size", "32", timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     final = json.loads((vol / "ckpt" / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["world_size"] == 2
