@@ -152,11 +152,11 @@ class CheckpointManager:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, owned by someone else
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

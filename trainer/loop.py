@@ -149,17 +149,13 @@ def steps_per_epoch(cfg: TrainConfig, env: DistEnv, n_train: int) -> int:
     return train_sampler(env, n_train, cfg.seed).num_samples // (cfg.batch_size * cfg.grad_accum)
 
 
-def _augment_generator(env: DistEnv) -> torch.Generator:
-    return torch.Generator(device=env.device)
-
-
 def train(ctx: Context, pos: Position) -> Position:
     """Trains from ``pos`` to the end (or max_steps); checkpoints and logs on the way."""
     cfg, env, b = ctx.cfg, ctx.env, ctx.built
     sampler = train_sampler(env, len(ctx.train), cfg.seed)
     dtype = amp_dtype(cfg)
     aug = cfg.augment and cfg.dataset == "cifar10"
-    generator = _augment_generator(env) if aug else None
+    generator = torch.Generator(device=env.device) if aug else None
     stats, timer = RunningStats(env.device), IntervalTimer()
     done = lambda: cfg.max_steps and pos.global_step >= cfg.max_steps  # noqa: E731
 
