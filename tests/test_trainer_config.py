@@ -29,6 +29,7 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     (["--grad-accum", "1.5"], "grad_accum"),
     (["--backend", "nccl", "--device", "cpu"], "backend"),
     (["--gamma", "2"], "gamma"),
+    (["--dist-timeout", "0"], "dist_timeout"),
 ])
 def test_invalid_values_are_rejected_naming_the_field(argv, field):
     with pytest.raises(ConfigError, match=rf"^{field}:"):

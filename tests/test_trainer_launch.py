@@ -1,25 +1,29 @@
-from trainer.launch import torchrun_argv
+import socket
+import subprocess
+
+import pytest
+
+from trainer.launch import bind_rendezvous_store, option, torchrun_args
 
 
 def test_arguments_after_the_separator_go_to_the_trainer_and_before_it_to_torchrun():
-    argv = torchrun_argv(["--nnodes", "3", "--rdzv-backend", "c10d", "--", "--epochs", "1"], {})
-    cut = argv.index("-m", 3)
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
-    assert argv[3:cut] == ["--nnodes", "3", "--rdzv-backend", "c10d"]
-    assert argv[cut:] == ["-m", "trainer", "--epochs", "1"]
+    args = torchrun_args(["--nnodes", "3", "--rdzv-backend", "c10d", "--", "--epochs", "1"], {})
+    cut = args.index("-m")
+    assert args[:cut] == ["--nnodes", "3", "--rdzv-backend", "c10d"]
+    assert args[cut:] == ["-m", "trainer", "--epochs", "1"]
 
 
 def test_without_separator_it_runs_standalone_with_every_argument_for_the_trainer():
-    argv = torchrun_argv(["--dataset", "mnist", "--data-dir", "/elsewhere"], {"NPROC_PER_NODE": "4"})
-    assert argv[3:6] == ["--standalone", "--nproc-per-node", "4"]
-    assert argv[argv.index("trainer") + 1:] == ["--dataset", "mnist", "--data-dir", "/elsewhere"]
+    args = torchrun_args(["--dataset", "mnist", "--data-dir", "/elsewhere"], {"NPROC_PER_NODE": "4"})
+    assert args[:3] == ["--standalone", "--nproc-per-node", "4"]
+    assert args[args.index("trainer") + 1:] == ["--dataset", "mnist", "--data-dir", "/elsewhere"]
 
 
 def test_standalone_starts_one_process_per_gpu_or_one_without_gpus(monkeypatch):
     import trainer.launch as launch
 
     monkeypatch.setattr(launch, "default_nproc", lambda: "1")  # what a machine without GPUs reports
-    assert torchrun_argv([], {})[3:6] == ["--standalone", "--nproc-per-node", "1"]
+    assert torchrun_args([], {})[:3] == ["--standalone", "--nproc-per-node", "1"]
 
 
 def test_default_nproc_counts_visible_gpus(monkeypatch):
@@ -30,3 +34,39 @@ def test_default_nproc_counts_visible_gpus(monkeypatch):
     assert launch.default_nproc() == "1"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # GPUs cannot exist here
     assert launch.default_nproc() == "8"
+
+
+@pytest.mark.parametrize("args", [["--local-addr", "10.1.2.3"], ["--local_addr", "10.1.2.3"],
+                                  ["--nnodes", "2", "--local-addr=10.1.2.3"]])
+def test_local_addr_is_read_in_every_spelling_torchrun_accepts(args):
+    assert option([*args, "-m", "trainer", "--local-addr", "trainer's own"], "--local-addr") == "10.1.2.3"
+
+
+def test_a_trainer_flag_of_the_same_name_is_not_taken_for_torchrun_s():
+    assert option(["--nnodes", "1", "-m", "trainer", "--local-addr", "x"], "--local-addr") is None
+
+
+def _listeners(port: int) -> list[str]:
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_rendezvous_store_listens_on_the_local_address_alone(monkeypatch):
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    monkeypatch.setattr(backend, "TCPStore", backend.TCPStore)  # undone after the test
+    bind_rendezvous_store("127.0.0.2")
+    port = _free_port()
+    store = backend.TCPStore("127.0.0.2", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
+    assert _listeners(port) == [f"127.0.0.2:{port}"]  # not *:port, as TCPStore binds by default
+    client = backend.TCPStore("127.0.0.2", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("key", "value")
+    assert store.get("key") == b"value"

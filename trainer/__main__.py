@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,8 @@ def run(cfg: TrainConfig, env: DistEnv) -> dict:
     if latest:
         pos = restore(ctx, ctx.checkpoints.load(latest))
         log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
+        ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
+                           "step": pos.global_step, "world_size": env.world_size})
     pos = train(ctx, pos)
     final = evaluate(ctx)
     if env.is_main:
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(argv)
-        env = setup(cfg.device, cfg.backend)
+        env = setup(cfg.device, cfg.backend, cfg.dist_timeout)
     except (ConfigError, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2

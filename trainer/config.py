@@ -64,6 +64,8 @@ class TrainConfig:
     # --- runtime ---
     backend: str = field(default="auto", metadata={"help": "process group backend (auto: nccl on GPU, gloo on CPU)"})
     device: str = field(default="auto", metadata={"help": "auto: cuda when available, else cpu"})
+    dist_timeout: int = field(default=600, metadata={
+        "help": "seconds a collective waits for a silent peer before the job fails (a lost node)"})
     # --- checkpoints and metrics ---
     ckpt_dir: str = field(default="runs/ckpt", metadata={"help": "checkpoints, final model and metrics"})
     ckpt_every: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps (0: epoch ends only)"})
@@ -82,6 +84,7 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "eval_batch_size", "grad_accum", "keep_last",
                      "log_every", "synthetic_size", "step_size_epochs"):
             _at_least(self, name, 1)
+        _at_least(self, "dist_timeout", 10)
         for name in ("max_steps", "warmup_steps", "ckpt_every", "seed", "clip_grad", "weight_decay", "momentum"):
             _at_least(self, name, 0)
         if not self.lr > 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,12 @@ def pick_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def setup(requested_device: str = "auto", requested_backend: str = "auto") -> DistEnv:
-    """Reads the launcher's environment once and joins the process group when launched by torchrun."""
+def setup(requested_device: str = "auto", requested_backend: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Reads the launcher's environment once and joins the process group when launched by torchrun.
+
+    ``timeout_s`` bounds every collective: a peer that vanished without closing its sockets
+    (a node whose link went down) fails the job after that long instead of torch's 30 minutes.
+    """
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -87,7 +92,7 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto") -> Di
         torch.cuda.set_device(device)
     if backend is not None and not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, **kwargs)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
 
 

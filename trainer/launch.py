@@ -1,15 +1,19 @@
-"""The image's entrypoint: torchrun options, then ``--``, then trainer flags.
+"""The launcher on every node: torchrun options, then ``--``, then trainer flags.
 
-``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs
-``torchrun --nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a
-trainer flag and torchrun runs standalone on this machine: one process per visible GPU, or one
-process on a CPU-only machine, or ``$NPROC_PER_NODE``. (``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``,
-set in the image to its volumes, are read by the trainer's config as defaults.)
+``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs torchrun (in this process)
+with ``--nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a trainer
+flag and torchrun runs standalone on this machine: one process per visible GPU, or one process
+on a CPU-only machine, or ``$NPROC_PER_NODE``. (``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``, set in
+the image to its volumes, are read by the trainer's config as defaults.)
+
+With ``--local-addr ADDR``, the c10d rendezvous store that torchrun hosts on the endpoint node
+listens on ADDR alone: torch's TCPStore otherwise binds every address of the machine.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 
@@ -19,19 +23,59 @@ def default_nproc() -> str:
     return str(torch.cuda.device_count() or 1)
 
 
-def torchrun_argv(args: list[str], environ: dict[str, str]) -> list[str]:
+def torchrun_args(args: list[str], environ: dict[str, str]) -> list[str]:
+    """The arguments torchrun receives (its options, then ``-m trainer`` and the trainer flags)."""
     if "--" in args:
         cut = args.index("--")
         launcher, trainer = args[:cut], args[cut + 1:]
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *trainer]
+    return [*launcher, "-m", "trainer", *trainer]
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The value of torchrun option ``--name`` (also spelt ``--name=V`` or with underscores)."""
+    spellings = {name, "--" + name[2:].replace("-", "_")}
+    for i, arg in enumerate(args):
+        if arg == "-m":
+            return None
+        if arg in spellings and i + 1 < len(args):
+            return args[i + 1]
+        key, eq, value = arg.partition("=")
+        if eq and key in spellings:
+            return value
+    return None
+
+
+def bind_rendezvous_store(address: str) -> None:
+    """Makes the store torchrun hosts for the c10d rendezvous listen on ``address`` only.
+
+    TCPStore has no bind address, but it accepts an already listening socket
+    (``master_listen_fd``); the c10d backend's store is created through the name below.
+    """
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    tcp_store = backend.TCPStore
+
+    def bound_store(host, port, *args, is_master=False, **kwargs):
+        if is_master and kwargs.get("master_listen_fd") is None:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            listener = socket.create_server((address, port), family=family, backlog=1024)
+            kwargs["master_listen_fd"] = listener.detach()
+        return tcp_store(host, port, *args, is_master=is_master, **kwargs)
+
+    backend.TCPStore = bound_store
 
 
 def main() -> None:
-    argv = torchrun_argv(sys.argv[1:], dict(os.environ))
-    os.execv(argv[0], argv)
+    args = torchrun_args(sys.argv[1:], dict(os.environ))
+    address = option(args, "--local-addr")
+    if address:
+        bind_rendezvous_store(address)
+    from torch.distributed.run import main as torchrun
+
+    torchrun(args)
 
 
 if __name__ == "__main__":
