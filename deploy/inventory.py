@@ -117,7 +117,8 @@ class Job(_Model):
     runtime: Literal["docker", "host"] = "docker"
     """docker: one container per node; host: torchrun straight on the node."""
     max_restarts: int = Field(default=3, ge=0)
-    """torchrun --max-restarts."""
+    """torchrun --max-restarts; with docker, also how often a node's container is started again
+    after its torchrun died (``--restart on-failure:N``), so a killed node rejoins the job."""
 
 
 class Rendezvous(_Model):

@@ -194,6 +194,10 @@ def launch_spec(inv: Inventory, index: int, detected_interface: str | None = Non
         argv = ["docker", "run", "-d", "--name", container_name(inv, node),
                 "--label", f"ddp.job={inv.job.name}", "--label", f"ddp.node={node.name}",
                 "--network", "host", "--ipc", "host", "--pull", "never"]  # only the image deploy verified
+        if inv.job.max_restarts > 0:
+            # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
+            # next rendezvous round; the survivors' agents restart their workers into that round.
+            argv += ["--restart", f"on-failure:{inv.job.max_restarts}"]
         if node.gpus > 0:
             argv += ["--gpus", "all"]
         for src, dst in mounts:
@@ -203,7 +207,7 @@ def launch_spec(inv: Inventory, index: int, detected_interface: str | None = Non
         argv += [inv.image.name, *torchrun, "--", *trainer]
     else:
         mounts = ()
-        cmd = [inv.python_path(), "-m", "torch.distributed.run", *torchrun, "-m", "trainer", *trainer]
+        cmd = [inv.python_path(), "-m", "trainer.launch", *torchrun, "--", *trainer]
         if env:
             cmd = ["env", *(f"{k}={v}" for k, v in env), *cmd]
         argv = ["sh", "-c", HOST_START, "sh", run_dir(inv, node), *cmd]

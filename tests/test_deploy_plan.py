@@ -73,6 +73,13 @@ def test_docker_command_for_a_gpu_node():
     assert argv[sep + 1:sep + 5] == ["--data-dir", "/data", "--ckpt-dir", "/ckpt"]
 
 
+def test_a_killed_container_is_started_again_as_often_as_torchrun_restarts_workers():
+    argv = plan.launch_plan(_inv())[0].argv
+    assert _opt(argv, "--restart") == "on-failure:2"
+    never = plan.launch_plan(_inv(**{"max_restarts: 2": "max_restarts: 0"}))[0].argv
+    assert "--restart" not in never
+
+
 def test_cpu_node_gets_no_gpus_flag_and_no_interface_env():
     argv = plan.launch_plan(_inv())[2].argv
     assert "--gpus" not in argv and "-e" not in argv
@@ -86,9 +93,9 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[4] == "/nas/ckpt/.ddp-deploy/demo/a"
     cmd = argv[5:]
     assert cmd[:3] == ["env", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[3:6] == ["python3", "-m", "torch.distributed.run"]
-    t = cmd.index("trainer")
-    assert cmd[t - 1] == "-m"
+    assert cmd[3:6] == ["python3", "-m", "trainer.launch"]
+    t = cmd.index("--")
+    assert tuple(cmd[6:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
