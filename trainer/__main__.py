@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
+    finished = False
     try:
         run(cfg, env)
+        finished = True
     except ResumeMismatch as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        teardown(env)
+        teardown(env, finished)
     return 0
 
 

@@ -35,7 +35,12 @@ def build(cfg: TrainConfig, env: DistEnv, spec: DatasetSpec, steps_per_epoch: in
     model: nn.Module = raw
     if env.distributed:
         ids = [env.device.index] if env.device.type == "cuda" else None
-        model = DDP(raw, device_ids=ids)
+        # DDP re-lays its gradient buckets after a process's first step, and with more than two
+        # ranks gloo's sum order follows an element's place in its bucket: a resumed process
+        # would round its first step differently. Without find_unused_parameters the re-layout
+        # happens; with it, buckets keep their first layout for good, so a CPU run resumed from
+        # a checkpoint ends bit-identical. (NCCL sums are not bitwise reproducible anyway.)
+        model = DDP(raw, device_ids=ids, find_unused_parameters=env.backend == "gloo")
     optimizer = _optimizer(cfg, raw)
     scheduler = _scheduler(cfg, optimizer, steps_per_epoch)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")

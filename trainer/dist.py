@@ -7,6 +7,8 @@ single process (no process group at all; every collective below is then a no-op)
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,14 +93,55 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if backend is not None and not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            kwargs.update(store=_bound_store(rank, world_size, timeout), rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
 
 
-def teardown(env: DistEnv) -> None:
+def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The workers' store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 on that address alone.
+
+    What ``env://`` would make, except that TCPStore listens on every address of the machine;
+    handing it a socket already bound to MASTER_ADDR (the node's --local-addr) keeps it there.
+    """
+    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500)
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        listen_fd = socket.create_server((addr, port), family=family, backlog=1024).detach()
+    global _OWN_STORE
+    _OWN_STORE = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                               master_listen_fd=listen_fd)
+    return _OWN_STORE
+
+
+_OWN_STORE: dist.TCPStore | None = None
+_LEFT_KEY = "trainer/left"
+
+
+def teardown(env: DistEnv, finished: bool = False) -> None:
+    """Leaves the process group; after a finished run, rank 0 (the store's host) leaves last."""
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()
+        if finished and _OWN_STORE is not None:
+            _leave_store_host_last(env)
+
+
+def _leave_store_host_last(env: DistEnv, timeout_s: float = 60) -> None:
+    """Rank 0 hosts the workers' store in its own process: it exits only after every other
+    rank has signed off, so none of them loses the store while it still shuts down."""
+    try:
+        if not env.is_main:
+            _OWN_STORE.add(_LEFT_KEY, 1)
+            return
+        deadline = time.monotonic() + timeout_s
+        while _OWN_STORE.add(_LEFT_KEY, 0) < env.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # a peer that already died cannot sign off; the job is ending anyway
+        pass
 
 
 def barrier(env: DistEnv) -> None:

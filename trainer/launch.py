@@ -69,6 +69,12 @@ def bind_rendezvous_store(address: str) -> None:
 
 
 def main() -> None:
+    # With the store shared between agents and workers (torch's default), an agent that joins a
+    # later round as a new process (a node's container killed and started again) waits for
+    # MASTER_ADDR in that round, which group rank 0 only publishes in its first round: the
+    # round times out and the job dies. Unshared, every round publishes it; the workers' own
+    # store is then made by the trainer (trainer.dist), bound to the node's address.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     address = option(args, "--local-addr")
     if address:
