@@ -1,19 +1,34 @@
 """Checks run on every node before anything is started anywhere.
 
-Each check runs on all reachable nodes in parallel and yields one :class:`Check` per node.
-An unreachable node gets one failed ``ssh`` check naming the cause and no further checks.
+Every node runs ONE command (one SSH session: on fleets whose login shell runs conda or pyenv
+init, each command costs a fraction of a second before it does anything), built by
+:func:`check_argv`: a constant bash script that runs each check's argv list at the same time,
+every value a positional argument, and prints tagged lines (``TAG o LINE``, ``TAG e LINE``,
+``TAG rc CODE``) that :func:`parse_tagged` turns back into one :class:`Result` per check.
+
+Two checks need the nodes to meet, and the session has two phases for them
+(:meth:`Remote.converse`):
+
+- shared storage: in phase 1 every node writes its own token file under the checkpoint
+  directory; once all have, the first reachable node is the reference and every other node
+  reads the reference's token in phase 2; the reference ends last, and every node removes its
+  own token file as it ends.
+- rendezvous: the endpoint listens on the port during phase 1 while every other node connects.
+
+An unreachable node gets one failed ``ssh`` (or ``local``) check naming the cause and no further
+checks.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-
+import os
+import re
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from . import plan
-from .inventory import Inventory
+from .inventory import Inventory, Node
 from .remote import Remote, Result
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
@@ -23,6 +38,15 @@ STORAGE = r"""for p in "$@"; do
   kb=$(df -Pk "$q" | awk 'NR==2 {print $4}')
   if [ "$q" = "$p" ]; then echo "OK $p $kb"; else echo "MISSING $p $kb $q"; fi
 done
+"""
+
+# $1 = directory, $2 = token. Writes the token into $1 (or its nearest existing ancestor, as
+# STORAGE does); prints the file's path before writing it; exit 3: no writable directory.
+TOKEN = r"""q=$1; while [ ! -e "$q" ]; do q=$(dirname "$q"); done
+if [ ! -d "$q" ] || [ ! -w "$q" ]; then echo "$q is not a writable directory" >&2; exit 3; fi
+p="${q%/}/.ddp-deploy-check-$2"
+echo "$p"
+printf %s "$2" > "$p"
 """
 
 # argv: PORT N TIMEOUT. Binds the port (fails if in use), accepts N connections or times out.
@@ -46,16 +70,52 @@ print(f"accepted {got} of {n}")
 sys.exit(0 if got >= n else 4)
 """
 
-# $1 = address, $2 = port. Retries while the listener starts.
-CONNECT = r"""i=0
-while [ $i -lt 20 ]; do
+# $1 = address, $2 = port, $3 = seconds. Retries while the listener starts.
+CONNECT = r"""end=$((SECONDS + $3))
+while [ $SECONDS -lt $end ]; do
   if timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; then echo connected; exit 0; fi
-  sleep 0.5; i=$((i+1))
+  sleep 0.1
 done
 echo "cannot connect to $1:$2" >&2; exit 1
 """
 
-WRITE_TOKEN = r"""printf %s "$1" > "$2" """
+MARKER = "@phase2"
+
+# $1 = seconds each check may take, then per check: TAG N and the N words of its argv.
+# Phase 1 starts every check at once, then prints each one's output as tagged lines (rc
+# "124": it ran past the limit) and the MARKER line. Phase 2 reads one line from stdin:
+# "READ PATH" prints PATH's content as tag "seen"; anything else, or EOF, just ends. On exit
+# the node removes the token file its "token" check wrote.
+PHASES = r"""limit=$1; shift
+tmp=$(mktemp -d) || exit 1
+mine=
+trap 'rm -rf "$tmp"; [ -z "$mine" ] || timeout "$limit" rm -f "$mine"' EXIT
+emit() {
+  local line
+  while IFS= read -r line || [ -n "$line" ]; do printf '%s o %s\n' "$1" "$line"; done < "$tmp/$1.o"
+  while IFS= read -r line || [ -n "$line" ]; do printf '%s e %s\n' "$1" "$line"; done < "$tmp/$1.e"
+  printf '%s rc %s\n' "$1" "$2"
+}
+tags=(); pids=()
+while [ $# -gt 0 ]; do
+  tag=$1; n=$2; shift 2
+  timeout "$limit" "${@:1:n}" < /dev/null > "$tmp/$tag.o" 2> "$tmp/$tag.e" &
+  tags+=("$tag"); pids+=($!)
+  shift "$n"
+done
+for i in "${!tags[@]}"; do
+  wait "${pids[i]}"; rc=$?
+  [ "${tags[i]}" = token ] && mine=$(head -n 1 "$tmp/token.o")
+  emit "${tags[i]}" "$rc"
+done
+echo '""" + MARKER + r"""'
+if IFS= read -r -t $((2 * limit)) line && [ "${line%% *}" = READ ]; then
+  timeout "$limit" cat "${line#READ }" < /dev/null > "$tmp/seen.o" 2> "$tmp/seen.e"
+  emit seen $?
+fi
+"""
+
+PROBE_SECONDS = 60
 LISTEN_SECONDS = 15
 
 
@@ -67,38 +127,133 @@ class Check:
     detail: str
 
 
+def engine_argv(inv: Inventory) -> tuple[str, ...]:
+    if inv.job.runtime == "docker":
+        return ("docker", "version", "--format", "{{.Server.Version}}")
+    return plan.python_check_argv(inv)
+
+
+def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
+    """The endpoint listens for every other node; every other node connects to it."""
+    rdzv, port = inv.rdzv_node, str(inv.rendezvous.port)
+    if node.name == rdzv.name:
+        python = "python3" if inv.job.runtime == "docker" else inv.python_path()
+        return (python, "-c", LISTEN, port, str(len(inv.nodes) - 1), str(LISTEN_SECONDS))
+    return ("bash", "-c", CONNECT, "bash", rdzv.address, port, str(LISTEN_SECONDS))
+
+
+def check_argv(inv: Inventory, node: Node, token: str) -> tuple[str, ...]:
+    """The one command run on ``node``; ``token`` is empty for a one-node inventory."""
+    s = inv.storage
+    checks: list[tuple[str, Sequence[str]]] = [("engine", engine_argv(inv))]
+    if node.gpus > 0:
+        checks.append(("gpus", ("nvidia-smi", "-L")))
+    checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
+    if token:
+        checks.append(("token", ("sh", "-c", TOKEN, "sh", s.checkpoints.host, token)))
+    checks += [("status", plan.status_argv(inv, node)), ("rdzv", rendezvous_argv(inv, node))]
+    argv = ["bash", "-c", PHASES, "bash", str(PROBE_SECONDS)]
+    for tag, words in checks:
+        argv += [tag, str(len(words)), *words]
+    return tuple(argv)
+
+
+def parse_tagged(node: str, stdout: str) -> dict[str, Result]:
+    """PHASES output -> one Result per check tag."""
+    out: dict[str, list[str]] = {}
+    err: dict[str, list[str]] = {}
+    done: dict[str, Result] = {}
+    for line in stdout.splitlines():
+        tag, kind, text = (line.split(" ", 2) + ["", ""])[:3]
+        if kind == "o":
+            out.setdefault(tag, []).append(text)
+        elif kind == "e":
+            err.setdefault(tag, []).append(text)
+        elif kind == "rc" and text.isdigit():
+            o, e = "\n".join(out.get(tag, [])), "\n".join(err.get(tag, []))
+            if text == "124":
+                done[tag] = Result(node, None, o, e, error=f"timed out after {PROBE_SECONDS} s")
+            else:
+                done[tag] = Result(node, int(text), o, e)
+    return done
+
+
+def token_waves(inv: Inventory, first: Mapping[str, Result]) -> list[dict[str, str]]:
+    """Phase 2: the other nodes read the reference's token, then the reference ends."""
+    up = [n.name for n in inv.nodes if first[n.name].connected]
+    if len(up) < 2:
+        return []
+    token = parse_tagged(up[0], first[up[0]].stdout).get("token")
+    path = token.stdout.strip() if token is not None and token.ok else ""
+    if not path:
+        return []
+    return [{n: f"READ {path}\n" for n in up[1:]}, {up[0]: ""}]
+
+
 def run_checks(inv: Inventory, remote: Remote) -> list[Check]:
+    tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
+    commands = {n.name: check_argv(inv, n, tokens.get(n.name, "")) for n in inv.nodes}
+    first: dict[str, Result] = {}
+
+    def reply(phase1: dict[str, Result]) -> list[dict[str, str]]:
+        first.update(phase1)
+        return token_waves(inv, phase1)
+
+    final = remote.converse(commands, marker=MARKER, reply=reply,
+                            timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
+    return checks_from(inv, first, final, tokens)
+
+
+def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
+                tokens: Mapping[str, str]) -> list[Check]:
+    """Every node's Check rows from its session's output (``first``: up to the barrier)."""
     checks: list[Check] = []
-    reach = remote.run_all(["true"], check=False, timeout=60)
-    up = [n for n, r in reach.items() if r.connected]
-    for node, r in reach.items():
-        how = "local" if inv.node(node).connection == "local" else "ssh"
-        checks.append(Check(node, how, r.connected, "reachable" if r.connected else r.error))
+    for n in inv.nodes:
+        r = first[n.name]
+        how = "local" if n.connection == "local" else "ssh"
+        checks.append(Check(n.name, how, r.connected, "reachable" if r.connected else r.error))
+    up = [n.name for n in inv.nodes if first[n.name].connected]
     if not up:
         return checks
+    results = {}
+    for node in up:
+        got = parse_tagged(node, final[node].stdout)
+        missing = Result(node, None, error=f"no result ({final[node].summary()})")
+        results[node] = _Tags(got, missing)
 
     if inv.job.runtime == "docker":
-        engine = partial(_simple, remote, up, "docker", ["docker", "version", "--format", "{{.Server.Version}}"],
-                         lambda r: (True, f"engine {r.stdout.strip()}"), "docker engine not usable")
+        checks += _judged(up, results, "engine", "docker", lambda r: (True, f"engine {r.stdout.strip()}"),
+                          "docker engine not usable")
     else:
-        engine = partial(_simple, remote, up, "python", list(plan.python_check_argv(inv)),
-                         lambda r: (True, f"torch {r.stdout.strip()}"),
-                         f"{inv.python_path()} cannot import trainer and torch")
-    gpu_nodes = [n for n in up if inv.node(n).gpus > 0]
-    # The checks are independent of one another: they run at the same time, each over every
-    # node in parallel, on the connections opened above (one SSH channel per command).
-    groups = [engine, partial(_gpus, inv, remote, gpu_nodes), partial(_storage, inv, remote, up),
-              partial(_shared, inv, remote, up), partial(_rendezvous, inv, remote, up),
-              partial(_previous_run, inv, remote, up)]
-    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="check") as pool:
-        for found in pool.map(lambda group: group(), groups):
-            checks += found
+        checks += _judged(up, results, "engine", "python", lambda r: (True, f"torch {r.stdout.strip()}"),
+                          f"{inv.python_path()} cannot import trainer and torch")
+
+    def gpus(r: Result):
+        want = inv.node(r.node).gpus
+        have = sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
+        return have >= want, f"{have} GPUs, need {want}"
+
+    checks += _judged([n for n in up if inv.node(n).gpus > 0], results, "gpus", "gpus", gpus, "nvidia-smi failed")
+    checks += [_storage(inv, results[n]["storage"]) for n in up]
+    checks += _shared(inv, up, results, tokens)
+    checks += _rendezvous(inv, up, results)
+    checks += [_previous_run(results[n]["status"]) for n in up]
     return checks
 
 
-def _simple(remote, nodes, name, argv, judge, fail_text) -> list[Check]:
+class _Tags(dict):
+    def __init__(self, got: dict[str, Result], missing: Result) -> None:
+        super().__init__(got)
+        self.missing = missing
+
+    def __missing__(self, tag: str) -> Result:
+        return self.missing
+
+
+def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
     out = []
-    for node, r in remote.run({n: argv for n in nodes}, check=False, timeout=60).items():
+    for node in nodes:
+        r = results[node][tag]
         if r.ok:
             ok, detail = judge(r)
         else:
@@ -107,106 +262,85 @@ def _simple(remote, nodes, name, argv, judge, fail_text) -> list[Check]:
     return out
 
 
-def _gpus(inv, remote, nodes) -> list[Check]:
-    def judge(r: Result):
-        want = inv.node(r.node).gpus
-        have = sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
-        return have >= want, f"{have} GPUs, need {want}"
-
-    return _simple(remote, nodes, "gpus", ["nvidia-smi", "-L"], judge, "nvidia-smi failed")
-
-
-def _storage(inv, remote, nodes) -> list[Check]:
+def _storage(inv: Inventory, r: Result) -> Check:
     s = inv.storage
     need_kb = s.min_free_gb * 1024 * 1024
-    out = []
-    argv = ["sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host]
-    for node, r in remote.run({n: argv for n in nodes}, check=False, timeout=60).items():
-        if not r.ok:
-            out.append(Check(node, "storage", False, r.summary()))
+    if not r.ok:
+        return Check(r.node, "storage", False, r.summary())
+    problems, notes = [], []
+    for line in r.stdout.splitlines():
+        kind, path, rest = (line.split(" ", 2) + ["", ""])[:3]
+        if kind == "FAIL":
+            problems.append(f"{path}: {rest}")
             continue
-        problems, notes = [], []
-        for line in r.stdout.splitlines():
-            kind, path, rest = (line.split(" ", 2) + ["", ""])[:3]
-            if kind == "FAIL":
-                problems.append(f"{path}: {rest}")
-                continue
-            free_kb = int(rest.split()[0])
-            if free_kb < need_kb:
-                problems.append(f"{path}: {free_kb / 1048576:.1f} GB free, need {s.min_free_gb:g}")
-            if kind == "MISSING":
-                notes.append(f"{path} missing (deploy creates it)")
-        detail = "; ".join(problems or notes) or "exists, writable, enough space"
-        out.append(Check(node, "storage", not problems, detail))
-    return out
+        free_kb = int(rest.split()[0])
+        if free_kb < need_kb:
+            problems.append(f"{path}: {free_kb / 1048576:.1f} GB free, need {s.min_free_gb:g}")
+        if kind == "MISSING":
+            notes.append(f"{path} missing (deploy creates it)")
+    detail = "; ".join(problems or notes) or "exists, writable, enough space"
+    return Check(r.node, "storage", not problems, detail)
 
 
-def _shared(inv, remote, nodes) -> list[Check]:
-    """Write a random token on the first node, read it on all others."""
-    if len(inv.nodes) < 2 or len(nodes) < 2:
-        return [Check(n, "shared storage", True, "single node") for n in nodes] if len(inv.nodes) < 2 else []
-    token = secrets.token_hex(16)
-    ckpt = inv.storage.checkpoints.host
-    probe = remote.run({nodes[0]: ["sh", "-c", STORAGE, "sh", ckpt]}, check=False)[nodes[0]]
-    words = probe.stdout.split()
-    if not probe.ok or not words or words[0] == "FAIL":
-        return [Check(n, "shared storage", False, f"cannot write under {ckpt} on {nodes[0]}") for n in nodes]
-    base = ckpt if words[0] == "OK" else words[3]
-    path = f"{base.rstrip('/')}/.ddp-deploy-check-{token}"
-    w = remote.run({nodes[0]: ["sh", "-c", WRITE_TOKEN, "sh", token, path]}, check=False)[nodes[0]]
+def _shared(inv: Inventory, up: list[str], results, tokens) -> list[Check]:
+    """The first reachable node's token, written in phase 1, must be read by every other node."""
+    if len(inv.nodes) < 2:
+        return [Check(n, "shared storage", True, "single node") for n in up]
+    if len(up) < 2:
+        return []
+    ref, ckpt = up[0], inv.storage.checkpoints.host
+    w = results[ref]["token"]
+    path = w.stdout.strip()
+    if not path:
+        return [Check(n, "shared storage", False, f"cannot write under {ckpt} on {ref}") for n in up]
     if not w.ok:
-        return [Check(nodes[0], "shared storage", False, f"cannot write {path}: {w.summary()}")]
-    try:
-        reads = remote.run({n: ["cat", path] for n in nodes[1:]}, check=False)
-    finally:
-        remote.run({nodes[0]: ["rm", "-f", path]}, check=False)
-    out = [Check(nodes[0], "shared storage", True, f"wrote token to {base}")]
-    for n, r in reads.items():
-        same = r.ok and r.stdout.strip() == token
+        return [Check(ref, "shared storage", False, f"cannot write {path}: {w.summary()}")]
+    out = [Check(ref, "shared storage", True, f"wrote token to {os.path.dirname(path)}")]
+    for n in up[1:]:
+        r = results[n]["seen"]
+        same = r.ok and r.stdout.strip() == tokens[ref]
         out.append(Check(n, "shared storage", same,
-                         f"sees {nodes[0]}'s token" if same else f"does not see {path} written by {nodes[0]}: "
+                         f"sees {ref}'s token" if same else f"does not see {path} written by {ref}: "
                          "not the same storage"))
     return out
 
 
-def _rendezvous(inv, remote, nodes) -> list[Check]:
+_ACCEPTED = re.compile(r"accepted (\d+) of \d+")
+
+
+def _rendezvous(inv: Inventory, up: list[str], results) -> list[Check]:
     rdzv = inv.rdzv_node
     port = inv.rendezvous.port
-    if rdzv.name not in nodes:
+    if rdzv.name not in up:
         return [Check(rdzv.name, "rendezvous", False, "endpoint node unreachable")]
-    others = [n for n in nodes if n != rdzv.name]
-    python = "python3" if inv.job.runtime == "docker" else inv.python_path()
-    listen = [python, "-c", LISTEN, str(port), str(len(others)), str(LISTEN_SECONDS)]
-    connect = ["sh", "-c", CONNECT, "sh", rdzv.address, str(port)]
-
-    def one(node: str) -> Result:
-        argv = listen if node == rdzv.name else connect
-        return remote.run({node: argv}, check=False, timeout=LISTEN_SECONDS + 15)[node]
-
-    results = remote.parallel(nodes, one)
+    others = [n for n in up if n != rdzv.name]
     out = []
-    for node, r in results.items():
+    for node in up:
+        r = results[node]["rdzv"]
         if node == rdzv.name:
-            detail = f"port {port} free" if r.ok else (r.stdout.strip() or r.summary())
+            got = _ACCEPTED.search(r.stdout)
+            ok = got is not None and r.exit_code in (0, 4) and int(got[1]) >= len(others)
+            if ok:
+                detail = f"port {port} free"
+            elif got is not None and r.exit_code in (0, 4):
+                detail = f"accepted {got[1]} of {len(others)}"
+            else:
+                detail = r.stdout.strip() or r.summary()
         else:
-            detail = f"reaches {rdzv.address}:{port}" if r.ok else f"cannot reach {rdzv.address}:{port}"
-        out.append(Check(node, "rendezvous", r.ok, detail))
+            ok = r.ok
+            detail = f"reaches {rdzv.address}:{port}" if ok else f"cannot reach {rdzv.address}:{port}"
+        out.append(Check(node, "rendezvous", ok, detail))
     return out
 
 
-def _previous_run(inv, remote, nodes) -> list[Check]:
-    out = []
-    cmds = {n: plan.status_argv(inv, inv.node(n)) for n in nodes}
-    for node, r in remote.run(cmds, check=False, timeout=60).items():
-        if not r.ok:
-            out.append(Check(node, "previous run", False, r.summary()))
-            continue
-        st = plan.parse_status(r.stdout)
-        if st.running:
-            detail = "still running: run `ddp-deploy stop` first"
-        elif st.exists:
-            detail = f"finished ({st.state}); launch clears it and the job resumes from its checkpoint"
-        else:
-            detail = "none"
-        out.append(Check(node, "previous run", not st.running, detail))
-    return out
+def _previous_run(r: Result) -> Check:
+    if not r.ok:
+        return Check(r.node, "previous run", False, r.summary())
+    st = plan.parse_status(r.stdout)
+    if st.running:
+        detail = "still running: run `ddp-deploy stop` first"
+    elif st.exists:
+        detail = f"finished ({st.state}); launch clears it and the job resumes from its checkpoint"
+    else:
+        detail = "none"
+    return Check(r.node, "previous run", not st.running, detail)

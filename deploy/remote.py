@@ -39,7 +39,8 @@ def command_line(argv: Sequence[str]) -> str:
 class Result:
     node: str
     exit_code: int | None
-    """None when the command never ran (connection failure, timeout)."""
+    """None when the command never ran (connection failure, timeout), or, in the middle of
+    :meth:`Remote.converse`, when it is still running."""
     stdout: str = ""
     stderr: str = ""
     error: str | None = None
@@ -145,6 +146,61 @@ class Remote:
             return Result(node, None, error=str(e))
         except (OSError, paramiko.SSHException) as e:
             return Result(node, None, error=f"transfer broke: {e}")
+
+    def converse(
+        self,
+        commands: Mapping[str, Sequence[str]],
+        *,
+        marker: str,
+        reply: Callable[[dict[str, Result]], Sequence[Mapping[str, str]]],
+        timeout: float | None = None,
+    ) -> dict[str, Result]:
+        """Run commands whose stdin stays open, in two phases with one barrier between them.
+
+        Once every node has printed the line ``marker`` (or ended, or failed to start),
+        ``reply`` gets each node's output so far (``exit_code`` None while it still runs) and
+        returns waves of ``{node: text}``: each wave's nodes get their text on stdin, then EOF,
+        and are read to the end before the next wave starts; nodes in no wave get EOF last.
+        Each node's final :class:`Result` holds its whole output except the marker line. One
+        command per node however many phases: a login shell that is slow to start starts once.
+        ``timeout`` bounds each wait for output.
+        """
+        sessions: dict[str, _Session] = {}
+        first: dict[str, Result] = {}
+
+        def start(node: str, argv: Sequence[str]) -> Result:
+            log.debug("%s: %s", node, command_line(argv))
+            n = self.inv.node(node)
+            s = _LocalSession(argv, timeout) if n.connection == "local" else _SshSession(self._connect(n), argv, timeout)
+            sessions[node] = s
+            lines = []
+            try:
+                while raw := s.readline():
+                    line = raw.decode(errors="replace")
+                    if line.rstrip("\n") == marker:
+                        return Result(node, None, "".join(lines))
+                    lines.append(line)
+            except BaseException:
+                sessions.pop(node).close()
+                raise
+            code, _, err = sessions.pop(node).finish(b"")
+            return Result(node, code, "".join(lines), err.decode(errors="replace"))
+
+        def finish(node: str, text: str) -> Result:
+            s = sessions.pop(node)
+            code, rest, err = s.finish(text.encode())
+            return Result(node, code, first[node].stdout + rest.decode(errors="replace"), err.decode(errors="replace"))
+
+        try:
+            first.update(self._parallel(commands, lambda n, argv: _session_call(n, timeout, start, argv)))
+            final = {n: r for n, r in first.items() if n not in sessions}
+            for wave in [*reply(dict(first)), {n: "" for n in commands}]:
+                todo = {n: text for n, text in wave.items() if n in sessions}
+                final.update(self._parallel(todo, lambda n, text: _session_call(n, timeout, finish, text)))
+        finally:
+            for s in sessions.values():
+                s.close()
+        return {n: final[n] for n in commands}
 
     def parallel(self, nodes: Sequence[str], fn: Callable[[str], Result]) -> dict[str, Result]:
         """Run ``fn(node)`` for each node in the thread pool (for callers composing calls)."""
@@ -292,6 +348,104 @@ class _LineWriter:
         if self.buf:
             self.on_line(self.node, self.buf)
             self.buf = ""
+
+
+def _session_call(node: str, timeout: float | None, fn, arg) -> Result:
+    try:
+        return fn(node, arg)
+    except _ConnectError as e:
+        return Result(node, None, error=str(e))
+    except (socket.timeout, TimeoutError):
+        return Result(node, None, error=f"timed out after {timeout:g} s")
+    except (OSError, paramiko.SSHException, EOFError) as e:
+        return Result(node, None, error=f"connection lost: {e}")
+
+
+class _Session:
+    """A started command whose stdin stays open until :meth:`finish`."""
+
+    def readline(self) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
+        """Write ``data``, close stdin, read to the end: (exit code, rest of stdout, stderr)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _SshSession(_Session):
+    def __init__(self, conn: Connection, argv: Sequence[str], timeout: float | None) -> None:
+        self.chan = conn.transport.open_session()
+        self.chan.settimeout(timeout)
+        self.chan.exec_command(command_line(argv))
+        self.out = self.chan.makefile("rb")
+
+    def readline(self) -> bytes:
+        return self.out.readline()
+
+    def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            if data:
+                self.chan.sendall(data)
+            self.chan.shutdown_write()
+            rest = self.out.read()
+            err = self.chan.makefile_stderr("rb").read()
+            return self.chan.recv_exit_status(), rest, err
+        finally:
+            self.chan.close()
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+class _LocalSession(_Session):
+    def __init__(self, argv: Sequence[str], timeout: float | None) -> None:
+        try:
+            self.p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE)
+        except OSError as e:
+            raise _ConnectError(f"cannot run {argv[0]}: {e.strerror}") from e
+        self.expired = False
+        self.err: list[bytes] = []
+        self.reader = threading.Thread(target=lambda: self.err.append(self.p.stderr.read()), daemon=True)
+        self.reader.start()
+        self.timer = None
+        if timeout is not None:
+            self.timer = threading.Timer(timeout, self._expire)
+            self.timer.start()
+
+    def _expire(self) -> None:
+        self.expired = True
+        _kill(self.p)
+
+    def readline(self) -> bytes:
+        line = self.p.stdout.readline()
+        if self.expired:
+            raise TimeoutError
+        return line
+
+    def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
+        try:
+            self.p.stdin.write(data)
+            self.p.stdin.close()
+        except BrokenPipeError:
+            pass
+        rest = self.p.stdout.read()
+        code = self.p.wait()
+        self.reader.join()
+        self.close()
+        if self.expired:
+            raise TimeoutError
+        return code, rest, b"".join(self.err)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.p.poll() is None:
+            _kill(self.p)
+            self.p.wait()
 
 
 def _send_local(node: str, source: Iterable[bytes], argv: Sequence[str], on_bytes) -> Result:

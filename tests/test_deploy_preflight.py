@@ -1,0 +1,171 @@
+"""Preflight on `connection: local` nodes with a fake `docker` on PATH: every check's row from
+ONE command per node, the shared-storage token written, read and cleaned up, the rendezvous
+listener and connectors meeting, and the verdicts for nodes that do not share storage."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from deploy import preflight
+from deploy.inventory import loads
+from deploy.remote import Remote, Result
+
+FAKE_DOCKER = """#!/bin/sh
+case "$1" in
+  version) echo 20.10.24 ;;
+  inspect) exit 1 ;;
+  *) echo "fake docker: unexpected $*" >&2; exit 99 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_docker(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "docker"
+    exe.write_text(FAKE_DOCKER)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inv(tmp_path: Path, nodes=3, rdzv="n2", port=None, extra_nodes=()):
+    return loads(json.dumps({
+        "job": {"name": "pf", "runtime": "docker"},
+        "rendezvous": {"node": rdzv, "port": port or _free_port()},
+        "nodes": [*extra_nodes,
+                  *({"name": f"n{i}", "address": f"127.0.0.{i}", "connection": "local"} for i in range(1, nodes + 1))],
+        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
+                    "min_free_gb": 0.001},
+    }))
+
+
+class CountingRemote(Remote):
+    """Records every command a node is asked to run."""
+
+    def __init__(self, inv):
+        super().__init__(inv)
+        self.commands: list[str] = []
+
+    def run(self, commands, **kw):
+        self.commands += list(commands)
+        return super().run(commands, **kw)
+
+    def converse(self, commands, **kw):
+        self.commands += list(commands)
+        return super().converse(commands, **kw)
+
+    def send(self, node, *a, **kw):
+        self.commands.append(node)
+        return super().send(node, *a, **kw)
+
+
+def test_every_check_passes_on_three_nodes_from_one_command_per_node(fake_docker, tmp_path):
+    (tmp_path / "nas/ckpt").mkdir(parents=True)
+    inv = _inv(tmp_path)
+    with CountingRemote(inv) as remote:
+        checks = preflight.run_checks(inv, remote)
+    assert sorted(remote.commands) == ["n1", "n2", "n3"]
+    rows = [(c.node, c.name, c.ok, c.detail) for c in checks]
+    port = inv.rendezvous.port
+    assert rows == [
+        *((n, "local", True, "reachable") for n in ("n1", "n2", "n3")),
+        *((n, "docker", True, "engine 20.10.24") for n in ("n1", "n2", "n3")),
+        *((n, "storage", True, f"{tmp_path}/nas/data missing (deploy creates it)") for n in ("n1", "n2", "n3")),
+        ("n1", "shared storage", True, f"wrote token to {tmp_path}/nas/ckpt"),
+        ("n2", "shared storage", True, "sees n1's token"),
+        ("n3", "shared storage", True, "sees n1's token"),
+        ("n1", "rendezvous", True, f"reaches 127.0.0.2:{port}"),
+        ("n2", "rendezvous", True, f"port {port} free"),
+        ("n3", "rendezvous", True, f"reaches 127.0.0.2:{port}"),
+        *((n, "previous run", True, "none") for n in ("n1", "n2", "n3")),
+    ]
+    assert list((tmp_path / "nas").rglob(".ddp-deploy-check-*")) == []  # every node removed its token
+
+
+def test_one_node_has_no_token_and_its_listener_expects_nobody(fake_docker, tmp_path):
+    inv = _inv(tmp_path, nodes=1, rdzv="n1")
+    argv = preflight.check_argv(inv, inv.node("n1"), "")
+    assert "token" not in argv
+    with Remote(inv) as remote:
+        checks = {c.name: c for c in preflight.run_checks(inv, remote)}
+    assert checks["shared storage"].ok and checks["shared storage"].detail == "single node"
+    assert checks["rendezvous"].ok and checks["rendezvous"].detail.endswith("free")
+
+
+def test_a_port_in_use_on_the_endpoint_fails_its_rendezvous_row(fake_docker, tmp_path):
+    with socket.create_server(("", 0)) as busy:
+        busy.listen(8)
+        inv = _inv(tmp_path, port=busy.getsockname()[1])
+        with Remote(inv) as remote:
+            rows = {c.node: c for c in preflight.run_checks(inv, remote) if c.name == "rendezvous"}
+    assert not rows["n2"].ok and rows["n2"].detail.startswith(f"port {inv.rendezvous.port} is in use")
+
+
+def test_an_unreachable_first_node_leaves_the_next_one_as_the_token_writer(fake_docker, tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "LISTEN_SECONDS", 2)
+    closed = _free_port()  # nothing listens there: connection refused at once
+    down = {"name": "n0", "address": "127.0.0.9", "connection": "ssh",
+            "ssh": {"port": closed, "key": str(tmp_path / "no-key"), "connect_timeout": 2}}
+    inv = _inv(tmp_path, nodes=2, rdzv="n1", extra_nodes=[down])
+    with Remote(inv) as remote:
+        checks = preflight.run_checks(inv, remote)
+    ssh = [c for c in checks if c.node == "n0"]
+    assert len(ssh) == 1 and ssh[0].name == "ssh" and not ssh[0].ok and "unreachable" in ssh[0].detail
+    shared = {c.node: (c.ok, c.detail) for c in checks if c.name == "shared storage"}
+    assert shared == {"n1": (True, f"wrote token to {tmp_path}"), "n2": (True, "sees n1's token")}
+    rdzv = {c.node: c.ok for c in checks if c.name == "rendezvous"}
+    assert rdzv == {"n1": True, "n2": True}  # the listener is judged on the nodes that could connect
+
+
+def test_the_script_is_constant_and_every_value_is_its_own_argument(tmp_path):
+    inv = _inv(tmp_path)
+    a = preflight.check_argv(inv, inv.node("n1"), "tok1")
+    b = preflight.check_argv(inv, inv.node("n3"), "tok3")
+    assert a[:3] == b[:3] == ("bash", "-c", preflight.PHASES)
+    assert "tok1" in a and str(tmp_path / "nas/ckpt") in a
+    assert all("tok1" not in word for word in a[:3] + b)
+
+
+def _tagged(**checks: tuple[int, str]) -> str:
+    return "".join(f"{tag} o {line}\n" for tag, (_, out) in checks.items() for line in out.splitlines()) + \
+        "".join(f"{tag} rc {rc}\n" for tag, (rc, _) in checks.items())
+
+
+def test_a_node_that_reads_another_token_is_not_on_the_same_storage(tmp_path):
+    inv = _inv(tmp_path)
+    tokens = {"n1": "aaa", "n2": "bbb", "n3": "ccc"}
+    path = f"{tmp_path}/nas/ckpt/.ddp-deploy-check-aaa"
+    common = {"engine": (0, "20.10.24"), "storage": (0, "OK /x 99999999\nOK /y 99999999"), "status": (0, "absent"),
+              "rdzv": (0, "connected")}
+    final = {
+        "n1": Result("n1", 0, _tagged(**common, token=(0, path))),
+        "n2": Result("n2", 0, _tagged(**{**common, "rdzv": (0, "accepted 2 of 2")}, token=(0, "p2"), seen=(0, "aaa"))),
+        "n3": Result("n3", 0, _tagged(**common, token=(0, "p3"), seen=(1, ""))),
+    }
+    first = {n: Result(n, None, r.stdout) for n, r in final.items()}
+    shared = [c for c in preflight.checks_from(inv, first, final, tokens) if c.name == "shared storage"]
+    assert [(c.node, c.ok) for c in shared] == [("n1", True), ("n2", True), ("n3", False)]
+    assert shared[2].detail == f"does not see {path} written by n1: not the same storage"
+
+
+def test_phase_two_readers_go_first_and_the_writer_ends_last(tmp_path):
+    inv = _inv(tmp_path)
+    first = {"n1": Result("n1", None, "token o /nas/.ddp-deploy-check-aaa\ntoken rc 0\n"),
+             "n2": Result("n2", None, ""), "n3": Result("n3", None, "")}
+    assert preflight.token_waves(inv, first) == [
+        {"n2": "READ /nas/.ddp-deploy-check-aaa\n", "n3": "READ /nas/.ddp-deploy-check-aaa\n"}, {"n1": ""}]
+    failed = {**first, "n1": Result("n1", None, "token e /nas is not a writable directory\ntoken rc 3\n")}
+    assert preflight.token_waves(inv, failed) == []
