@@ -4,6 +4,11 @@
   2. `deploy` (image shipped to nodes that lack it) on 1 node vs on all nodes: ratio.
   3. a repeated `deploy` with nothing changed: seconds, and image bytes sent (target 0).
   4. `launch` to the first training step on all nodes (3 x 2 processes, docker runtime).
+  5. `deploy` after a code-only change (the nodes hold the previous image, which shares every
+     layer below the trainer code) on 1 node vs on all nodes: ratio, and image bytes sent.
+
+Every timed `deploy` starts with an empty image cache (DDP_DEPLOY_IMAGE_CACHE), so each one
+pays its own `docker save`.
 
 Needs root, Debian's docker.io, openssh-server, debootstrap (like the cluster tests).
 Run: python bench/bench_deploy.py [--rounds 2]; writes bench/results/deploy.json.
@@ -15,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +40,7 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "
 
 def ddp(cluster: NetCluster, hosts: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
     env = {**os.environ, "DOCKER_HOST": cluster.operator_docker_host, "COLUMNS": "200",
-           "DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")}
+           "DDP_DEPLOY_LOG": str(hosts.parent / "debug.log"), "DDP_DEPLOY_IMAGE_CACHE": str(cache_dir(hosts))}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
@@ -54,9 +60,41 @@ def inventory(cluster: NetCluster, workdir: Path, nodes: int) -> Path:
     return path
 
 
-def drop_image(cluster: NetCluster) -> None:
+def cache_dir(hosts: Path) -> Path:
+    return hosts.parent / "image-cache"
+
+
+def drop_image(cluster: NetCluster, hosts: Path) -> None:
     for h in cluster.hosts:
         cluster.run_on(h.name, ["docker", "image", "rm", "-f", IMAGE])
+    shutil.rmtree(cache_dir(hosts), ignore_errors=True)
+
+
+def operator_docker(cluster: NetCluster, *args: str) -> str:
+    proc = subprocess.run(["docker", "-H", cluster.operator_docker_host, *args], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"docker {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip()
+
+
+def build_code_change(cluster: NetCluster, workdir: Path) -> str:
+    """Tag IMAGE to a rebuild with one changed trainer file (the dependency layers come from the cache)."""
+    context = workdir / "ctx"
+    shutil.rmtree(context, ignore_errors=True)
+    shutil.copytree(ROOT, context, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__"))
+    models = context / "trainer" / "models.py"
+    models.write_text(models.read_text() + f"\n# code-only change {time.time()}\n")
+    operator_docker(cluster, "build", "--build-arg", f"BASE_IMAGE={cluster.base_image}", "-t", IMAGE, str(context))
+    return operator_docker(cluster, "image", "inspect", "--format", "{{.Id}}", IMAGE)
+
+
+def hold_previous(cluster: NetCluster, hosts: Path, previous: str, current: str) -> None:
+    """Every node holds the previous image under IMAGE and not the current one; the cache is empty."""
+    for h in cluster.hosts:
+        cluster.run_on(h.name, ["docker", "image", "rm", "-f", current])
+        cluster.run_on(h.name, ["docker", "tag", previous, IMAGE])
+    shutil.rmtree(cache_dir(hosts), ignore_errors=True)
 
 
 def shipped_mb(output: str) -> float:
@@ -72,8 +110,10 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="ddp-bench-deploy-"))
     times: dict[str, list[float]] = {"check_1": [], "check_all": [], "deploy_1": [], "deploy_all": [],
-                                     "redeploy_all": [], "launch_to_first_step": []}
+                                     "redeploy_all": [], "launch_to_first_step": [],
+                                     "code_change_1": [], "code_change_all": []}
     redeploy_mb: list[float] = []
+    code_change_mb: dict[str, list[float]] = {"1": [], "all": []}
     with NetCluster(nodes=3) as cluster:
         one, every = inventory(cluster, workdir, 1), inventory(cluster, workdir, len(cluster.hosts))
         if not args.only_check:
@@ -83,9 +123,9 @@ def main() -> None:
             times["check_all"].append(ddp(cluster, every, "check")[0])
             if args.only_check:
                 continue
-            drop_image(cluster)
+            drop_image(cluster, one)
             times["deploy_1"].append(ddp(cluster, one, "deploy", "--no-build")[0])
-            drop_image(cluster)
+            drop_image(cluster, every)
             times["deploy_all"].append(ddp(cluster, every, "deploy", "--no-build")[0])
             took, proc = ddp(cluster, every, "deploy", "--no-build")
             times["redeploy_all"].append(took)
@@ -104,6 +144,18 @@ def main() -> None:
                 time.sleep(0.2)
             times["launch_to_first_step"].append((first or float("nan")) - started)
             ddp(cluster, every, "stop")
+
+        if not args.only_check:
+            previous = operator_docker(cluster, "image", "inspect", "--format", "{{.Id}}", IMAGE)
+            ddp(cluster, every, "deploy", "--no-build")  # every node holds the previous image
+            operator_docker(cluster, "tag", previous, "ddp-trainer:previous")
+            current = build_code_change(cluster, workdir)
+            for _ in range(args.rounds):
+                for key, hosts in (("1", one), ("all", every)):
+                    hold_previous(cluster, hosts, previous, current)
+                    took, proc = ddp(cluster, hosts, "deploy", "--no-build")
+                    times[f"code_change_{key}"].append(took)
+                    code_change_mb[key].append(shipped_mb(proc.stdout))
         nodes = len(cluster.hosts)
 
     times = {k: v for k, v in times.items() if v}
@@ -112,7 +164,10 @@ def main() -> None:
         "bench": "deploy", "nodes": nodes, "rounds": args.rounds, "seconds": times, "median": med,
         "check_all_over_1": med["check_all"] / med["check_1"],
         "deploy_all_over_1": med["deploy_all"] / med["deploy_1"] if "deploy_1" in med else None,
-        "redeploy_image_mb": redeploy_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "redeploy_image_mb": redeploy_mb,
+        "code_change_all_over_1": (med["code_change_all"] / med["code_change_1"]
+                                   if "code_change_1" in med else None),
+        "code_change_image_mb": code_change_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for k, v in med.items():
         print(f"{k:22s} {v:8.2f} s   rounds: {', '.join(f'{x:.2f}' for x in times[k])}")
@@ -124,6 +179,8 @@ def main() -> None:
         return
     print(f"deploy {nodes} nodes / 1 node = {record['deploy_all_over_1']:.2f}")
     print(f"repeated deploy sent {max(redeploy_mb):.1f} MB of image")
+    print(f"code-only change: deploy {nodes} nodes / 1 node = {record['code_change_all_over_1']:.2f}, "
+          f"{max(code_change_mb['all']) / nodes:.1f} MB of image per node")
     (out / "deploy.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -117,15 +117,24 @@ def check(st: _State) -> None:
     inv = st.inv
     with Remote(inv) as remote:
         checks = preflight.run_checks(inv, remote)
+    _print_checks(checks)
+    _refuse_failed_checks(checks, "")
+    click.echo(f"all {len(checks)} checks passed")
+
+
+def _print_checks(checks) -> None:
     table = Table("node", "check", "result", "detail", title="preflight")
     for c in checks:
         table.add_row(c.node, c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail)
     out.print(table)
+
+
+def _refuse_failed_checks(checks, doing: str) -> None:
     failed = [c for c in checks if not c.ok]
     if failed:
-        raise RuntimeFailure(f"{len(failed)} check(s) failed: "
-                             + ", ".join(f"{c.node} {c.name}" for c in failed), hint="see the table above")
-    click.echo(f"all {len(checks)} checks passed")
+        raise RuntimeFailure(f"{doing}{len(failed)} check(s) failed: "
+                             + " | ".join(f"{c.node} {c.name}: {c.detail}" for c in failed),
+                             hint="see the table above; `ddp-deploy check` runs them alone")
 
 
 @cli.command()
@@ -137,21 +146,30 @@ def deploy(st: _State, dry_run: bool, build: bool) -> None:
     inv = st.inv
     mk = plan.make_dirs_argv(inv)
     if dry_run:
-        for n in inv.nodes:
-            _show(n.name, mk)
         if inv.job.runtime == "docker":
+            for n in inv.nodes:  # the directories, then the image ID and layers the node holds
+                _show(n.name, image.survey_argv(inv, mk))
             if build:
                 _show("local", image.build_argv(inv))
-            pipe = " | ".join(command_line(s) for s in image.save_stages(inv))
+            cached = image.cache_path("IMAGE_ID", inv.image.name)
+            click.echo(f"[local] unless {cached} exists: {command_line(image.save_argv(inv))} > {cached}")
+            gz = " | gzip -1" if inv.image.compress else ""
             for n in inv.nodes:
-                click.echo(f"[{n.name}] if its image ID differs: {pipe} | {n.name}: {command_line(image.LOAD_ARGV)}")
+                click.echo(f"[{n.name}] if its image ID differs: {cached} without the leading layers {n.name} "
+                           f"holds{gz} | {n.name}: {command_line(image.load_argv(inv))}")
         else:
+            for n in inv.nodes:
+                _show(n.name, mk)
             for n in inv.nodes:
                 _show(n.name, plan.python_check_argv(inv))
         return
+    dirs_failed = {"what": "creating the storage directories",
+                   "hint": "the ssh user must be root or own the parent directories"}
     with Remote(inv) as remote:
-        remote.run_all(mk, what="creating the storage directories",
-                       hint="the ssh user must be root or own the parent directories")
+        if inv.job.runtime == "docker":
+            held = image.survey(inv, remote, mk, **dirs_failed)
+        else:
+            remote.run_all(mk, **dirs_failed)
         click.echo(f"directories ready: {inv.storage.data.host}, {inv.storage.checkpoints.host}")
         if inv.job.runtime == "host":
             res = remote.run_all(plan.python_check_argv(inv), what="python check",
@@ -161,29 +179,31 @@ def deploy(st: _State, dry_run: bool, build: bool) -> None:
             return
         image_id = image.build(inv) if build else image.local_id(inv)
         click.echo(f"image {inv.image.name} = {image_id}")
-        outcomes = _ship_with_progress(inv, remote, image_id)
+        outcomes = _ship_with_progress(inv, remote, image_id, held)
     for n, o in outcomes.items():
-        click.echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB" if o.sent_bytes else "up to date"))
+        kept = f" ({o.layers_held} of {o.layers} layers were there)" if o.layers_held else ""
+        click.echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}" if o.sent_bytes else "up to date"))
 
 
 cli.add_command(deploy, name="sync")
 
 
-def _ship_with_progress(inv, remote, image_id):
+def _ship_with_progress(inv, remote, image_id, held):
     sizes = image.run_here(["docker", "image", "inspect", "--format", "{{.Size}}", inv.image.name])
-    total = int(sizes.stdout.strip()) if sizes.ok and sizes.stdout.strip().isdigit() else None
+    whole = int(sizes.stdout.strip()) if sizes.ok and sizes.stdout.strip().isdigit() else None
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
         tasks: dict[str, int] = {}
         lock = threading.Lock()
 
-        def on_progress(node: str, k: int) -> None:
+        def on_plan(node: str, total: int | None) -> None:
             with lock:
-                if node not in tasks:
-                    tasks[node] = progress.add_task(node, total=total)
+                tasks[node] = progress.add_task(node, total=total or (None if inv.image.compress else whole))
+
+        def on_progress(node: str, k: int) -> None:
             progress.advance(tasks[node], k)
 
-        return image.ship(inv, remote, image_id, on_progress)
+        return image.ship(inv, remote, image_id, on_progress, held=held, on_plan=on_plan)
 
 
 @cli.command()
@@ -195,6 +215,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
     """Start the job on every node (all or nothing)."""
     inv = st.inv
     if dry_run:
+        click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
         for s in plan.launch_plan(inv):
             _show(s.node, s.argv)
             if inv.node(s.node).interface is None:
@@ -204,13 +225,20 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
     with Remote(inv) as remote:
         specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
         states = _states(inv, remote)
-        unreachable = [n for n, s in states.items() if s.state == "unreachable"]
+        unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
-            raise RuntimeFailure(f"unreachable: {', '.join(unreachable)}", hint="run `ddp-deploy check`")
+            raise RuntimeFailure(f"launch refused, nothing started: unreachable: {'; '.join(unreachable)}",
+                                 hint="run `ddp-deploy check`")
         running = [n for n, s in states.items() if s.running]
         if running:
             raise RuntimeFailure(f"a previous run of {inv.job.name} is still running on {', '.join(running)}",
                                  hint="run `ddp-deploy stop` first; two runs never share a rendezvous")
+        # Everything `check` proves (engine, GPUs, shared storage, the rendezvous port free and
+        # reachable: so no other job's store can absorb this one) holds before anything starts.
+        checks = preflight.run_checks(inv, remote)
+        if not all(c.ok for c in checks):
+            _print_checks([c for c in checks if not c.ok])
+        _refuse_failed_checks(checks, "launch refused, nothing started: ")
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
             remote.run(finished, check=True, timeout=120)
