@@ -87,7 +87,7 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     r = ddp(hosts, "launch", "--wait", "--timeout", "240")  # launching again resumes: nothing left to train
     assert r.exit_code == 0, r.output + str(r.exception)
     records = [json.loads(line) for line in (tmp_path / "nas/ckpt/metrics.jsonl").read_text().splitlines()]
-    assert [rec["kind"] for rec in records[trained:]] == ["final"]
+    assert [rec["kind"] for rec in records[trained:]] == ["resumed", "final"]
 
     r = ddp(hosts, "stop")
     assert r.exit_code == 0, r.output
@@ -146,11 +146,25 @@ def _group_alive(pgid: int) -> bool:
 
 
 def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_path):
+    # An interpreter that passes the preflight checks (python -c ...) but cannot start the job.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 127\n')
+    fake.chmod(0o755)
+    hosts = _inventory(tmp_path, TRAIN_ARGS)
+    hosts.write_text(hosts.read_text().replace(sys.executable, str(fake)))
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1
+    assert r.stderr.startswith("error: here: launch: exit 1: exited with 127 at once")
+    assert _state(ddp, hosts)["state"] == "absent"
+
+
+def test_launch_refuses_before_starting_anything_when_a_check_fails(ddp, tmp_path):
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     hosts.write_text(hosts.read_text().replace(sys.executable, "/nonexistent/bin/python"))
     r = ddp(hosts, "launch")
     assert r.exit_code == 1
-    assert r.stderr.startswith("error: here: launch: exit 1: exited with 127 at once")
+    assert r.stderr.startswith("error: launch refused, nothing started: ")
+    assert "here python: /nonexistent/bin/python cannot import trainer and torch" in r.stderr
     assert _state(ddp, hosts)["state"] == "absent"
 
 
@@ -167,8 +181,8 @@ def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     r = ddp(hosts, "launch", "--dry-run")
     assert r.exit_code == 0
-    assert r.stdout.startswith("[here] sh -c ")
-    assert "-m torch.distributed.run" in r.stdout and "is_host=1" in r.stdout
+    assert "\n[here] sh -c " in r.stdout
+    assert "-m trainer.launch" in r.stdout and "is_host=1" in r.stdout
     assert not (tmp_path / "nas").exists()
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from .netcluster import NetCluster, missing_prerequisites
+from .operator_cli import empty_nas
 
 CLUSTER_NODES = 3
 
@@ -37,3 +39,12 @@ def cluster():
     finally:
         c.down()
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture
+def fresh_nas(cluster):
+    """An empty NAS for each test (the cluster itself is shared by the session), and after it."""
+    nas = Path(cluster.nas_dir)
+    empty_nas(nas)
+    yield nas
+    empty_nas(nas)

@@ -7,61 +7,16 @@ the hosts directly (their own Docker daemons, the NAS files) so the tool cannot 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .operator_cli import containers_on, ddp, image_id_on, ok, records
+
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "2",
          "--log-every", "2", "--eval-batch-size", "128"]
-
-
-def ddp(cluster, hosts: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
-           "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def image_id_on(cluster, node: str, image: str) -> str | None:
-    r = cluster.run_on(node, ["docker", "image", "inspect", "--format", "{{.Id}}", image])
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def containers_on(cluster, node: str) -> list[str]:
-    r = cluster.run_on(node, ["docker", "ps", "-a", "--format", "{{.Names}}"], check=True)
-    return r.stdout.split()
-
-
-def records(nas: Path) -> list[dict]:
-    return [json.loads(line) for line in (nas / "ckpt" / "metrics.jsonl").read_text().splitlines()]
-
-
-def _empty_nas(nas: Path) -> None:
-    """data/ and ckpt/ empty and owned by uid 1000, as the fixture made them."""
-    for sub in ("data", "ckpt"):
-        subprocess.run(["rm", "-rf", str(nas / sub)], check=True)
-        (nas / sub).mkdir()
-        os.chown(nas / sub, 1000, 1000)
-
-
-@pytest.fixture
-def fresh_nas(cluster):
-    """An empty NAS for each test (the cluster itself is shared by the session), and after it."""
-    nas = Path(cluster.nas_dir)
-    _empty_nas(nas)
-    yield nas
-    _empty_nas(nas)
 
 
 def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(cluster, fresh_nas, tmp_path):
@@ -118,7 +73,7 @@ def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, 
     assert all(s["state"] == "exited(0)" for s in status)
     ok(ddp(cluster, hosts, "stop"))
     for h in cluster.hosts:
-        leftover = cluster.run_on(h.name, ["pgrep", "-f", "torch.distributed.run"])
+        leftover = cluster.run_on(h.name, ["pgrep", "-f", "trainer.launch|-m trainer"])
         assert leftover.stdout.strip() == ""
 
 

@@ -1,0 +1,73 @@
+"""What the cluster tests do as the operator (the deploy CLI) and look at on the hosts directly.
+
+The tool is always driven through ``python -m deploy`` like a person would; the assertions read
+the nodes' own Docker daemons and the NAS files, so the tool never vouches for itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ddp(cluster, hosts: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
+           "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def image_id_on(cluster, node: str, image: str) -> str | None:
+    r = cluster.run_on(node, ["docker", "image", "inspect", "--format", "{{.Id}}", image])
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def containers_on(cluster, node: str) -> list[str]:
+    r = cluster.run_on(node, ["docker", "ps", "-a", "--format", "{{.Names}}"], check=True)
+    return r.stdout.split()
+
+
+def records(nas: Path) -> list[dict]:
+    path = nas / "ckpt" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def complete_checkpoint_steps(nas: Path) -> list[int]:
+    """Steps of the checkpoints whose completion marker exists, oldest first."""
+    return sorted(int(p.name[len("ckpt-"):-len(".pt.ok")]) for p in (nas / "ckpt").glob("ckpt-*.pt.ok"))
+
+
+def node_states(cluster, hosts: Path) -> dict[str, str]:
+    """``status --json`` as {node: state}; status exits 0 even while a node is unreachable."""
+    return {s["node"]: s["state"] for s in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)}
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(interval)
+
+
+def empty_nas(nas: Path) -> None:
+    """data/ and ckpt/ empty and owned by uid 1000, as the fixture made them."""
+    for sub in ("data", "ckpt"):
+        subprocess.run(["rm", "-rf", str(nas / sub)], check=True)
+        (nas / sub).mkdir()
+        os.chown(nas / sub, 1000, 1000)
