@@ -1,0 +1,316 @@
+"""Faults on the real cluster: a node killed, a node lost, the job stopped, a port taken, a full disk.
+
+Every test drives the deploy CLI against 3 real hosts (own sshd, own Docker daemon, a shared NAS)
+and checks the outcome on the hosts themselves. With ``DDP_FAULTS_RECORD=FILE`` each test also
+appends its measured figures (job finished, work redone, time to detect, what was left running)
+as one JSON line: tests/FAULTS.md is written from those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .operator_cli import (complete_checkpoint_steps, containers_on, ddp, empty_nas, node_states, ok,
+                           records, wait_until)
+
+pytestmark = pytest.mark.cluster
+
+CKPT_EVERY = 8
+PROCS = 2
+SAMPLES, BATCH, EPOCHS = 6144, 16, 2
+STEPS = EPOCHS * SAMPLES // (3 * PROCS * BATCH)
+DIST_TIMEOUT, JOIN_TIMEOUT, MAX_RESTARTS = 20, 30, 1
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", str(SAMPLES), "--batch-size", str(BATCH),
+         "--epochs", str(EPOCHS), "--log-every", "1", "--ckpt-every", str(CKPT_EVERY),
+         "--eval-batch-size", "256", "--dist-timeout", str(DIST_TIMEOUT)]
+SETTINGS = {"job": {"max_restarts": MAX_RESTARTS}, "rendezvous": {"join_timeout": JOIN_TIMEOUT},
+            "ssh": {"connect_timeout": 3}}
+# A lost node: the survivors' collectives give up after DIST_TIMEOUT, their agents' next
+# rendezvous after JOIN_TIMEOUT, and Docker starts each container MAX_RESTARTS more times.
+LOST_NODE_BOUND = DIST_TIMEOUT + (1 + MAX_RESTARTS) * (JOIN_TIMEOUT + 30)
+
+
+def _hosts(cluster, path: Path, **overrides) -> Path:
+    settings = {**SETTINGS, **overrides}
+    return cluster.write_hosts_yaml(path, runtime="docker", procs=PROCS, train_args=TRAIN, interface="eth0",
+                                    **settings)
+
+
+def _weights(nas: Path) -> dict:
+    return torch.load(nas / "ckpt" / "final_model.pt", map_location="cpu", weights_only=True)
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+
+
+def _all_exited(cluster, hosts: Path):
+    states = node_states(cluster, hosts)
+    return states if all(s.startswith("exited(") for s in states.values()) else None
+
+
+def _no_containers_anywhere(cluster) -> None:
+    for h in cluster.hosts:
+        assert containers_on(cluster, h.name) == [], f"{h.name} still has containers"
+
+
+def _run_past_a_checkpoint(nas: Path) -> tuple[int, int]:
+    """Waits until a checkpoint is complete and training went on half an interval past it,
+    inside an epoch: the work a fault then costs is what a typical one would."""
+    def ready():
+        steps = complete_checkpoint_steps(nas)
+        done = [r["step"] for r in records(nas) if r["kind"] == "train"]
+        if (steps and done and steps[-1] + CKPT_EVERY // 2 <= max(done) < STEPS
+                and max(done) % (STEPS // EPOCHS)):
+            return steps[-1], max(done)
+        return None
+    return wait_until(ready, 600, "a complete checkpoint and a training step past it", interval=0.05)
+
+
+def _resumed_after(nas: Path, moment: float) -> dict:
+    found = [r for r in records(nas) if r["kind"] == "resumed" and r["time"] > moment]
+    assert found, "the job did not resume from a checkpoint"
+    return found[0]
+
+
+def _last_step_before(nas: Path, moment: float) -> int:
+    return max(r["step"] for r in records(nas) if r["kind"] == "train" and r["time"] <= moment)
+
+
+@pytest.fixture(scope="module")
+def hosts(cluster, tmp_path_factory) -> Path:
+    """The fault inventory, with the image already on every node."""
+    path = _hosts(cluster, tmp_path_factory.mktemp("faults") / "hosts.yaml")
+    ok(ddp(cluster, path, "deploy"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, hosts) -> dict:
+    """Final weights of the same job run once without any fault."""
+    nas = Path(cluster.nas_dir)
+    empty_nas(nas)
+    try:
+        ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+        assert records(nas)[-1]["kind"] == "final"
+        return _weights(nas)
+    finally:
+        ok(ddp(cluster, hosts, "stop"))
+        empty_nas(nas)
+
+
+@pytest.fixture
+def record_fault(request):
+    """Appends one fault's measured figures to $DDP_FAULTS_RECORD (if set)."""
+    def write(**figures) -> None:
+        target = os.environ.get("DDP_FAULTS_RECORD")
+        if target:
+            with open(target, "a") as fh:
+                fh.write(json.dumps({"test": request.node.name, **figures}) + "\n")
+    return write
+
+
+@pytest.fixture
+def stop_after(cluster, hosts):
+    yield
+    ddp(cluster, hosts, "stop")
+
+
+def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
+        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
+    ok(ddp(cluster, hosts, "launch"))
+    newest, _ = _run_past_a_checkpoint(fresh_nas)
+    pid = int(cluster.run_on("node2", ["docker", "inspect", "--format", "{{.State.Pid}}", "ddp-test-node2"],
+                             check=True).stdout)
+    os.kill(pid, signal.SIGKILL)  # the container's torchrun, as the OOM killer would end it
+    killed = time.time()
+
+    states = wait_until(lambda: _all_exited(cluster, hosts), 900, "the job to end", interval=2)
+    assert states == {h.name: "exited(0)" for h in cluster.hosts}
+    restarts = cluster.run_on("node2", ["docker", "inspect", "--format", "{{.RestartCount}}", "ddp-test-node2"],
+                              check=True).stdout.strip()
+    assert int(restarts) >= 1
+    resumed = _resumed_after(fresh_nas, killed)
+    assert resumed["step"] >= newest and resumed["world_size"] == 3 * PROCS
+    redone = _last_step_before(fresh_nas, killed) - resumed["step"]
+    assert 0 <= redone <= CKPT_EVERY
+    final = records(fresh_nas)[-1]
+    assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 3 * PROCS
+    _assert_same_weights(reference, _weights(fresh_nas))
+    record_fault(fault="a node's container killed (SIGKILL) mid-epoch", finished=True,
+                 redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
+                 detect_what="kill to the job resumed on all nodes", left_running="nothing (all exited 0)",
+                 bit_identical=True)
+
+
+def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_resumes(
+        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
+    ok(ddp(cluster, hosts, "launch"))
+    newest, _ = _run_past_a_checkpoint(fresh_nas)
+    cluster.take_link_down("node3")
+    lost = time.time()
+    try:
+        def survivors_ended():
+            states = node_states(cluster, hosts)
+            return states if all(states[n].startswith("exited(") for n in ("node1", "node2")) else None
+
+        states = wait_until(survivors_ended, LOST_NODE_BOUND, "node1 and node2 to give up on node3", interval=2)
+        detect = time.time() - lost
+        assert states["node3"] == "unreachable"  # status names the lost node
+        assert states["node1"] != "exited(0)" and states["node2"] != "exited(0)"
+        stopped = ddp(cluster, hosts, "stop")
+        assert stopped.returncode == 1 and "node3" in stopped.stderr
+        for node in ("node1", "node2"):
+            assert containers_on(cluster, node) == []
+    finally:
+        cluster.bring_link_up("node3")
+    ok(ddp(cluster, hosts, "stop"))  # node3 is back: its container goes too
+    _no_containers_anywhere(cluster)
+
+    relaunched = time.time()
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    resumed = _resumed_after(fresh_nas, relaunched)
+    assert resumed["step"] >= newest
+    redone = _last_step_before(fresh_nas, relaunched) - resumed["step"]
+    assert records(fresh_nas)[-1]["kind"] == "final"
+    _assert_same_weights(reference, _weights(fresh_nas))
+    record_fault(fault="a node lost for good (link down)", finished="after a new launch with the node back",
+                 redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(detect, 1),
+                 detect_what=f"link down to node1 and node2 exited (bound {LOST_NODE_BOUND} s)",
+                 left_running="node3's container, unreachable; removed by stop once it was back",
+                 bit_identical=True)
+
+
+def _listening(cluster, node: str) -> list[tuple[str, str]]:
+    """(local address:port, process) of every listening TCP socket in the node's namespace."""
+    out = cluster.run_on(node, ["ss", "-Hltnp"], check=True).stdout
+    return [(line.split()[3], line.split()[-1]) for line in out.splitlines()]
+
+
+def test_a_stopped_job_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
+        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
+    ok(ddp(cluster, hosts, "launch"))
+    _run_past_a_checkpoint(fresh_nas)
+    # While it trains: the rendezvous store, the workers' store and gloo listen on each node's
+    # own address from hosts.yaml, never on every address of the machine.
+    for h in cluster.hosts:
+        job = [(where, who) for where, who in _listening(cluster, h.name) if '"sshd"' not in who]
+        assert len(job) >= PROCS, job
+        assert all(where.rsplit(":", 1)[0] == h.address for where, _ in job), (h.name, job)
+    assert any(where == f"{cluster.host('node1').address}:29400" for where, _ in _listening(cluster, "node1"))
+    ok(ddp(cluster, hosts, "stop"))
+    stopped = time.time()
+    _no_containers_anywhere(cluster)
+    assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
+    newest = complete_checkpoint_steps(fresh_nas)[-1]
+    ckpt = fresh_nas / "ckpt"
+    # What a crash in the middle of a save leaves: a temporary file, a checkpoint without its
+    # completion marker, and one whose bytes no longer match the marker written for it.
+    planted = {ckpt / f".ckpt-{newest + 1:09d}.pt.tmp-{2 ** 22 - 1}": b"half a checkpoint",
+               ckpt / f"ckpt-{STEPS + 99:09d}.pt": b"no marker",
+               ckpt / f"ckpt-{STEPS + 98:09d}.pt": b"damaged bytes",
+               ckpt / f"ckpt-{STEPS + 98:09d}.pt.ok": json.dumps(
+                   {"step": STEPS + 98, "size": 13, "sha256": "0" * 64}).encode()}
+    for path, content in planted.items():
+        path.write_bytes(content)
+        os.chown(path, 1000, 1000)
+
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    resumed = _resumed_after(fresh_nas, stopped)
+    assert resumed["checkpoint"] == f"ckpt-{newest:09d}.pt"
+    redone = _last_step_before(fresh_nas, stopped) - resumed["step"]
+    assert records(fresh_nas)[-1]["kind"] == "final"
+    _assert_same_weights(reference, _weights(fresh_nas))
+    record_fault(fault="the whole job stopped and launched again", finished=True, redone_steps=redone,
+                 ckpt_every=CKPT_EVERY, detect_s=None, detect_what="(operator's stop)",
+                 left_running="nothing (stop removed every container)", bit_identical=True)
+
+
+def test_a_taken_rendezvous_port_or_a_running_job_is_named_and_nothing_else_starts(
+        cluster, fresh_nas, hosts, record_fault, stop_after, tmp_path):
+    squatter = subprocess.Popen(
+        ["nsenter", f"--net=/var/run/netns/{cluster.host('node1').ns}", sys.executable, "-c",
+         "import socket, sys, time\ns = socket.create_server(('', 29400))\nprint('listening', flush=True)\n"
+         "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        started = time.monotonic()
+        checked = ddp(cluster, hosts, "check")
+        took = time.monotonic() - started
+        assert checked.returncode == 1
+        assert "node1 rendezvous: port 29400 is in use" in checked.stderr
+        refused = ddp(cluster, hosts, "launch")
+        assert refused.returncode == 1 and "nothing started" in refused.stderr
+        assert "node1 rendezvous: port 29400 is in use" in refused.stderr
+        _no_containers_anywhere(cluster)
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+    ok(ddp(cluster, hosts, "launch"))
+    wait_until(lambda: any(r["kind"] == "train" for r in records(fresh_nas)), 300, "the first job to train")
+    other = _hosts(cluster, tmp_path / "other.yaml", job={"name": "ddp-other", "max_restarts": MAX_RESTARTS})
+    try:
+        second = ddp(cluster, other, "launch")
+        assert second.returncode == 1 and "port 29400 is in use" in second.stderr
+        for h in cluster.hosts:
+            assert containers_on(cluster, h.name) == [f"ddp-test-{h.name}"]  # the first job alone
+    finally:
+        ddp(cluster, other, "stop")
+    ok(ddp(cluster, hosts, "stop"))
+    _no_containers_anywhere(cluster)
+    record_fault(fault="rendezvous port taken / another job on it", finished="refused before starting",
+                 redone_steps=0, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
+                 detect_what="`check` naming node1 and the port", left_running="nothing new", bit_identical=None)
+
+
+def test_a_full_shared_volume_during_a_checkpoint_keeps_the_previous_one_loadable(
+        cluster, fresh_nas, record_fault, tmp_path):
+    ckpt = fresh_nas / "ckpt"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0755,uid=1000,gid=1000", "tmpfs", str(ckpt)],
+                   check=True)
+    hosts = _hosts(cluster, tmp_path / "hosts.yaml", job={"max_restarts": 0},
+                   storage={"min_free_gb": 0})
+    try:
+        ok(ddp(cluster, hosts, "launch"))
+        first = wait_until(lambda: complete_checkpoint_steps(fresh_nas), 600, "the first checkpoint",
+                           interval=0.05)[-1]
+        free = shutil.disk_usage(ckpt).free
+        subprocess.run(["fallocate", "-l", str(free - 64 * 1024), str(ckpt / "filler")], check=True)
+        filled = time.time()
+
+        states = wait_until(lambda: _all_exited(cluster, hosts), 600, "the job to stop", interval=1)
+        detect = time.time() - filled
+        assert any(s != "exited(0)" for s in states.values())
+        said = ok(ddp(cluster, hosts, "logs")).stdout
+        assert "no space left on the device" in said and "is intact" in said
+        newest = complete_checkpoint_steps(fresh_nas)[-1]
+        assert newest >= first
+        path = ckpt / f"ckpt-{newest:09d}.pt"
+        marker = json.loads(Path(str(path) + ".ok").read_text())
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == marker["sha256"]
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert state["global_step"] == newest
+        assert not list(ckpt.glob(".ckpt-*.tmp-*")), "a half-written file was left behind"
+        ok(ddp(cluster, hosts, "stop"))
+        _no_containers_anywhere(cluster)
+    finally:
+        ddp(cluster, hosts, "stop")
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    record_fault(fault="shared volume full during a checkpoint", finished="failed with the cause named",
+                 redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(detect, 1),
+                 detect_what="disk full to every node exited", left_running="nothing after stop",
+                 bit_identical=None, previous_checkpoint=f"ckpt-{newest:09d}.pt loads, sha256 matches")
