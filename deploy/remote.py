@@ -292,14 +292,32 @@ class Remote:
         if s.host_key_policy == "accept-new":
             known.parent.mkdir(parents=True, exist_ok=True)
             known.touch(mode=0o600, exist_ok=True)
-            # AutoAddPolicy records an unknown key in the file loaded last; a *changed* key
-            # still raises BadHostKeyException whatever the policy.
-            conn.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+            # A *changed* key still raises BadHostKeyException whatever the policy.
+            conn.client.set_missing_host_key_policy(_AcceptNew(known))
         else:
             conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         if known.exists():
             conn.client.load_host_keys(str(known))
         return conn
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Records an unknown host key by appending its line to known_hosts under a lock.
+
+    paramiko's AutoAddPolicy rewrites the whole file from each connection's own copy, so nodes
+    met for the first time in parallel overwrite one another's keys.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
+        with self._lock, open(self.path, "a") as fh:
+            fh.write(line)
 
 
 def _open(conn: Connection, n: Node, inv: Inventory) -> None:

@@ -46,7 +46,7 @@ def sshd(tmp_path_factory):
     os.chmod(d, 0o755)
     port = _free_port()
     (d / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.1:{port}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
+        f"ListenAddress 127.0.0.1:{port}\nListenAddress 127.0.0.2:{port}\nListenAddress 127.0.0.3:{port}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "UsePAM no\nStrictModes no\nPidFile none\n")
     Path("/run/sshd").mkdir(exist_ok=True)
@@ -63,7 +63,7 @@ def sshd(tmp_path_factory):
     proc.wait()
 
 
-def _inv(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None):
+def _inv(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None, nodes=1):
     d = sshd["dir"]
     kh = tmp_path / "known_hosts"
     p = port or sshd["port"]
@@ -77,7 +77,7 @@ def _inv(sshd, tmp_path, *, key="client_key", known="good", policy="strict", por
         "rendezvous": {"node": "n1"},
         "ssh": {"user": "root", "port": p, "key": str(d / key), "known_hosts": str(kh),
                 "host_key_policy": policy, "connect_timeout": 3},
-        "nodes": [{"name": "n1", "address": "127.0.0.1"}],
+        "nodes": [{"name": f"n{i}", "address": f"127.0.0.{i}"} for i in range(1, nodes + 1)],
         "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
                     "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
     })
@@ -150,3 +150,14 @@ def test_send_streams_bytes_into_a_remote_command_with_progress(sshd, tmp_path):
     assert res.ok, res.summary()
     assert target.read_bytes() == b"".join(chunks)
     assert sum(seen) == 1_200_000
+
+
+def test_accept_new_records_every_node_met_for_the_first_time_at_once(sshd, tmp_path):
+    inv, kh = _inv(sshd, tmp_path, known="none", policy="accept-new", nodes=3)
+    with Remote(inv) as r:
+        assert all(res.ok for res in r.run_all(["true"], check=False).values())
+    recorded = {line.split()[0] for line in kh.read_text().splitlines()}
+    assert recorded == {f"[127.0.0.{i}]:{sshd['port']}" for i in (1, 2, 3)}  # none lost to a race
+    strict, _ = _inv(sshd, tmp_path, known="keep", policy="strict", nodes=3)
+    with Remote(strict) as r:
+        assert all(res.ok for res in r.run_all(["true"], check=False).values())
