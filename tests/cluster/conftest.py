@@ -6,6 +6,7 @@ so a CI run can never go green without having run them.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -48,3 +49,14 @@ def fresh_nas(cluster):
     empty_nas(nas)
     yield nas
     empty_nas(nas)
+
+
+@pytest.fixture
+def record_fault(request):
+    """Appends one fault's measured figures to $DDP_FAULTS_RECORD, if set (tests/FAULTS.md)."""
+    def write(**figures) -> None:
+        target = os.environ.get("DDP_FAULTS_RECORD")
+        if target:
+            with open(target, "a") as fh:
+                fh.write(json.dumps({"test": request.node.name, **figures}) + "\n")
+    return write

@@ -113,17 +113,6 @@ def reference(cluster, hosts) -> dict:
 
 
 @pytest.fixture
-def record_fault(request):
-    """Appends one fault's measured figures to $DDP_FAULTS_RECORD (if set)."""
-    def write(**figures) -> None:
-        target = os.environ.get("DDP_FAULTS_RECORD")
-        if target:
-            with open(target, "a") as fh:
-                fh.write(json.dumps({"test": request.node.name, **figures}) + "\n")
-    return write
-
-
-@pytest.fixture
 def stop_after(cluster, hosts):
     yield
     ddp(cluster, hosts, "stop")
@@ -273,7 +262,7 @@ def test_a_taken_rendezvous_port_or_a_running_job_is_named_and_nothing_else_star
     ok(ddp(cluster, hosts, "stop"))
     _no_containers_anywhere(cluster)
     record_fault(fault="rendezvous port taken / another job on it", finished="refused before starting",
-                 redone_steps=0, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
+                 redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
                  detect_what="`check` naming node1 and the port", left_running="nothing new", bit_identical=None)
 
 

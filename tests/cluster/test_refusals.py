@@ -87,7 +87,8 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_check_names_the_node_and_the_cause_and_launch_starts_nothing(cluster, fresh_nas, tmp_path, fault):
+def test_check_names_the_node_and_the_cause_and_launch_starts_nothing(cluster, fresh_nas, tmp_path, fault,
+                                                                     record_fault):
     make, node, check, cause = FAULTS[fault]
     config = cluster.hosts_config("docker", 2, TRAIN, "eth0", ssh={"connect_timeout": 3}, storage={"min_free_gb": 0})
     hosts = tmp_path / "hosts.yaml"
@@ -107,3 +108,6 @@ def test_check_names_the_node_and_the_cause_and_launch_starts_nothing(cluster, f
     assert node in launched.stderr and cause in launched.stderr, launched.stderr
     for h in cluster.hosts:
         assert containers_on(cluster, h.name) == []
+    record_fault(fault=f"{fault} ({node})", finished="refused before starting", redone_steps=None,
+                 ckpt_every=None, detect_s=round(took, 1), detect_what=f"`check` naming {node} {check}",
+                 left_running="nothing", bit_identical=None)
