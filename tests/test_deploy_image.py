@@ -8,7 +8,6 @@ import gzip
 import io
 import json
 import os
-import stat
 import sys
 import tarfile
 import time
@@ -20,6 +19,7 @@ from deploy import image
 from deploy.errors import RemoteFailure
 from deploy.inventory import loads
 from deploy.remote import Remote
+from fakes import install_command
 from test_deploy_ship_layers import docker_save_tar
 
 FAKE_DOCKER = r"""#!PYTHON
@@ -63,14 +63,9 @@ NAME = "ddp-trainer:test"
 
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "docker"
-    exe.write_text(FAKE_DOCKER)
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    install_command(tmp_path, monkeypatch, "docker", FAKE_DOCKER)
     state = tmp_path / "state"
     state.mkdir()
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_DOCKER_DIR", str(state))
     monkeypatch.setenv(image.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(image.WHOLE_ENV, raising=False)

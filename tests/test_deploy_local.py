@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
+from fakes import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -21,17 +21,11 @@ TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "25
               "--batch-size", "32", "--log-every", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _inventory(tmp_path: Path, args: list[str], procs: int = 2) -> Path:
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(json.dumps({  # JSON is YAML
         "job": {"name": "localtest", "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": _free_port(), "join_timeout": 60},
+        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
         "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs}],
         "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
                     "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import stat
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from deploy import preflight
 from deploy.inventory import loads
 from deploy.remote import Remote, Result
+from fakes import free_port, install_command
 
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in
@@ -26,24 +26,13 @@ esac
 
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "docker"
-    exe.write_text(FAKE_DOCKER)
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    install_command(tmp_path, monkeypatch, "docker", FAKE_DOCKER)
 
 
 def _inv(tmp_path: Path, nodes=3, rdzv="n2", port=None, extra_nodes=()):
     return loads(json.dumps({
         "job": {"name": "pf", "runtime": "docker"},
-        "rendezvous": {"node": rdzv, "port": port or _free_port()},
+        "rendezvous": {"node": rdzv, "port": port or free_port()},
         "nodes": [*extra_nodes,
                   *({"name": f"n{i}", "address": f"127.0.0.{i}", "connection": "local"} for i in range(1, nodes + 1))],
         "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
@@ -116,7 +105,7 @@ def test_a_port_in_use_on_the_endpoint_fails_its_rendezvous_row(fake_docker, tmp
 
 def test_an_unreachable_first_node_leaves_the_next_one_as_the_token_writer(fake_docker, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight, "LISTEN_SECONDS", 2)
-    closed = _free_port()  # nothing listens there: connection refused at once
+    closed = free_port()  # nothing listens there: connection refused at once
     down = {"name": "n0", "address": "127.0.0.9", "connection": "ssh",
             "ssh": {"port": closed, "key": str(tmp_path / "no-key"), "connect_timeout": 2}}
     inv = _inv(tmp_path, nodes=2, rdzv="n1", extra_nodes=[down])

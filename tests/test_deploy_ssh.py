@@ -19,17 +19,12 @@ from click.testing import CliRunner
 from deploy.cli import cli
 from deploy.inventory import loads
 from deploy.remote import Remote
+from fakes import free_port
 
 SSHD = "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(
     not (os.path.exists(SSHD) and shutil.which("ssh-keygen") and os.geteuid() == 0),
     reason="needs root, sshd and ssh-keygen")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keygen(path: Path) -> None:
@@ -44,7 +39,7 @@ def sshd(tmp_path_factory):
     _keygen(d / "other_key")
     (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
     os.chmod(d, 0o755)
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text(
         f"ListenAddress 127.0.0.1:{port}\nListenAddress 127.0.0.2:{port}\nListenAddress 127.0.0.3:{port}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
@@ -125,7 +120,7 @@ def test_wrong_key_is_reported_as_auth_refused(sshd, tmp_path):
 
 
 def test_closed_port_is_reported_as_unreachable(sshd, tmp_path):
-    inv, _ = _inv(sshd, tmp_path, port=_free_port())
+    inv, _ = _inv(sshd, tmp_path, port=free_port())
     res = _run(inv, ["true"])
     assert res.error and res.error.startswith("unreachable")
 

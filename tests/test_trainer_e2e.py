@@ -4,7 +4,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from trainer import data
 from trainer.dist import DistEnv
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
+from fakes import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -111,14 +111,8 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tmp
         assert torch.equal(a[name], b[name]), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(tmp_path):
-    port = _free_port()
+    port = free_port()
     nodes = []
     for is_host in (1, 0):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

@@ -1,9 +1,9 @@
-import socket
 import subprocess
 
 import pytest
 
 from trainer.launch import bind_rendezvous_store, option, torchrun_args
+from fakes import free_port
 
 
 def test_arguments_after_the_separator_go_to_the_trainer_and_before_it_to_torchrun():
@@ -51,12 +51,6 @@ def _listeners(port: int) -> list[str]:
     return [line.split()[3] for line in out.splitlines()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_rendezvous_store_listens_on_the_local_address_alone(monkeypatch):
     from datetime import timedelta
 
@@ -64,7 +58,7 @@ def test_the_rendezvous_store_listens_on_the_local_address_alone(monkeypatch):
 
     monkeypatch.setattr(backend, "TCPStore", backend.TCPStore)  # undone after the test
     bind_rendezvous_store("127.0.0.2")
-    port = _free_port()
+    port = free_port()
     store = backend.TCPStore("127.0.0.2", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
     assert _listeners(port) == [f"127.0.0.2:{port}"]  # not *:port, as TCPStore binds by default
     client = backend.TCPStore("127.0.0.2", port, is_master=False, timeout=timedelta(seconds=10))
