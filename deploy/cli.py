@@ -223,7 +223,6 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                            f"{inv.node(s.node).address}, detected at launch")
         return
     with Remote(inv) as remote:
-        specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
         states = _states(inv, remote)
         unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
@@ -239,6 +238,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         if not all(c.ok for c in checks):
             _print_checks([c for c in checks if not c.ok])
         _refuse_failed_checks(checks, "launch refused, nothing started: ")
+        specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
             remote.run(finished, check=True, timeout=120)
