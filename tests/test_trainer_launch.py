@@ -64,3 +64,14 @@ def test_the_rendezvous_store_listens_on_the_local_address_alone(monkeypatch):
     client = backend.TCPStore("127.0.0.2", port, is_master=False, timeout=timedelta(seconds=10))
     client.set("key", "value")
     assert store.get("key") == b"value"
+
+
+def test_a_master_addr_that_is_not_this_node_is_a_clear_setup_error(monkeypatch):
+    from datetime import timedelta
+
+    from trainer import dist
+
+    monkeypatch.setenv("MASTER_ADDR", "198.18.255.254")  # an address no interface here holds
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(dist.DistSetupError, match=r"^cannot listen on MASTER_ADDR 198\.18\.255\.254:.*--local-addr"):
+        dist._bound_store(0, 2, timedelta(seconds=5))

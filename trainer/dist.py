@@ -111,7 +111,11 @@ def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStor
     listen_fd = None
     if rank == 0:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        listen_fd = socket.create_server((addr, port), family=family, backlog=1024).detach()
+        try:
+            listen_fd = socket.create_server((addr, port), family=family, backlog=1024).detach()
+        except OSError as exc:
+            raise DistSetupError(f"cannot listen on MASTER_ADDR {addr}:{port} ({exc.strerror or exc}): it must "
+                                 "be an address of this node; give torchrun --local-addr") from None
     global _OWN_STORE
     _OWN_STORE = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
                                master_listen_fd=listen_fd)
