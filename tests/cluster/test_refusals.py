@@ -1,8 +1,8 @@
 """A broken node is named with its cause by `check` within seconds, and `launch` starts nothing anywhere.
 
-Each fault is made for real on one node of the cluster (a key the node does not accept, a host
-key that changed, a Docker daemon that is gone, GPUs that are not there, a NAS path that is a
-different disk on one node) and undone afterwards.
+Each fault is made for real on one node of the cluster (its network link down, a key the node
+does not accept, a host key that changed, a Docker daemon that is gone, GPUs that are not there,
+a NAS path that is a different disk on one node) and undone afterwards.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ def _new_key(tmp_path: Path, name: str) -> Path:
     key = tmp_path / name
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     return key
+
+
+@contextlib.contextmanager
+def _link_down(cluster, config, tmp_path):
+    cluster.take_link_down("node3")
+    try:
+        yield
+    finally:
+        cluster.bring_link_up("node3")
 
 
 @contextlib.contextmanager
@@ -78,6 +87,7 @@ def _nas_not_shared(cluster, config, tmp_path):
 
 # fault: (how to make it, the node to blame, its failing check, the cause named)
 FAULTS = {
+    "node unreachable": (_link_down, "node3", "ssh", "unreachable"),
     "wrong ssh key": (_wrong_key, "node2", "ssh", "auth refused"),
     "host key changed": (_changed_host_key, "node2", "ssh", "host key mismatch"),
     "no docker engine": (_docker_gone, "node2", "docker", "docker engine not usable"),
