@@ -6,6 +6,7 @@ single process (no process group at all; every collective below is then a no-op)
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -127,8 +128,17 @@ _LEFT_KEY = "trainer/left"
 
 
 def teardown(env: DistEnv, finished: bool = False) -> None:
-    """Leaves the process group; after a finished run, rank 0 (the store's host) leaves last."""
+    """Leaves the process group; after a finished run, rank 0 (the store's host) leaves last.
+
+    DDP's reducer holds the group (and gloo's pending work) in reference cycles; left to the
+    interpreter's exit, destroying them there aborts the process now and then ("terminate
+    called without an active exception", seen in CI). They are collected here, while Python is
+    whole, after every rank of a finished run has reached this point.
+    """
     if env.distributed and dist.is_initialized():
+        if finished:
+            barrier(env)
+        gc.collect()
         dist.destroy_process_group()
         if finished and _OWN_STORE is not None:
             _leave_store_host_last(env)
