@@ -500,32 +500,6 @@ def run_here(argv: Sequence[str], *, timeout: float | None = None) -> Result:
     return Result("local", p.returncode, p.stdout, p.stderr)
 
 
-def local_pipeline(stages: Sequence[Sequence[str]], chunk: int = 1 << 20) -> Iterable[bytes]:
-    """Yield the stdout of ``stage1 | stage2 | ...`` run here, without a shell.
-
-    Raises RuntimeError after the data if any stage exits non-zero.
-    """
-    procs: list[subprocess.Popen] = []
-    prev = None
-    for argv in stages:
-        p = subprocess.Popen(list(argv), stdin=prev or subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-        if prev is not None:
-            prev.close()
-        prev = p.stdout
-        procs.append(p)
-    try:
-        while data := prev.read(chunk):
-            yield data
-    finally:
-        prev.close()
-        for p in procs:
-            code = p.wait()
-            if code != 0:
-                err = p.stderr.read().decode(errors="replace").strip()
-                raise RuntimeError(f"{command_line(p.args)} exited {code}: {err}")
-
-
 def _kill(p: subprocess.Popen) -> None:
     try:
         p.kill()
