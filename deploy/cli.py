@@ -235,9 +235,10 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         # Everything `check` proves (engine, GPUs, shared storage, the rendezvous port free and
         # reachable: so no other job's store can absorb this one) holds before anything starts.
         checks = preflight.run_checks(inv, remote)
-        if not all(c.ok for c in checks):
-            _print_checks([c for c in checks if not c.ok])
-        _refuse_failed_checks(checks, "launch refused, nothing started: ")
+        failed = [c for c in checks if not c.ok]
+        if failed:
+            _print_checks(failed)
+        _refuse_failed_checks(failed, "launch refused, nothing started: ")
         specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed

@@ -102,6 +102,13 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
 
 
+def listening_fd(address: str, port: int) -> int:
+    """A socket listening on ``address`` alone, as a file descriptor for TCPStore's
+    ``master_listen_fd`` (TCPStore itself would listen on every address of the machine)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return socket.create_server((address, port), family=family, backlog=1024).detach()
+
+
 def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """The workers' store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 on that address alone.
 
@@ -111,9 +118,8 @@ def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStor
     addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500)
     listen_fd = None
     if rank == 0:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         try:
-            listen_fd = socket.create_server((addr, port), family=family, backlog=1024).detach()
+            listen_fd = listening_fd(addr, port)
         except OSError as exc:
             raise DistSetupError(f"cannot listen on MASTER_ADDR {addr}:{port} ({exc.strerror or exc}): it must "
                                  "be an address of this node; give torchrun --local-addr") from None

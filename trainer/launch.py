@@ -13,7 +13,6 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 
@@ -56,13 +55,13 @@ def bind_rendezvous_store(address: str) -> None:
     """
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
 
+    from .dist import listening_fd
+
     tcp_store = backend.TCPStore
 
     def bound_store(host, port, *args, is_master=False, **kwargs):
         if is_master and kwargs.get("master_listen_fd") is None:
-            family = socket.AF_INET6 if ":" in address else socket.AF_INET
-            listener = socket.create_server((address, port), family=family, backlog=1024)
-            kwargs["master_listen_fd"] = listener.detach()
+            kwargs["master_listen_fd"] = listening_fd(address, port)
         return tcp_store(host, port, *args, is_master=is_master, **kwargs)
 
     backend.TCPStore = bound_store
