@@ -3,12 +3,16 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 HOSTS ?= hosts.yaml
-# torch/torchvision pins that install from the files on these machines (see README); override freely.
+# The two ends of the supported torch range (pyproject.toml, trainer/compat.py): the main venv
+# has the newest, $(OLDEST_VENV) the oldest (the Dockerfile's default base). `make test` runs the
+# trainer's end-to-end tests and a cluster run on both.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+OLDEST_VENV ?= .venv-torch-oldest
+OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install run check deploy sync launch wait status logs stop run-local image test test-fast clean
+.PHONY: install install-oldest run check deploy sync launch wait status logs stop run-local image test test-fast clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/pip install -q $(OLDEST_TORCH_PINS)
+	$(OLDEST_VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+install-oldest: $(OLDEST_VENV)/.installed
 
 ## The main job on the shipped hosts.yaml (this machine alone): check, deploy, launch, wait, status.
 run: install
@@ -55,8 +68,8 @@ run-local: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-test: install
-	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
+test: install install-oldest
+	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -ra -m "not e2e and not cluster" $(PYTEST_ARGS)

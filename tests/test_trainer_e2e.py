@@ -1,12 +1,17 @@
-"""End-to-end: real torchrun, 2 processes, gloo on CPU, real files."""
+"""End-to-end: the launcher users run (torchrun in-process), 2 processes, gloo on CPU, real files.
+
+Every test runs once on each end of the supported torch range (the ``torch_python`` fixture).
+"""
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +29,8 @@ def assert_ok(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_final_model(tmp_path):
-    proc = run_torchrun(tmp_path, *SMALL, "--grad-accum", "2", "--clip-grad", "1.0", "--keep-last", "2")
+def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_final_model(torch_python, tmp_path):
+    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--grad-accum", "2", "--clip-grad", "1.0", "--keep-last", "2")
     assert_ok(proc)
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("ckpt-*.pt")) == ["ckpt-000000008.pt", "ckpt-000000016.pt"]
@@ -41,9 +46,9 @@ def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_fi
     assert (tmp_path / "data" / "synthetic" / "synthetic-1024.pt").exists()
 
 
-def test_test_made_mnist_files_train_through_torchvision(tmp_path):
+def test_test_made_mnist_files_train_through_torchvision(torch_python, tmp_path):
     write_idx_mnist(tmp_path / "data")
-    proc = run_torchrun(tmp_path, "--dataset", "mnist", "--model", "lenet", "--batch-size", "25",
+    proc = run_torchrun(torch_python.python, tmp_path, "--dataset", "mnist", "--model", "lenet", "--batch-size", "25",
                         "--optimizer", "adamw", "--lr", "0.003",
                         "--epochs", "2", "--log-every", "4", "--no-download")
     assert_ok(proc)
@@ -53,14 +58,14 @@ def test_test_made_mnist_files_train_through_torchvision(tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_mixed_precision_runs_on_cpu(tmp_path, amp):
-    proc = run_torchrun(tmp_path, *SMALL, "--epochs", "1", "--amp", amp, "--model", "resnet")
+def test_mixed_precision_runs_on_cpu(torch_python, tmp_path, amp):
+    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", "--amp", amp, "--model", "resnet")
     assert_ok(proc)
     assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path / "ckpt") if r["kind"] == "train")
 
 
-def test_distributed_evaluation_equals_single_process_evaluation(tmp_path):
-    assert_ok(run_torchrun(tmp_path, *SMALL, "--epochs", "1"))
+def test_distributed_evaluation_equals_single_process_evaluation(torch_python, tmp_path):
+    assert_ok(run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1"))
     reported = metrics(tmp_path / "ckpt")[-1]
     model = build_model("convnet", 1, 28, 10)
     model.load_state_dict(final_weights(tmp_path / "ckpt"))
@@ -74,9 +79,9 @@ def test_distributed_evaluation_equals_single_process_evaluation(tmp_path):
     assert reported["eval_loss"] == pytest.approx(single_loss, rel=1e-5)
 
 
-def _run_until_checkpoint_then_kill(tmp_path, flags, step):
+def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
     marker = tmp_path / "ckpt" / f"ckpt-{step:09d}.pt.ok"
-    proc = subprocess.Popen(torchrun_cmd(tmp_path, *flags), env=trainer_env(), start_new_session=True,
+    proc = subprocess.Popen(torchrun_cmd(python, tmp_path, *flags), env=trainer_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not marker.exists():
@@ -92,12 +97,12 @@ def _run_until_checkpoint_then_kill(tmp_path, flags, step):
     (16, []),                        # after epoch 1 of 2 (16 steps per epoch)
     (8, ["--ckpt-every", "4"]),      # in the middle of epoch 1, from a mid-epoch checkpoint
 ])
-def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, kill_at_step, extra):
+def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(torch_python, tmp_path, kill_at_step, extra):
     flags = [*SMALL, *extra]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert_ok(run_torchrun(straight, *flags))
-    _run_until_checkpoint_then_kill(resumed, flags, kill_at_step)
-    restarted = run_torchrun(resumed, *flags)
+    assert_ok(run_torchrun(torch_python.python, straight, *flags))
+    _run_until_checkpoint_then_kill(torch_python.python, resumed, flags, kill_at_step)
+    restarted = run_torchrun(torch_python.python, resumed, *flags)
     assert_ok(restarted)
     assert "resumed from" in restarted.stderr
     said = [json.loads(line[len("METRICS "):]) for line in restarted.stdout.splitlines()
@@ -111,14 +116,14 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tmp
         assert torch.equal(a[name], b[name]), name
 
 
-def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(tmp_path):
+def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(torch_python, tmp_path):
     port = free_port()
     nodes = []
     for is_host in (1, 0):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [torch_python.python, "-m", "trainer.launch", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fetch-once",
                "--rdzv-conf", f"is_host={is_host}", "--local-addr", "127.0.0.1",
-               "-m", "trainer", "--data-dir", str(tmp_path / "data"), "--ckpt-dir", str(tmp_path / "ckpt"),
+               "--", "--data-dir", str(tmp_path / "data"), "--ckpt-dir", str(tmp_path / "ckpt"),
                *SMALL, "--epochs", "1"]
         nodes.append(subprocess.Popen(cmd, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [node.communicate(timeout=300) for node in nodes]
@@ -129,11 +134,74 @@ def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(tmp_path):
     assert sum("dataset synthetic found" in e for e in said) == 1
 
 
-def test_resuming_with_another_model_or_without_resume_is_refused_naming_the_cause(tmp_path):
-    assert_ok(run_torchrun(tmp_path, *SMALL, "--epochs", "1", nproc=1))
-    other = run_torchrun(tmp_path, *SMALL, "--epochs", "1", "--model", "lenet", nproc=1)
+def test_resuming_with_another_model_or_without_resume_is_refused_naming_the_cause(torch_python, tmp_path):
+    assert_ok(run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", nproc=1))
+    other = run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", "--model", "lenet", nproc=1)
     assert other.returncode != 0
     assert "trainer: error: model: the checkpoints in" in other.stderr
-    fresh = run_torchrun(tmp_path, *SMALL, "--epochs", "1", "--no-resume", nproc=1)
+    fresh = run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", "--no-resume", nproc=1)
     assert fresh.returncode != 0
     assert "holds checkpoints of an earlier run" in fresh.stderr
+
+
+def _process_tree(root: int) -> set[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def _listeners_of(pids: set[int]) -> set[str]:
+    """Listening TCP addresses (``ADDR:PORT``) of the given processes."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    found = set()
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            found.add(line.split()[3])
+    return found
+
+
+def test_the_job_listens_only_on_the_addresses_it_was_given(torch_python, tmp_path):
+    """The rendezvous store and the workers' store on --local-addr, gloo on the named interface:
+    nothing on a wildcard address (0.0.0.0, [::], *)."""
+    port = free_port()
+    cmd = [torch_python.python, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}", "--rdzv-id", "listen",
+           "--rdzv-conf", "is_host=1", "--local-addr", "127.0.0.2",
+           "--", "--data-dir", str(tmp_path / "data"), "--ckpt-dir", str(tmp_path / "ckpt"),
+           *SMALL, "--epochs", "1", "--log-every", "1"]
+    env = {**trainer_env(), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _listeners_of(_process_tree(proc.pid))
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"127.0.0.2:{port}" in seen  # the c10d store, bound to --local-addr
+    assert len({s for s in seen if s.startswith("127.0.0.2:")}) >= 2  # and the workers' store
+    hosts = {s.rsplit(":", 1)[0] for s in seen}
+    assert hosts <= {"127.0.0.2", "127.0.0.1"}, seen  # gloo on lo's own address; no 0.0.0.0, [::] or *
+
+
+def test_sync_bn_on_cpu_is_one_clear_error_at_start(torch_python, tmp_path):
+    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", "--sync-bn", nproc=1)
+    assert proc.returncode != 0
+    assert "trainer: error: sync_bn: SyncBatchNorm needs CUDA devices" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("trainer: error:")[0]
+    assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()

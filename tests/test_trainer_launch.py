@@ -75,3 +75,9 @@ def test_a_master_addr_that_is_not_this_node_is_a_clear_setup_error(monkeypatch)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(dist.DistSetupError, match=r"^cannot listen on MASTER_ADDR 198\.18\.255\.254:.*--local-addr"):
         dist._bound_store(0, 2, timedelta(seconds=5))
+
+
+def test_entry_runs_another_module_through_the_same_launcher_and_is_not_passed_to_torchrun():
+    args = torchrun_args(["--nnodes", "2", "--entry", "trainer.netcheck", "--", "--size-mb", "1"], {})
+    assert args == ["--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
+    assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["-m", "trainer.netcheck"]

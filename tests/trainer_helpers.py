@@ -22,14 +22,18 @@ def trainer_env() -> dict[str, str]:
     return env
 
 
-def torchrun_cmd(tmp: Path, *flags: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "trainer", "--data-dir", str(tmp / "data"), "--ckpt-dir", str(tmp / "ckpt"), *flags]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_torchrun(tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_cmd(tmp, *flags, nproc=nproc), env=trainer_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def torchrun_cmd(python: str, tmp: Path, *flags: str, nproc: int = 2) -> list[str]:
+    """The launcher users run (torchrun in-process, standalone on this machine), then trainer flags."""
+    return [python, "-m", "trainer.launch", "--standalone", "--nproc-per-node", str(nproc), "--",
+            "--data-dir", str(tmp / "data"), "--ckpt-dir", str(tmp / "ckpt"), *flags]
+
+
+def run_torchrun(python: str, tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(python, tmp, *flags, nproc=nproc), env=trainer_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def metrics(ckpt_dir: Path) -> list[dict]:

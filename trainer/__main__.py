@@ -60,6 +60,13 @@ def run(cfg: TrainConfig, env: DistEnv) -> dict:
     return final
 
 
+def require_cuda_for_sync_bn(cfg: TrainConfig, env: DistEnv) -> None:
+    """SyncBatchNorm runs on CUDA tensors only: on CPU (gloo) it would fail at the first forward."""
+    if cfg.sync_bn and env.device.type != "cuda":
+        raise DistSetupError(f"sync_bn: SyncBatchNorm needs CUDA devices (NCCL), this process runs on "
+                             f"{env.device.type}; drop --sync-bn on CPU nodes")
+
+
 def torch_seed_per_rank(cfg: TrainConfig, env: DistEnv) -> None:
     """After the identical initialisation, each rank gets its own dropout stream."""
     torch.manual_seed(cfg.seed + 7919 * env.rank)
@@ -75,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finished = False
     try:
+        require_cuda_for_sync_bn(cfg, env)
         run(cfg, env)
         finished = True
-    except ResumeMismatch as exc:
+    except (ResumeMismatch, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     except (data.DatasetUnavailable, CheckpointError) as exc:

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .compat import tcp_store
+
 
 class DistSetupError(RuntimeError):
     """The process cannot join the job as configured (e.g. more processes than GPUs)."""
@@ -124,8 +126,8 @@ def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStor
             raise DistSetupError(f"cannot listen on MASTER_ADDR {addr}:{port} ({exc.strerror or exc}): it must "
                                  "be an address of this node; give torchrun --local-addr") from None
     global _OWN_STORE
-    _OWN_STORE = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                               master_listen_fd=listen_fd)
+    _OWN_STORE = tcp_store(addr, port, listen_fd=listen_fd, world_size=world_size, is_master=rank == 0,
+                           timeout=timeout)
     return _OWN_STORE
 
 

@@ -1,5 +1,9 @@
 """The launcher on every node: torchrun options, then ``--``, then trainer flags.
 
+``--entry MODULE`` among the options (taken here, not passed to torchrun) runs that module
+instead of the trainer, through the same launcher: ``ddp-deploy check --network`` runs
+``trainer.netcheck`` this way, with the job's image, interpreter and interfaces.
+
 ``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs torchrun (in this process)
 with ``--nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a trainer
 flag and torchrun runs standalone on this machine: one process per visible GPU, or one process
@@ -22,15 +26,37 @@ def default_nproc() -> str:
     return str(torch.cuda.device_count() or 1)
 
 
+DEFAULT_ENTRY = "trainer"
+
+
 def torchrun_args(args: list[str], environ: dict[str, str]) -> list[str]:
-    """The arguments torchrun receives (its options, then ``-m trainer`` and the trainer flags)."""
+    """The arguments torchrun receives (its options, then ``-m MODULE`` and that module's flags)."""
     if "--" in args:
         cut = args.index("--")
         launcher, trainer = args[:cut], args[cut + 1:]
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
-    return [*launcher, "-m", "trainer", *trainer]
+    launcher, entry = _take_entry(launcher)
+    return [*launcher, "-m", entry, *trainer]
+
+
+def _take_entry(launcher: list[str]) -> tuple[list[str], str]:
+    """Removes ``--entry MODULE`` (or ``--entry=MODULE``) from the launcher options."""
+    rest, entry = [], DEFAULT_ENTRY
+    it = iter(launcher)
+    for arg in it:
+        if arg == "--entry":
+            entry = next(it, None) or _usage("--entry needs a module name")
+        elif arg.startswith("--entry="):
+            entry = arg.split("=", 1)[1] or _usage("--entry needs a module name")
+        else:
+            rest.append(arg)
+    return rest, entry
+
+
+def _usage(message: str):
+    sys.exit(f"trainer.launch: error: {message}")
 
 
 def option(args: list[str], name: str) -> str | None:
@@ -55,14 +81,14 @@ def bind_rendezvous_store(address: str) -> None:
     """
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
 
+    from .compat import tcp_store
     from .dist import listening_fd
 
-    tcp_store = backend.TCPStore
-
     def bound_store(host, port, *args, is_master=False, **kwargs):
-        if is_master and kwargs.get("master_listen_fd") is None:
-            kwargs["master_listen_fd"] = listening_fd(address, port)
-        return tcp_store(host, port, *args, is_master=is_master, **kwargs)
+        listen_fd = kwargs.pop("master_listen_fd", None)
+        if is_master and listen_fd is None:
+            listen_fd = listening_fd(address, port)
+        return tcp_store(host, port, *args, is_master=is_master, listen_fd=listen_fd, **kwargs)
 
     backend.TCPStore = bound_store
 
