@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import image, plan, preflight
+from . import image, netcheck, plan, preflight, runtime
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .remote import Remote, command_line
@@ -111,15 +111,41 @@ def validate(st: _State) -> None:
 
 
 @cli.command()
+@click.option("--network", is_flag=True,
+              help="Then a short all-reduce across every node with the job's backend, image and interfaces.")
+@click.option("--network-mb", type=click.FloatRange(min=0.001), default=32, show_default=True,
+              help="With --network: the all-reduce buffer, in MB.")
 @pass_state
-def check(st: _State) -> None:
+def check(st: _State, network: bool, network_mb: float) -> None:
     """Preflight checks on every node, in parallel."""
     inv = st.inv
     with Remote(inv) as remote:
-        checks = preflight.run_checks(inv, remote)
-    _print_checks(checks)
-    _refuse_failed_checks(checks, "")
-    click.echo(f"all {len(checks)} checks passed")
+        pre = preflight.run_checks(inv, remote)
+        _print_checks(pre.checks)
+        _refuse_failed_checks(pre.checks, "")
+        click.echo(f"all {len(pre.checks)} checks passed")
+        if network:
+            report = netcheck.run(inv, remote, pre.facts, network_mb)
+    if network:
+        _print_network(report)
+        slow = report.get("slow") or []
+        if slow:
+            raise RuntimeFailure(f"network: {', '.join(slow)} much slower than the other nodes "
+                                 f"({netcheck.describe_slow(report)})",
+                                 hint="check that node's link, cabling and interface (nodes[].interface)")
+
+
+def _print_network(report: dict) -> None:
+    table = Table("node", "interface", "transport", "bus bandwidth", "pairs",
+                  title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 1e6:g} MB")
+    for n in report["nodes"]:
+        pairs = ", ".join(f"{peer} {netcheck.rate(bw)}" for peer, bw in n["pairs"].items())
+        table.add_row(n["node"], n["interface"], n["transport"], netcheck.rate(n["busbw"]), pairs)
+    out.print(table)
+    if report.get("allreduce_busbw"):
+        click.echo(f"all nodes together: {netcheck.rate(report['allreduce_busbw'])} bus bandwidth")
+    if report.get("note"):
+        click.echo(f"note: {report['note']}")
 
 
 def _print_checks(checks) -> None:
@@ -217,10 +243,13 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
     if dry_run:
         click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
         for s in plan.launch_plan(inv):
+            node = inv.node(s.node)
             _show(s.node, s.argv)
-            if inv.node(s.node).interface is None:
+            if node.interface is None:
                 click.echo(f"[{s.node}] GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: the interface holding "
-                           f"{inv.node(s.node).address}, detected at launch")
+                           f"{node.address}, detected at launch")
+            for note in runtime.runtime(inv).dry_run_notes(node):
+                click.echo(f"[{s.node}] {note}")
         return
     with Remote(inv) as remote:
         states = _states(inv, remote)
@@ -232,14 +261,15 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         if running:
             raise RuntimeFailure(f"a previous run of {inv.job.name} is still running on {', '.join(running)}",
                                  hint="run `ddp-deploy stop` first; two runs never share a rendezvous")
-        # Everything `check` proves (engine, GPUs, shared storage, the rendezvous port free and
-        # reachable: so no other job's store can absorb this one) holds before anything starts.
-        checks = preflight.run_checks(inv, remote)
-        failed = [c for c in checks if not c.ok]
-        if failed:
-            _print_checks(failed)
-        _refuse_failed_checks(failed, "launch refused, nothing started: ")
-        specs = plan.launch_plan(inv, _detect_interfaces(inv, remote))
+        # Everything `check` proves (engine, torch and CUDA where the job runs, GPUs, shared
+        # storage, the rendezvous port free and reachable: so no other job's store can absorb
+        # this one) holds before anything starts.
+        pre = preflight.run_checks(inv, remote, for_launch=True)
+        if pre.failed:
+            _print_checks(pre.failed)
+        _refuse_failed_checks(pre.failed, "launch refused, nothing started: ")
+        _warn_without_interface(inv, pre.facts)
+        specs = plan.launch_plan(inv, pre.facts)
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
             remote.run(finished, check=True, timeout=120)
@@ -264,20 +294,11 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
     click.echo("all nodes finished with exit code 0")
 
 
-def _detect_interfaces(inv, remote) -> dict[str, str]:
-    """NICs holding each node's address, for nodes whose inventory names none."""
-    todo = [n.name for n in inv.nodes if n.interface is None]
-    if not todo:
-        return {}
-    found = {}
-    for name, r in remote.run({n: plan.INTERFACES_ARGV for n in todo}, check=False, timeout=30).items():
-        nic = plan.interface_holding(inv.node(name).address, r.stdout) if r.ok else None
-        if nic:
-            found[name] = nic
-        else:
-            click.echo(f"warning: {name}: no interface holds {inv.node(name).address}; gloo/NCCL pick one from "
+def _warn_without_interface(inv, facts) -> None:
+    for n in inv.nodes:
+        if n.interface is None and facts.get(n.name, plan.NodeFacts()).interface is None:
+            click.echo(f"warning: {n.name}: no interface holds {n.address}; gloo/NCCL pick one from "
                        f"the hostname (set nodes[].interface if the job hangs)", err=True)
-    return found
 
 
 UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait

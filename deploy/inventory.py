@@ -95,6 +95,18 @@ def _no_nul(v: str) -> str:
     return v
 
 
+def _env_name(v: str) -> str:
+    if not _ENV_NAME.fullmatch(v):
+        raise ValueError("an environment variable name: letters, digits and '_', not starting with a digit")
+    return v
+
+
+def _env_value(v: str) -> str:
+    if any(ord(c) < 32 for c in v):
+        raise ValueError("control characters (newlines, NUL, ...) are not allowed in an environment value")
+    return v
+
+
 SafeName = Annotated[str, AfterValidator(_safe_name)]
 JobName = Annotated[str, AfterValidator(_job_name)]
 Address = Annotated[str, AfterValidator(_address)]
@@ -104,6 +116,8 @@ LocalPath = Annotated[str, AfterValidator(_local_path)]
 """A path only ever opened on the operator's machine (never sent to a shell)."""
 ImageRef = Annotated[str, AfterValidator(_image)]
 Arg = Annotated[str, AfterValidator(_no_nul)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, AfterValidator(_env_value)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -158,24 +172,41 @@ class Ssh(_Model):
         return self.model_copy(update=over.model_dump(exclude_none=True))
 
 
+Env = dict[EnvName, EnvValue]
+
+
 class Node(_Model):
     name: SafeName
     address: Address
     connection: Literal["ssh", "local"] = "ssh"
     """ssh, or local: run on this machine without SSH (like ansible_connection=local)."""
     gpus: int = Field(default=0, ge=0)
-    """0 = CPU node (gloo); >0: nvidia-smi must list at least that many."""
+    """0 = CPU node (gloo); >0: a GPU node (CUDA + NCCL), nvidia-smi must list at least that many."""
     procs: int | None = Field(default=None, ge=1)
-    """Processes on this node; defaults to gpus, or 1 on a CPU node."""
+    """Processes on this node; defaults to len(gpu_ids), else gpus, or 1 on a CPU node."""
+    gpu_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    """GPU indices (as nvidia-smi numbers them) this job uses, one per process; default: the
+    first ``procs`` GPUs."""
     interface: SafeName | None = None
     """NIC for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME."""
+    env: Env = Field(default_factory=dict)
+    """Extra environment for this node's processes (NCCL settings, ...); overrides train.env."""
     ssh: SshOverrides | None = None
 
     @property
     def nprocs(self) -> int:
         if self.procs is not None:
             return self.procs
+        if self.gpu_ids:
+            return len(self.gpu_ids)
         return self.gpus or 1
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The GPU indices this node's processes use (local rank i -> devices[i]); empty on a CPU node."""
+        if self.gpus == 0:
+            return ()
+        return self.gpu_ids if self.gpu_ids else tuple(range(self.nprocs))
 
 
 class Image(_Model):
@@ -207,12 +238,28 @@ class Storage(_Model):
     min_free_gb: float = Field(default=1, ge=0)
 
 
+# Chosen by the tool from nodes[].gpus, so that a GPU node never trains on the CPU.
+TOOL_FLAGS = ("--device", "--backend")
+
+
 class Train(_Model):
     python: PathStr = "python3"
     """Host runtime: interpreter on the nodes that has this package installed. A
     relative path containing '/' is resolved against the directory of hosts.yaml."""
     args: tuple[Arg, ...] = ()
-    """Trainer flags; --data-dir/--ckpt-dir are added by the tool."""
+    """Trainer flags; --data-dir/--ckpt-dir, --device and --backend are added by the tool."""
+    env: Env = Field(default_factory=dict)
+    """Extra environment for every node's processes; nodes[].env overrides it per node. Shown by
+    --dry-run: not for secrets."""
+
+    @field_validator("args")
+    @classmethod
+    def _no_tool_flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            if arg.split("=", 1)[0] in TOOL_FLAGS:
+                raise ValueError(f"{arg.split('=', 1)[0]} is set by the tool: cuda + nccl on GPU nodes "
+                                 "(nodes[].gpus > 0), cpu + gloo on CPU nodes")
+        return v
 
 
 class Inventory(_Model):
@@ -292,9 +339,32 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
         if n.gpus > 0 and n.procs is not None and n.procs > n.gpus:
             out.append((("nodes", i, "procs"),
                         f"procs ({n.procs}) must be <= gpus ({n.gpus}) on a GPU node"))
+        out += [(("nodes", i, "gpu_ids"), msg) for msg in _gpu_id_problems(n)]
+    gpu = [n.name for n in inv.nodes if n.gpus > 0]
+    cpu = [n.name for n in inv.nodes if n.gpus == 0]
+    if gpu and cpu:
+        out.append((("nodes",), f"mixes GPU nodes ({', '.join(gpu)}) and CPU nodes ({', '.join(cpu)}): their "
+                                "ranks would pick different backends (nccl, gloo) and hang; give every node "
+                                "gpus > 0, or every node gpus: 0"))
     if inv.rendezvous.node not in names:
         out.append((("rendezvous", "node"),
                     f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
+    return out
+
+
+def _gpu_id_problems(n: Node) -> list[str]:
+    ids = n.gpu_ids
+    if ids is None:
+        return []
+    if n.gpus == 0:
+        return ["gpu_ids on a CPU node (gpus: 0); set gpus to the node's GPU count"]
+    out = []
+    if len(set(ids)) != len(ids):
+        out.append(f"{list(ids)} lists a GPU twice; one GPU per process")
+    if len(ids) != n.nprocs:
+        out.append(f"{len(ids)} GPU ids for {n.nprocs} processes; one GPU per process")
+    if any(i >= n.gpus for i in ids):
+        out.append(f"{list(ids)}: ids are 0 .. {n.gpus - 1} on a node with gpus: {n.gpus}")
     return out
 
 

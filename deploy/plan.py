@@ -11,72 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .inventory import Inventory, Node
-
-# Host runtime: per-node run directory (under the checkpoint dir, so logs sit with the run)
-# holding `pid` (the process-group id of the detached torchrun), `log` (its stdout+stderr)
-# and `exit` (its exit code, written when it ends).
-RUN_SUBDIR = ".ddp-deploy"
-
-# $1 = run dir, $2... = the command. Refuses when a previous run is recorded. Starts the
-# command in its own session (setsid), so `stop` can kill the whole process group, waits for
-# the pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
-HOST_START = r"""run=$1; shift
-if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
-mkdir -p "$run" || exit 1
-rm -f "$run/exit" "$run/log"
-DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
-setsid sh -c 'echo $$ > "$0/pid.tmp" && mv "$0/pid.tmp" "$0/pid"; "$@" > "$0/log" 2>&1 < /dev/null; echo $? > "$0/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
-i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
-[ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
-sleep 1
-if [ -e "$run/exit" ] && [ "$(cat "$run/exit")" != 0 ]; then
-  echo "exited with $(cat "$run/exit") at once: $(tail -n 3 "$run/log" | tr '\n' ' ')" >&2; exit 1
-fi
-cat "$run/pid"
-"""
-
-# $1 = run dir. Line 1: absent | running | exited CODE; line 2: last METRICS line, if any.
-HOST_STATUS = r"""run=$1
-if [ ! -e "$run/pid" ]; then echo absent; exit 0
-elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
-elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
-else echo "exited ?"
-fi
-[ -e "$run/log" ] && grep '^METRICS ' "$run/log" | tail -n 1
-exit 0
-"""
-
-# $1 = run dir. Kills the process group if it still runs, then forgets the run (log kept).
-# torchrun starts each worker in a session of its own, so the group does not hold them: it
-# gets 40 s to shut them down (it gives them 30 s), then every process still carrying this
-# run's DDP_DEPLOY_RUN marker in its environment is killed too.
-HOST_STOP = r"""run=$1
-if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
-  pid=$(cat "$run/pid")
-  kill -TERM "-$pid" 2>/dev/null
-  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 400 ]; do sleep 0.1; i=$((i+1)); done
-  kill -KILL "-$pid" 2>/dev/null
-  for p in /proc/[0-9]*; do
-    grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
-  done
-  echo stopped
-elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
-else echo absent
-fi
-rm -f "$run/pid" "$run/exit"
-"""
-
-# $1 = container. Same two-line output as HOST_STATUS.
-DOCKER_STATUS = r"""s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}}' "$1" 2>/dev/null) || { echo absent; exit 0; }
-case "$s" in running*|restarting*) echo running ;; *) echo "exited ${s#* }" ;; esac
-docker logs "$1" 2>&1 | grep '^METRICS ' | tail -n 1
-exit 0
-"""
-
-# $1 = container. Idempotent remove.
-DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then docker rm -f "$1" > /dev/null && echo stopped
-else echo absent; fi
-"""
+from .runtime import RUN_SUBDIR, NodeFacts, runtime  # noqa: F401  (RUN_SUBDIR: where host runs keep files)
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
@@ -106,11 +41,11 @@ class LaunchSpec:
 
 
 def container_name(inv: Inventory, node: Node) -> str:
-    return f"{inv.job.name}-{node.name}"
+    return runtime(inv).container(node)
 
 
 def run_dir(inv: Inventory, node: Node) -> str:
-    return f"{inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}/{node.name}"
+    return runtime(inv).run_dir(node)
 
 
 def torchrun_options(inv: Inventory, index: int) -> tuple[str, ...]:
@@ -166,95 +101,88 @@ def interface_holding(address: str, ip_output: str) -> str | None:
     return None
 
 
-def node_env(node: Node, detected: str | None = None) -> tuple[tuple[str, str], ...]:
-    """The NIC for gloo and NCCL: the inventory's, else the one detected on the node."""
-    interface = node.interface or detected
-    if interface is None:
-        return ()
-    return (("GLOO_SOCKET_IFNAME", interface), ("NCCL_SOCKET_IFNAME", interface))
+def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts()) -> tuple[tuple[str, str], ...]:
+    """The environment of the node's processes: the node's name, the NIC for gloo and NCCL (the
+    inventory's, else the one detected on the node), then train.env and nodes[].env, which win."""
+    env = {"DDP_NODE_NAME": node.name}
+    interface = node.interface or facts.interface
+    if interface is not None:
+        env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+    env.update(inv.train.env)
+    env.update(node.env)
+    return tuple(env.items())
+
+
+def device_flags(inv: Inventory) -> tuple[str, ...]:
+    """A GPU job trains on CUDA with NCCL and refuses to start without them (never on the CPU);
+    a CPU job uses gloo. (Validation refuses a job that mixes the two.)"""
+    if any(n.gpus > 0 for n in inv.nodes):
+        return ("--device", "cuda", "--backend", "nccl")
+    return ("--device", "cpu", "--backend", "gloo")
 
 
 def trainer_flags(inv: Inventory) -> tuple[str, ...]:
-    s = inv.storage
-    if inv.job.runtime == "docker":
-        dirs = ("--data-dir", s.data.container, "--ckpt-dir", s.checkpoints.container)
-    else:
-        dirs = ("--data-dir", s.data.host, "--ckpt-dir", s.checkpoints.host)
-    return dirs + tuple(inv.train.args)
+    data, ckpt = runtime(inv).job_dirs()
+    return ("--data-dir", data, "--ckpt-dir", ckpt, *device_flags(inv), *inv.train.args)
 
 
-def launch_spec(inv: Inventory, index: int, detected_interface: str | None = None) -> LaunchSpec:
+def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts()) -> LaunchSpec:
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
     trainer = trainer_flags(inv)
-    env = node_env(node, detected_interface)
-    s = inv.storage
-    if inv.job.runtime == "docker":
-        mounts = ((s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container))
-        argv = ["docker", "run", "-d", "--name", container_name(inv, node),
-                "--label", f"ddp.job={inv.job.name}", "--label", f"ddp.node={node.name}",
-                "--network", "host", "--ipc", "host", "--pull", "never"]  # only the image deploy verified
-        if inv.job.max_restarts > 0:
-            # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
-            # next rendezvous round; the survivors' agents restart their workers into that round.
-            argv += ["--restart", f"on-failure:{inv.job.max_restarts}"]
-        if node.gpus > 0:
-            argv += ["--gpus", "all"]
-        for src, dst in mounts:
-            argv += ["-v", f"{src}:{dst}"]
-        for k, v in env:
-            argv += ["-e", f"{k}={v}"]
-        argv += [inv.image.name, *torchrun, "--", *trainer]
-    else:
-        mounts = ()
-        cmd = [inv.python_path(), "-m", "trainer.launch", *torchrun, "--", *trainer]
-        if env:
-            cmd = ["env", *(f"{k}={v}" for k, v in env), *cmd]
-        argv = ["sh", "-c", HOST_START, "sh", run_dir(inv, node), *cmd]
+    env = node_env(inv, node, facts)
+    rt = runtime(inv)
+    argv = rt.start_argv(node, [*torchrun, "--", *trainer], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=trainer,
-                      env=env, mounts=mounts, argv=tuple(argv))
+                      env=env, mounts=rt.mounts(), argv=tuple(argv))
 
 
-def launch_plan(inv: Inventory, interfaces: dict[str, str] | None = None) -> list[LaunchSpec]:
-    """Every node's launch; ``interfaces`` holds NICs detected on nodes whose inventory has none."""
-    interfaces = interfaces or {}
-    return [launch_spec(inv, i, interfaces.get(n.name)) for i, n in enumerate(inv.nodes)]
+def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None) -> list[LaunchSpec]:
+    """Every node's launch; ``facts`` holds what the preflight found on each node (NIC, InfiniBand)."""
+    facts = facts or {}
+    return [launch_spec(inv, i, facts.get(n.name, NodeFacts())) for i, n in enumerate(inv.nodes)]
+
+
+NETCHECK_ENTRY = "trainer.netcheck"
+
+
+def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The network check on every node, in the foreground: the job's launcher, image or
+    interpreter, interfaces and environment, with ``trainer.netcheck`` as the entry and a
+    rendezvous id of its own (no restarts)."""
+    rt = runtime(inv)
+    device = device_flags(inv)
+    out = {}
+    for i, node in enumerate(inv.nodes):
+        opts = list(torchrun_options(inv, i))
+        opts[opts.index("--rdzv-id") + 1] = f"{inv.rdzv_id}-netcheck"
+        opts[opts.index("--max-restarts") + 1] = "0"
+        f = facts.get(node.name, NodeFacts())
+        launcher = [*opts, "--entry", NETCHECK_ENTRY, "--", *device, *flags]
+        out[node.name] = tuple(rt.run_argv(node, launcher, node_env(inv, node, f), f))
+    return out
+
+
+def probe_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
+    return tuple(runtime(inv).probe_argv(node, node_env(inv, node)))
 
 
 def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
-    if inv.job.runtime == "docker":
-        return ("sh", "-c", DOCKER_STATUS, "sh", container_name(inv, node))
-    return ("sh", "-c", HOST_STATUS, "sh", run_dir(inv, node))
+    return runtime(inv).status_argv(node)
 
 
 def stop_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
-    if inv.job.runtime == "docker":
-        return ("sh", "-c", DOCKER_STOP, "sh", container_name(inv, node))
-    return ("sh", "-c", HOST_STOP, "sh", run_dir(inv, node))
-
-
-MERGE_STDERR = 'exec "$@" 2>&1'
+    return runtime(inv).stop_argv(node)
 
 
 def logs_argv(inv: Inventory, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     """The node's output (stdout and stderr merged), last ``tail`` lines or all."""
-    if inv.job.runtime == "docker":
-        argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
-        if follow:
-            argv.append("--follow")
-        argv.append(container_name(inv, node))
-    else:
-        argv = ["tail", "-n", "+1" if tail is None else str(tail)]
-        if follow:
-            argv.append("-F")
-        argv.append(f"{run_dir(inv, node)}/log")
-    return ("sh", "-c", MERGE_STDERR, "sh", *argv)
+    return runtime(inv).logs_argv(node, tail=tail, follow=follow)
 
 
 def make_dirs_argv(inv: Inventory) -> tuple[str, ...]:
-    mode = "chown" if inv.job.runtime == "docker" else "nochown"
     s = inv.storage
-    return ("sh", "-c", MAKE_DIRS, "sh", mode, s.data.host, s.checkpoints.host)
+    return ("sh", "-c", MAKE_DIRS, "sh", runtime(inv).dirs_mode, s.data.host, s.checkpoints.host)
 
 
 def python_check_argv(inv: Inventory) -> tuple[str, ...]:

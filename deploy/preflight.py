@@ -17,19 +17,28 @@ Two checks need the nodes to meet, and the session has two phases for them
 
 An unreachable node gets one failed ``ssh`` (or ``local``) check naming the cause and no further
 checks.
+
+The same session gathers the node's facts that shape its launch command (:class:`NodeFacts`:
+the NIC holding its address, InfiniBand devices), and runs ``trainer.probe`` where the job will
+run (in the image, or with the host interpreter; with the job's GPUs): torch and CUDA versions,
+judged against the supported range, and on GPU nodes whether CUDA works there at all.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from trainer.compat import TORCH_SUPPORTED, torch_supported
+
 from . import plan
 from .inventory import Inventory, Node
 from .remote import Remote, Result
+from .runtime import NodeFacts, runtime
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
 STORAGE = r"""for p in "$@"; do
@@ -127,10 +136,20 @@ class Check:
     detail: str
 
 
-def engine_argv(inv: Inventory) -> tuple[str, ...]:
-    if inv.job.runtime == "docker":
-        return ("docker", "version", "--format", "{{.Server.Version}}")
-    return plan.python_check_argv(inv)
+@dataclass(frozen=True)
+class Preflight:
+    """Every check's row, and what the sessions found on each reachable node."""
+
+    checks: list[Check]
+    facts: dict[str, NodeFacts]
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+
+# Lists /dev/infiniband's devices, if any (exit 0 either way).
+FABRIC = "ls /dev/infiniband 2>/dev/null; exit 0"
 
 
 def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
@@ -145,13 +164,16 @@ def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
 def check_argv(inv: Inventory, node: Node, token: str) -> tuple[str, ...]:
     """The one command run on ``node``; ``token`` is empty for a one-node inventory."""
     s = inv.storage
-    checks: list[tuple[str, Sequence[str]]] = [("engine", engine_argv(inv))]
+    engine = runtime(inv).engine_argv()
+    checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
+    checks.append(("probe", plan.probe_argv(inv, node)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
     if token:
         checks.append(("token", ("sh", "-c", TOKEN, "sh", s.checkpoints.host, token)))
-    checks += [("status", plan.status_argv(inv, node)), ("rdzv", rendezvous_argv(inv, node))]
+    checks += [("status", plan.status_argv(inv, node)), ("rdzv", rendezvous_argv(inv, node)),
+               ("nics", plan.INTERFACES_ARGV), ("fabric", ("sh", "-c", FABRIC))]
     argv = ["bash", "-c", PHASES, "bash", str(PROBE_SECONDS)]
     for tag, words in checks:
         argv += [tag, str(len(words)), *words]
@@ -190,7 +212,9 @@ def token_waves(inv: Inventory, first: Mapping[str, Result]) -> list[dict[str, s
     return [{n: f"READ {path}\n" for n in up[1:]}, {up[0]: ""}]
 
 
-def run_checks(inv: Inventory, remote: Remote) -> list[Check]:
+def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False) -> Preflight:
+    """Every check on every node, one session each; ``for_launch``: the image must be on the
+    nodes already (``check`` alone accepts a node that ``deploy`` has yet to ship it to)."""
     tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
     commands = {n.name: check_argv(inv, n, tokens.get(n.name, "")) for n in inv.nodes}
     first: dict[str, Result] = {}
@@ -201,11 +225,24 @@ def run_checks(inv: Inventory, remote: Remote) -> list[Check]:
 
     final = remote.converse(commands, marker=MARKER, reply=reply,
                             timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
-    return checks_from(inv, first, final, tokens)
+    return Preflight(checks_from(inv, first, final, tokens, for_launch=for_launch), facts_from(inv, first, final))
+
+
+def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result]) -> dict[str, NodeFacts]:
+    facts = {}
+    for n in inv.nodes:
+        if not first[n.name].connected:
+            continue
+        got = parse_tagged(n.name, final[n.name].stdout)
+        nics, fabric = got.get("nics"), got.get("fabric")
+        facts[n.name] = NodeFacts(
+            interface=plan.interface_holding(n.address, nics.stdout) if nics is not None and nics.ok else None,
+            infiniband=bool(fabric is not None and fabric.stdout.strip()))
+    return facts
 
 
 def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
-                tokens: Mapping[str, str]) -> list[Check]:
+                tokens: Mapping[str, str], *, for_launch: bool = False) -> list[Check]:
     """Every node's Check rows from its session's output (``first``: up to the barrier)."""
     checks: list[Check] = []
     for n in inv.nodes:
@@ -221,12 +258,10 @@ def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str,
         missing = Result(node, None, error=f"no result ({final[node].summary()})")
         results[node] = _Tags(got, missing)
 
-    if inv.job.runtime == "docker":
-        checks += _judged(up, results, "engine", "docker", lambda r: (True, f"engine {r.stdout.strip()}"),
-                          "docker engine not usable")
-    else:
-        checks += _judged(up, results, "engine", "python", lambda r: (True, f"torch {r.stdout.strip()}"),
-                          f"{inv.python_path()} cannot import trainer and torch")
+    if runtime(inv).engine_argv():
+        checks += _judged(up, results, "engine", inv.job.runtime, lambda r: (True, f"engine {r.stdout.strip()}"),
+                          f"{inv.job.runtime} engine not usable")
+    checks += [_torch(inv, results[n]["probe"], for_launch) for n in up]
 
     def gpus(r: Result):
         want = inv.node(r.node).gpus
@@ -260,6 +295,69 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
             ok, detail = False, f"{fail_text}: {r.summary()}"
         out.append(Check(node, name, ok, detail))
     return out
+
+
+PROBE_PREFIX = "PROBE "
+
+
+def parse_probe(stdout: str) -> dict | None:
+    for line in stdout.splitlines():
+        if line.startswith(PROBE_PREFIX):
+            try:
+                return json.loads(line[len(PROBE_PREFIX):])
+            except ValueError:
+                return None
+    return None
+
+
+IMAGE_MISSING = ("No such image", "Unable to find image")
+NO_GPU_RUNTIME = "could not select device driver"
+
+
+def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
+    """The probe's answer: torch inside the supported range; on a GPU node, CUDA usable on every
+    device a process will use, with NCCL."""
+    node, where = inv.node(r.node), runtime(inv).where()
+
+    def fail(detail: str) -> Check:
+        return Check(r.node, "torch", False, detail)
+
+    report = parse_probe(r.stdout)
+    if report is None:
+        said = f"{r.stderr}\n{r.stdout}"
+        if any(m in said for m in IMAGE_MISSING):
+            if for_launch:
+                return fail(f"{inv.image.name} is not on the node: run `ddp-deploy deploy`")
+            return Check(r.node, "torch", True, f"{inv.image.name} not on the node yet (deploy ships it; "
+                                                "launch probes it)")
+        if NO_GPU_RUNTIME in said:
+            return fail("no NVIDIA container runtime: docker cannot give the container GPUs "
+                        "(install nvidia-container-toolkit on the node and restart dockerd)")
+        if "No module named trainer" in said:
+            return fail(f"{where} cannot import trainer: install this package for it (train.python)")
+        if r.exit_code == 127:
+            return fail(f"cannot run {where}: {(r.stderr.strip().splitlines() or ['not found'])[-1]}")
+        return fail(f"{where}: trainer.probe failed: {r.summary()}")
+    if report.get("error"):
+        return fail(f"{where}: {report['error']}")
+    version = report["torch"]
+    if not torch_supported(version):
+        return fail(f"torch {version} in {where} is outside the supported range {TORCH_SUPPORTED}: "
+                    f"{runtime(inv).torch_hint()}")
+    detail = f"torch {version}, " + (f"CUDA {report['cuda_build']}" if report["cuda_build"] else "CPU build")
+    if node.devices:
+        if not report["cuda_available"]:
+            return fail(f"CUDA not usable in {where} ({detail}): {report['cuda_error']}")
+        if report["devices"] < node.nprocs:
+            return fail(f"{report['devices']} CUDA device(s) visible in {where} for {node.nprocs} processes "
+                        f"(GPUs {','.join(map(str, node.devices))}); one GPU per process")
+        if not report["nccl"]:
+            return fail(f"torch in {where} has no NCCL ({detail}); a GPU job needs it")
+        names = sorted(set(report["device_names"]))
+        detail += f", {report['devices']} GPU(s) ({', '.join(names)}), NCCL {report['nccl']}"
+    if report.get("infiniband"):
+        detail += f", InfiniBand {' '.join(report['infiniband'])}"
+    return Check(r.node, "torch", True, f"{detail} in {where}")
 
 
 def _storage(inv: Inventory, r: Result) -> Check:

@@ -140,9 +140,11 @@ def _group_alive(pgid: int) -> bool:
 
 
 def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_path):
-    # An interpreter that passes the preflight checks (python -c ...) but cannot start the job.
+    # An interpreter that passes the preflight checks (python -m trainer.probe, python -c LISTENER)
+    # but cannot start the job.
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 127\n')
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] || [ "$2" = trainer.probe ] && exec {sys.executable} "$@"\n'
+                    'exit 127\n')
     fake.chmod(0o755)
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     hosts.write_text(hosts.read_text().replace(sys.executable, str(fake)))
@@ -158,7 +160,7 @@ def test_launch_refuses_before_starting_anything_when_a_check_fails(ddp, tmp_pat
     r = ddp(hosts, "launch")
     assert r.exit_code == 1
     assert r.stderr.startswith("error: launch refused, nothing started: ")
-    assert "here python: /nonexistent/bin/python cannot import trainer and torch" in r.stderr
+    assert "here torch: cannot run /nonexistent/bin/python: " in r.stderr
     assert _state(ddp, hosts)["state"] == "absent"
 
 

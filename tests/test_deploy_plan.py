@@ -8,6 +8,7 @@ import subprocess
 from deploy import plan
 from deploy.inventory import loads
 from deploy.remote import command_line
+from deploy.runtime import HOST_START
 
 THREE_NODES = """
 job: {name: demo, runtime: docker, max_restarts: 2}
@@ -15,7 +16,7 @@ rendezvous: {node: b, port: 29500, join_timeout: 120}
 nodes:
   - {name: a, address: 198.18.0.11, gpus: 2, interface: eth0}
   - {name: b, address: 198.18.0.12, gpus: 2}
-  - {name: c, address: 198.18.0.13}
+  - {name: c, address: 198.18.0.13, gpus: 1}
 storage:
   data: {host: /nas/data, container: /data}
   checkpoints: {host: /nas/ckpt, container: /ckpt}
@@ -53,7 +54,7 @@ def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():
     specs = plan.launch_plan(_inv())
     assert [_opt(s.torchrun, "--nproc-per-node") for s in specs] == ["2", "2", "1"]
     assert _opt(specs[0].torchrun, "--nnodes") == "3:3"
-    same = plan.launch_plan(_inv(**{"address: 198.18.0.13}": "address: 198.18.0.13, gpus: 2}"}))
+    same = plan.launch_plan(_inv(**{"address: 198.18.0.13, gpus: 1}": "address: 198.18.0.13, gpus: 2}"}))
     assert _opt(same[0].torchrun, "--nnodes") == "3"
 
 
@@ -63,14 +64,16 @@ def test_docker_command_for_a_gpu_node():
     assert argv[:5] == ["docker", "run", "-d", "--name", "demo-a"]
     assert _opt(argv, "--label") == "ddp.job=demo"
     assert _opt(argv, "--network") == "host" and _opt(argv, "--ipc") == "host"
-    assert _opt(argv, "--gpus") == "all"
+    assert _opt(argv, "--gpus") == '"device=0,1"'  # which GPUs is explicit: the first `procs` by default
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["GLOO_SOCKET_IFNAME=eth0",
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["DDP_NODE_NAME=a", "GLOO_SOCKET_IFNAME=eth0",
                                                                      "NCCL_SOCKET_IFNAME=eth0"]
     image_at = argv.index("ddp-trainer:latest")
     sep = argv.index("--")
     assert tuple(argv[image_at + 1:sep]) == spec.torchrun
-    assert argv[sep + 1:sep + 5] == ["--data-dir", "/data", "--ckpt-dir", "/ckpt"]
+    # a GPU job trains on CUDA with NCCL or refuses to start: never on the CPU
+    assert argv[sep + 1:sep + 9] == ["--data-dir", "/data", "--ckpt-dir", "/ckpt", "--device", "cuda",
+                                     "--backend", "nccl"]
 
 
 def test_a_killed_container_is_started_again_as_often_as_torchrun_restarts_workers():
@@ -80,22 +83,80 @@ def test_a_killed_container_is_started_again_as_often_as_torchrun_restarts_worke
     assert "--restart" not in never
 
 
-def test_cpu_node_gets_no_gpus_flag_and_no_interface_env():
-    argv = plan.launch_plan(_inv())[2].argv
-    assert "--gpus" not in argv and "-e" not in argv
+CPU_NODES = {"gpus: 2, ": "", "gpus: 2}": "}", ", gpus: 1}": "}"}
+
+
+def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
+    argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
+    assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["DDP_NODE_NAME=c"]
+    assert argv[argv.index("--", argv.index("ddp-trainer:latest")) + 5:][:4] == ["--device", "cpu", "--backend", "gloo"]
+
+
+def test_gpu_ids_pick_the_gpus_of_a_node_in_docker_and_on_the_host():
+    inv = _inv(**{"gpus: 2, interface: eth0}": "gpus: 8, gpu_ids: [4, 6], interface: eth0}"})
+    assert inv.node("a").nprocs == 2
+    assert _opt(plan.launch_plan(inv)[0].argv, "--gpus") == '"device=4,6"'
+    host = plan.launch_plan(_inv(**{"gpus: 2, interface: eth0}": "gpus: 8, gpu_ids: [4, 6], interface: eth0}",
+                                    "runtime: docker": "runtime: host"}))[0].argv
+    assert "CUDA_VISIBLE_DEVICES=4,6" in host and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in host
+
+
+def test_environment_from_train_and_node_reaches_the_processes_node_values_winning():
+    inv = _inv(**{"train:\n": "train:\n  env: {NCCL_IB_HCA: mlx5_0, NCCL_DEBUG: WARN}\n",
+                  "gpus: 2}": "gpus: 2, env: {NCCL_IB_HCA: mlx5_1, NCCL_SOCKET_IFNAME: ib0}}"})
+    a, b = plan.launch_plan(inv)[:2]
+    assert dict(a.env)["NCCL_IB_HCA"] == "mlx5_0" and dict(a.env)["NCCL_DEBUG"] == "WARN"
+    assert dict(b.env)["NCCL_IB_HCA"] == "mlx5_1" and dict(b.env)["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert "-e" in b.argv and "NCCL_IB_HCA=mlx5_1" in b.argv
+
+
+def test_infiniband_devices_reach_a_gpu_container_only_where_the_node_has_them():
+    specs = plan.launch_plan(_inv(), {"a": plan.NodeFacts(infiniband=True)})
+    a = list(specs[0].argv)
+    assert _opt(a, "--device") == "/dev/infiniband" and _opt(a, "--cap-add") == "IPC_LOCK"
+    assert _opt(a, "--ulimit") == "memlock=-1:-1"
+    assert "/dev/infiniband" not in specs[1].argv
+    cpu = plan.launch_plan(_inv(**CPU_NODES), {"a": plan.NodeFacts(infiniband=True)})[0].argv
+    assert "/dev/infiniband" not in cpu  # gloo does not use verbs
+
+
+def test_network_check_runs_the_job_s_launcher_in_the_foreground_with_its_own_rendezvous_id():
+    inv = _inv()
+    cmds = plan.netcheck_plan(inv, {}, ("--size-mb", "4"))
+    a = list(cmds["a"])
+    assert a[:3] == ["docker", "run", "--rm"] and "-d" not in a and "--restart" not in a
+    assert _opt(a, "--gpus") == '"device=0,1"'
+    assert _opt(a, "--rdzv-id") == "demo-netcheck" and _opt(a, "--max-restarts") == "0"
+    assert _opt(a, "--entry") == "trainer.netcheck"
+    assert a[a.index("--", a.index("--entry")):] == ["--", "--device", "cuda", "--backend", "nccl", "--size-mb", "4"]
+    host = list(plan.netcheck_plan(_inv(**{"runtime: docker": "runtime: host"}), {}, ())["b"])
+    assert host[:1] == ["env"] and host[host.index("python3"):][:3] == ["python3", "-m", "trainer.launch"]
+
+
+def test_the_probe_runs_with_the_job_s_torch_and_gpus():
+    inv = _inv()
+    a = plan.probe_argv(inv, inv.node("a"))
+    assert a[:3] == ("docker", "run", "--rm") and _opt(a, "--entrypoint") == "python"
+    assert _opt(a, "--gpus") == '"device=0,1"' and _opt(a, "--network") == "none"
+    assert a[a.index("ddp-trainer:latest") + 1:] == ("-m", "trainer.probe", "--gpus", "2", "--procs", "2")
+    host = _inv(**{"runtime: docker": "runtime: host"})
+    c = plan.probe_argv(host, host.node("c"))
+    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-6:] == ("-m", "trainer.probe", "--gpus", "1", "--procs", "1")
 
 
 def test_host_runtime_runs_torchrun_with_host_paths_detached():
     inv = _inv(**{"runtime: docker": "runtime: host"})
     spec = plan.launch_plan(inv)[0]
     argv = list(spec.argv)
-    assert argv[:2] == ["sh", "-c"] and argv[2] == plan.HOST_START
+    assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
     assert argv[4] == "/nas/ckpt/.ddp-deploy/demo/a"
     cmd = argv[5:]
-    assert cmd[:3] == ["env", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[3:6] == ["python3", "-m", "trainer.launch"]
+    assert cmd[:6] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1", "DDP_NODE_NAME=a",
+                       "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
+    assert cmd[6:9] == ["python3", "-m", "trainer.launch"]
     t = cmd.index("--")
-    assert tuple(cmd[6:t]) == spec.torchrun
+    assert tuple(cmd[9:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -141,7 +202,7 @@ def test_the_interface_holding_the_node_address_is_found():
 
 
 def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
-    specs = plan.launch_plan(_inv(), {"a": "eth7", "b": "eth8"})
+    specs = plan.launch_plan(_inv(), {"a": plan.NodeFacts("eth7"), "b": plan.NodeFacts("eth8")})
     assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
     assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
-    assert specs[2].env == ()  # nothing known: left to gloo/NCCL
+    assert specs[2].env == (("DDP_NODE_NAME", "c"),)  # no NIC known: left to gloo/NCCL

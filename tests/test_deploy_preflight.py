@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +16,22 @@ from deploy.inventory import loads
 from deploy.remote import Remote, Result
 from fakes import free_port, install_command
 
+# `docker run ... --entrypoint python IMAGE ARGS` runs ARGS with this machine's python: the real
+# probe, with the torch the tests run on, as if it were the image's.
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in
   version) echo 20.10.24 ;;
   inspect) exit 1 ;;
+  run) while [ "$1" != --entrypoint ]; do shift; done; shift 3; exec PYTHON "$@" ;;
   *) echo "fake docker: unexpected $*" >&2; exit 99 ;;
 esac
-"""
+""".replace("PYTHON", sys.executable)
 
 
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     install_command(tmp_path, monkeypatch, "docker", FAKE_DOCKER)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # where `python -m trainer.probe` finds trainer
 
 
 def _inv(tmp_path: Path, nodes=3, rdzv="n2", port=None, extra_nodes=()):
@@ -65,13 +70,16 @@ def test_every_check_passes_on_three_nodes_from_one_command_per_node(fake_docker
     (tmp_path / "nas/ckpt").mkdir(parents=True)
     inv = _inv(tmp_path)
     with CountingRemote(inv) as remote:
-        checks = preflight.run_checks(inv, remote)
+        checks = preflight.run_checks(inv, remote).checks
     assert sorted(remote.commands) == ["n1", "n2", "n3"]
     rows = [(c.node, c.name, c.ok, c.detail) for c in checks]
     port = inv.rendezvous.port
+    import torch
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     assert rows == [
         *((n, "local", True, "reachable") for n in ("n1", "n2", "n3")),
         *((n, "docker", True, "engine 20.10.24") for n in ("n1", "n2", "n3")),
+        *((n, "torch", True, f"torch {torch.__version__}, {build} in image ddp-trainer:latest") for n in ("n1", "n2", "n3")),
         *((n, "storage", True, f"{tmp_path}/nas/data missing (deploy creates it)") for n in ("n1", "n2", "n3")),
         ("n1", "shared storage", True, f"wrote token to {tmp_path}/nas/ckpt"),
         ("n2", "shared storage", True, "sees n1's token"),
@@ -89,7 +97,7 @@ def test_one_node_has_no_token_and_its_listener_expects_nobody(fake_docker, tmp_
     argv = preflight.check_argv(inv, inv.node("n1"), "")
     assert "token" not in argv
     with Remote(inv) as remote:
-        checks = {c.name: c for c in preflight.run_checks(inv, remote)}
+        checks = {c.name: c for c in preflight.run_checks(inv, remote).checks}
     assert checks["shared storage"].ok and checks["shared storage"].detail == "single node"
     assert checks["rendezvous"].ok and checks["rendezvous"].detail.endswith("free")
 
@@ -99,7 +107,7 @@ def test_a_port_in_use_on_the_endpoint_fails_its_rendezvous_row(fake_docker, tmp
         busy.listen(8)
         inv = _inv(tmp_path, port=busy.getsockname()[1])
         with Remote(inv) as remote:
-            rows = {c.node: c for c in preflight.run_checks(inv, remote) if c.name == "rendezvous"}
+            rows = {c.node: c for c in preflight.run_checks(inv, remote).checks if c.name == "rendezvous"}
     assert not rows["n2"].ok and rows["n2"].detail.startswith(f"port {inv.rendezvous.port} is in use")
 
 
@@ -110,7 +118,7 @@ def test_an_unreachable_first_node_leaves_the_next_one_as_the_token_writer(fake_
             "ssh": {"port": closed, "key": str(tmp_path / "no-key"), "connect_timeout": 2}}
     inv = _inv(tmp_path, nodes=2, rdzv="n1", extra_nodes=[down])
     with Remote(inv) as remote:
-        checks = preflight.run_checks(inv, remote)
+        checks = preflight.run_checks(inv, remote).checks
     ssh = [c for c in checks if c.node == "n0"]
     assert len(ssh) == 1 and ssh[0].name == "ssh" and not ssh[0].ok and "unreachable" in ssh[0].detail
     shared = {c.node: (c.ok, c.detail) for c in checks if c.name == "shared storage"}

@@ -1,0 +1,297 @@
+"""How the job runs on a node: one class per runtime, owning every command of its kind.
+
+``docker`` runs the launcher as the image's entrypoint in a container; ``host`` runs the same
+launcher (``python -m trainer.launch``) with the node's interpreter. Everything here returns
+argv lists (plan.py and preflight.py call these; remote.py quotes them once); nothing runs.
+
+What differs between the runtimes: where the job's directories are, how a process gets its
+environment and its GPUs, how it is started detached, watched and stopped, and how the probe
+and the network check reach the job's own torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .inventory import Inventory, Node
+
+# Host runtime: per-node run directory (under the checkpoint dir, so logs sit with the run)
+# holding `pid` (the process-group id of the detached torchrun), `log` (its stdout+stderr)
+# and `exit` (its exit code, written when it ends).
+RUN_SUBDIR = ".ddp-deploy"
+
+# $1 = run dir, $2... = the command. Refuses when a previous run is recorded. Starts the
+# command in its own session (setsid), so `stop` can kill the whole process group, waits for
+# the pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
+HOST_START = r"""run=$1; shift
+if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
+mkdir -p "$run" || exit 1
+rm -f "$run/exit" "$run/log"
+DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
+setsid sh -c 'echo $$ > "$0/pid.tmp" && mv "$0/pid.tmp" "$0/pid"; "$@" > "$0/log" 2>&1 < /dev/null; echo $? > "$0/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
+i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+[ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
+sleep 1
+if [ -e "$run/exit" ] && [ "$(cat "$run/exit")" != 0 ]; then
+  echo "exited with $(cat "$run/exit") at once: $(tail -n 3 "$run/log" | tr '\n' ' ')" >&2; exit 1
+fi
+cat "$run/pid"
+"""
+
+# $1 = run dir. Line 1: absent | running | exited CODE; line 2: last METRICS line, if any.
+HOST_STATUS = r"""run=$1
+if [ ! -e "$run/pid" ]; then echo absent; exit 0
+elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
+elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
+else echo "exited ?"
+fi
+[ -e "$run/log" ] && grep '^METRICS ' "$run/log" | tail -n 1
+exit 0
+"""
+
+# $1 = run dir. Kills the process group if it still runs, then forgets the run (log kept).
+# torchrun starts each worker in a session of its own, so the group does not hold them: it
+# gets 40 s to shut them down (it gives them 30 s), then every process still carrying this
+# run's DDP_DEPLOY_RUN marker in its environment is killed too.
+HOST_STOP = r"""run=$1
+if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
+  pid=$(cat "$run/pid")
+  kill -TERM "-$pid" 2>/dev/null
+  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 400 ]; do sleep 0.1; i=$((i+1)); done
+  kill -KILL "-$pid" 2>/dev/null
+  for p in /proc/[0-9]*; do
+    grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+  echo stopped
+elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
+else echo absent
+fi
+rm -f "$run/pid" "$run/exit"
+"""
+
+# $1 = container. Same two-line output as HOST_STATUS.
+DOCKER_STATUS = r"""s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}}' "$1" 2>/dev/null) || { echo absent; exit 0; }
+case "$s" in running*|restarting*) echo running ;; *) echo "exited ${s#* }" ;; esac
+docker logs "$1" 2>&1 | grep '^METRICS ' | tail -n 1
+exit 0
+"""
+
+# $1 = container. Idempotent remove.
+DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then docker rm -f "$1" > /dev/null && echo stopped
+else echo absent; fi
+"""
+
+MERGE_STDERR = 'exec "$@" 2>&1'
+
+# What NCCL needs to use InfiniBand/RoCE from a container: the verbs devices, pinned memory
+# without limit (IPC_LOCK, memlock). Shared memory comes with --ipc host, which every job has.
+INFINIBAND_DOCKER_ARGS = ("--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the preflight session found on a node that shapes its commands."""
+
+    interface: str | None = None
+    """The NIC holding the node's inventory address (for GLOO/NCCL_SOCKET_IFNAME)."""
+    infiniband: bool = False
+    """/dev/infiniband exists on the node (NCCL can use IB/RoCE)."""
+
+
+def probe_args(node: Node) -> tuple[str, ...]:
+    """``python -m trainer.probe`` and what it checks: the node's GPUs and processes."""
+    return ("-m", "trainer.probe", "--gpus", str(len(node.devices)), "--procs", str(node.nprocs))
+
+
+class Runtime:
+    """The commands one runtime uses on a node."""
+
+    name = ""
+    dirs_mode = "nochown"
+    """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
+
+    def __init__(self, inv: Inventory) -> None:
+        self.inv = inv
+
+    def job_dirs(self) -> tuple[str, str]:
+        """The data and checkpoint directories as the job sees them."""
+        raise NotImplementedError
+
+    def where(self) -> str:
+        """Where the job's torch lives, for messages."""
+        raise NotImplementedError
+
+    def mounts(self) -> tuple[tuple[str, str], ...]:
+        """(host path, path in the job) pairs; empty when the job sees the host's paths."""
+        return ()
+
+    def torch_hint(self) -> str:
+        """What to do about a torch outside the supported range."""
+        raise NotImplementedError
+
+    def dry_run_notes(self, node: Node) -> list[str]:
+        """What the launch command gains from facts found on the node at launch time."""
+        return []
+
+    def engine_argv(self) -> tuple[str, ...] | None:
+        """A check that the runtime itself works on the node, or None when the probe is that check."""
+        return None
+
+    def start_argv(self, node: Node, launcher: list[str], env: tuple[tuple[str, str], ...],
+                   facts: NodeFacts) -> list[str]:
+        """The job on ``node``, started detached: the launcher's arguments (torchrun options, --, flags)."""
+        raise NotImplementedError
+
+    def run_argv(self, node: Node, launcher: list[str], env: tuple[tuple[str, str], ...],
+                 facts: NodeFacts) -> list[str]:
+        """The launcher in the foreground (the network check): ends when it ends, leaves nothing."""
+        raise NotImplementedError
+
+    def probe_argv(self, node: Node, env: tuple[tuple[str, str], ...]) -> list[str]:
+        """trainer.probe with the job's torch, GPUs and environment: one line of versions and CUDA state."""
+        raise NotImplementedError
+
+    def status_argv(self, node: Node) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def stop_argv(self, node: Node) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def logs_argv(self, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class DockerRuntime(Runtime):
+    name = "docker"
+    dirs_mode = "chown"
+
+    def job_dirs(self) -> tuple[str, str]:
+        s = self.inv.storage
+        return s.data.container, s.checkpoints.container
+
+    def where(self) -> str:
+        return f"image {self.inv.image.name}"
+
+    def torch_hint(self) -> str:
+        return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
+
+    def dry_run_notes(self, node: Node) -> list[str]:
+        if not node.devices:
+            return []
+        return ["if the node has /dev/infiniband (found at launch): " + " ".join(INFINIBAND_DOCKER_ARGS)]
+
+    def mounts(self) -> tuple[tuple[str, str], ...]:
+        s = self.inv.storage
+        return (s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container)
+
+    def engine_argv(self) -> tuple[str, ...]:
+        return ("docker", "version", "--format", "{{.Server.Version}}")
+
+    def container(self, node: Node) -> str:
+        return f"{self.inv.job.name}-{node.name}"
+
+    @staticmethod
+    def gpu_args(node: Node) -> list[str]:
+        """The node's GPUs by index (the container sees them as 0..n-1, local rank i on device i)."""
+        if not node.devices:
+            return []
+        return ["--gpus", '"device=' + ",".join(map(str, node.devices)) + '"']
+
+    def _run(self, node: Node, env, facts: NodeFacts) -> list[str]:
+        argv = ["--network", "host", "--ipc", "host", "--pull", "never"]  # only the image deploy verified
+        argv += self.gpu_args(node)
+        if node.devices and facts.infiniband:
+            argv += INFINIBAND_DOCKER_ARGS
+        for src, dst in self.mounts():
+            argv += ["-v", f"{src}:{dst}"]
+        for k, v in env:
+            argv += ["-e", f"{k}={v}"]
+        return argv
+
+    def start_argv(self, node, launcher, env, facts):
+        argv = ["docker", "run", "-d", "--name", self.container(node),
+                "--label", f"ddp.job={self.inv.job.name}", "--label", f"ddp.node={node.name}"]
+        if self.inv.job.max_restarts > 0:
+            # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
+            # next rendezvous round; the survivors' agents restart their workers into that round.
+            argv += ["--restart", f"on-failure:{self.inv.job.max_restarts}"]
+        return argv + self._run(node, env, facts) + [self.inv.image.name, *launcher]
+
+    def run_argv(self, node, launcher, env, facts):
+        return ["docker", "run", "--rm", "--name", f"{self.container(node)}-check",
+                *self._run(node, env, facts), self.inv.image.name, *launcher]
+
+    def probe_argv(self, node, env):
+        return ["docker", "run", "--rm", "--pull", "never", "--network", "none", *self.gpu_args(node),
+                *(f"--env={k}={v}" for k, v in env), "--entrypoint", "python", self.inv.image.name,
+                *probe_args(node)]
+
+    def status_argv(self, node):
+        return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node))
+
+    def stop_argv(self, node):
+        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node))
+
+    def logs_argv(self, node, *, tail, follow):
+        argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
+        if follow:
+            argv.append("--follow")
+        return ("sh", "-c", MERGE_STDERR, "sh", *argv, self.container(node))
+
+
+class HostRuntime(Runtime):
+    name = "host"
+
+    def job_dirs(self) -> tuple[str, str]:
+        s = self.inv.storage
+        return s.data.host, s.checkpoints.host
+
+    def where(self) -> str:
+        return self.inv.python_path()
+
+    def torch_hint(self) -> str:
+        return f"install a torch inside it for {self.inv.python_path()} (train.python)"
+
+    def run_dir(self, node: Node) -> str:
+        return f"{self.inv.storage.checkpoints.host}/{RUN_SUBDIR}/{self.inv.job.name}/{node.name}"
+
+    @staticmethod
+    def gpu_env(node: Node) -> tuple[tuple[str, str], ...]:
+        """The node's GPUs by index, numbered as nvidia-smi does (PCI bus order, not CUDA's own)."""
+        if not node.devices:
+            return ()
+        return (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, node.devices))))
+
+    def _command(self, node: Node, env, args) -> list[str]:
+        cmd = [self.inv.python_path(), *args]
+        env = (*self.gpu_env(node), *env)
+        return ["env", *(f"{k}={v}" for k, v in env), *cmd] if env else cmd
+
+    def start_argv(self, node, launcher, env, facts):
+        return ["sh", "-c", HOST_START, "sh", self.run_dir(node),
+                *self._command(node, env, ["-m", "trainer.launch", *launcher])]
+
+    def run_argv(self, node, launcher, env, facts):
+        return self._command(node, env, ["-m", "trainer.launch", *launcher])
+
+    def probe_argv(self, node, env):
+        return self._command(node, env, probe_args(node))
+
+    def status_argv(self, node):
+        return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node))
+
+    def stop_argv(self, node):
+        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node))
+
+    def logs_argv(self, node, *, tail, follow):
+        argv = ["tail", "-n", "+1" if tail is None else str(tail)]
+        if follow:
+            argv.append("-F")
+        return ("sh", "-c", MERGE_STDERR, "sh", *argv, f"{self.run_dir(node)}/log")
+
+
+RUNTIMES = {r.name: r for r in (DockerRuntime, HostRuntime)}
+
+
+def runtime(inv: Inventory) -> Runtime:
+    return RUNTIMES[inv.job.runtime](inv)
