@@ -49,3 +49,22 @@ def test_deploy_help_lists_every_verb():
     result = CliRunner().invoke(cli, ["--help"])
     for verb in ("validate", "check", "deploy", "sync", "launch", "status", "logs", "stop"):
         assert verb in result.output
+
+
+def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base():
+    import tomllib
+
+    from trainer.compat import TORCH_SUPPORTED, torch_supported
+    from torch_ends import range_ends
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch{TORCH_SUPPORTED}" in deps
+    base = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", (ROOT / "Dockerfile").read_text(), re.M)
+    assert base and torch_supported(base.group(1))  # a CUDA PyTorch image inside the range
+    assert f"`torch{TORCH_SUPPORTED}`" in (ROOT / "README.md").read_text()
+    oldest, newest = range_ends()
+    make = (ROOT / "Makefile").read_text()
+    old_pin = re.search(r"^OLDEST_TORCH_PINS \?= torch==(\S+)", make, re.M).group(1)
+    new_pin = re.search(r"^TORCH_PINS \?= torch==(\S+)", make, re.M).group(1)
+    assert old_pin == ".".join(map(str, oldest)) == base.group(1)  # the oldest tested is the default base's
+    assert new_pin.startswith(".".join(map(str, newest)) + ".")

@@ -1,0 +1,119 @@
+"""How `check` judges what trainer.probe found where the job runs. The probe itself runs for real
+in tests/test_deploy_preflight.py and on the cluster; GPUs, drivers and the NVIDIA container
+runtime cannot exist here, so their answers are written out below as the probe prints them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deploy.inventory import loads
+from deploy.preflight import _torch
+from deploy.remote import Result
+from trainer.compat import TORCH_SUPPORTED, torch_supported
+
+INVENTORY = """
+job: {name: demo, runtime: RUNTIME}
+rendezvous: {node: a}
+nodes:
+  - {name: a, address: 198.18.0.11, gpus: GPUS}
+storage:
+  data: {host: /nas/data, container: /data}
+  checkpoints: {host: /nas/ckpt, container: /ckpt}
+train: {python: /opt/venv/bin/python}
+"""
+
+H100 = {"python": "3.11.7", "torch": "2.5.1+cu124", "cuda_build": "12.4", "cuda_available": True, "devices": 8,
+        "device_names": ["NVIDIA H100 80GB HBM3"] * 8, "nccl": "2.21.5", "cuda_error": None, "infiniband": [],
+        "error": None}
+
+
+def _inv(runtime="docker", gpus=8):
+    return loads(INVENTORY.replace("RUNTIME", runtime).replace("GPUS", str(gpus)))
+
+
+def _judge(report=None, *, runtime="docker", gpus=8, exit_code=0, stderr="", for_launch=False):
+    stdout = "PROBE " + json.dumps(report) if report is not None else ""
+    return _torch(_inv(runtime, gpus), Result("a", exit_code, stdout, stderr), for_launch)
+
+
+def test_a_gpu_node_with_working_cuda_reports_versions_devices_and_nccl():
+    c = _judge(H100)
+    assert c.ok and c.name == "torch"
+    assert c.detail == ("torch 2.5.1+cu124, CUDA 12.4, 8 GPU(s) (NVIDIA H100 80GB HBM3), NCCL 2.21.5 "
+                        "in image ddp-trainer:latest")
+
+
+@pytest.mark.parametrize("version", ["2.4.1+cu121", "2.15.0", "1.13.1"])
+def test_a_torch_outside_the_supported_range_is_refused_naming_version_range_and_fix(version):
+    c = _judge({**H100, "torch": version})
+    assert not c.ok
+    assert c.detail.startswith(f"torch {version} in image ddp-trainer:latest is outside the supported range "
+                               f"{TORCH_SUPPORTED}: build the image on a base inside it")
+    host = _judge({**H100, "torch": version}, runtime="host")
+    assert "in /opt/venv/bin/python is outside" in host.detail and "install a torch inside it" in host.detail
+
+
+def test_a_driver_too_old_for_the_image_s_cuda_is_named():
+    old = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040). Please "
+           "update your GPU driver")
+    c = _judge({**H100, "cuda_available": False, "devices": 0, "device_names": [], "nccl": None, "cuda_error": old})
+    assert not c.ok
+    assert c.detail == f"CUDA not usable in image ddp-trainer:latest (torch 2.5.1+cu124, CUDA 12.4): {old}"
+
+
+def test_fewer_visible_devices_than_processes_is_refused():
+    c = _judge({**H100, "devices": 4, "device_names": ["NVIDIA H100 80GB HBM3"] * 4})
+    assert not c.ok and c.detail.startswith("4 CUDA device(s) visible in image ddp-trainer:latest for 8 processes")
+
+
+def test_a_torch_without_nccl_cannot_run_a_gpu_job():
+    c = _judge({**H100, "nccl": None})
+    assert not c.ok and "has no NCCL" in c.detail
+
+
+def test_docker_without_the_nvidia_runtime_is_named_with_the_fix():
+    said = ('docker: Error response from daemon: could not select device driver "" with capabilities: '
+            '[[gpu]].')
+    c = _judge(None, exit_code=125, stderr=said)
+    assert not c.ok and c.detail.startswith("no NVIDIA container runtime") and "nvidia-container-toolkit" in c.detail
+
+
+def test_an_image_not_yet_deployed_passes_check_but_fails_launch():
+    said = "Unable to find image 'ddp-trainer:latest' locally\ndocker: Error response from daemon: No such image"
+    assert _judge(None, exit_code=125, stderr=said).ok
+    at_launch = _judge(None, exit_code=125, stderr=said, for_launch=True)
+    assert not at_launch.ok and "run `ddp-deploy deploy`" in at_launch.detail
+
+
+def test_a_cpu_node_reports_torch_without_probing_cuda():
+    cpu = {**H100, "torch": "2.13.0+cpu", "cuda_build": None, "cuda_available": None, "devices": 0,
+           "device_names": [], "nccl": None}
+    c = _judge(cpu, gpus=0)
+    assert c.ok and c.detail == "torch 2.13.0+cpu, CPU build in image ddp-trainer:latest"
+
+
+def test_a_broken_torch_install_is_reported_not_crashed_on():
+    c = _judge({**H100, "torch": None, "error": "cannot import torch: ImportError: libcudnn.so.9: cannot open"})
+    assert not c.ok and "libcudnn.so.9" in c.detail
+
+
+@pytest.mark.parametrize("version, inside", [("2.5.1", True), ("2.5.1+cu124", True), ("2.5.0", False),
+                                             ("2.14.1+cu130", True), ("2.15.0", False), ("2.15.0.dev20261101", False),
+                                             ("not-a-version", False)])
+def test_the_supported_range_compares_releases_ignoring_local_build_tags(version, inside):
+    assert torch_supported(version) is inside
+
+
+def test_the_probe_runs_here_and_names_this_torch_without_cuda():
+    out = subprocess.run([sys.executable, "-m", "trainer.probe", "--gpus", "1", "--procs", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    report = json.loads(out.removeprefix("PROBE "))
+    import torch
+    assert report["torch"] == torch.__version__
+    assert report["cuda_available"] is False and report["cuda_error"]  # no GPU on these machines
+    c = _torch(_inv(gpus=1), Result("a", 0, out, ""), True)
+    assert not c.ok and c.detail.startswith("CUDA not usable in image ddp-trainer:latest")
