@@ -14,21 +14,22 @@ PYTEST_ARGS ?=
 
 .PHONY: install install-oldest run check deploy sync launch wait status logs stop run-local image test test-fast clean
 
+# $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
+define venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q $(2)
+	$(1)/bin/pip install -q -e '.[dev]'
+	touch $(1)/.installed
+endef
+
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(TORCH_PINS)
-	$(VENV)/bin/pip install -q -e '.[dev]'
-	touch $@
+	$(call venv,$(VENV),$(TORCH_PINS))
 
 install: $(VENV)/.installed
 
 $(OLDEST_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/pip install -q --upgrade pip
-	$(OLDEST_VENV)/bin/pip install -q $(OLDEST_TORCH_PINS)
-	$(OLDEST_VENV)/bin/pip install -q -e '.[dev]'
-	touch $@
+	$(call venv,$(OLDEST_VENV),$(OLDEST_TORCH_PINS))
 
 install-oldest: $(OLDEST_VENV)/.installed
 

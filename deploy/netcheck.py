@@ -7,8 +7,6 @@ global rank 0 prints one ``NETCHECK {json}`` line, which this module finds and r
 
 from __future__ import annotations
 
-import json
-
 from . import plan
 from .errors import RemoteFailure
 from .inventory import Inventory
@@ -23,21 +21,11 @@ def run(inv: Inventory, remote: Remote, facts: dict[str, NodeFacts], size_mb: fl
     flags = ("--size-mb", f"{size_mb:g}", "--dist-timeout", "120")
     results = remote.run(plan.netcheck_plan(inv, facts, flags), check=False, timeout=TIMEOUT_S)
     for r in results.values():
-        report = parse(r.stdout)
+        report = plan.json_line(r.stdout, PREFIX)
         if report is not None and all(x.ok for x in results.values()):
             return report
     raise RemoteFailure("network check", results, hint="the nodes could not complete an all-reduce: see each "
                                                        "node's error above; `ddp-deploy check` alone passed")
-
-
-def parse(stdout: str) -> dict | None:
-    for line in stdout.splitlines():
-        if line.startswith(PREFIX):
-            try:
-                return json.loads(line[len(PREFIX):])
-            except ValueError:
-                return None
-    return None
 
 
 def rate(bytes_per_s: float | None) -> str:

@@ -8,6 +8,7 @@ constant script that receives every value as a positional argument (never interp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .inventory import Inventory, Node
@@ -206,6 +207,18 @@ class NodeState:
     @property
     def failed(self) -> bool:
         return self.state.startswith("exited(") and self.state != "exited(0)"
+
+
+def json_line(stdout: str, prefix: str) -> dict | None:
+    """The JSON object on the first line starting with ``prefix`` (``PROBE ``, ``NETCHECK ``), or None."""
+    for line in stdout.splitlines():
+        if line.startswith(prefix):
+            try:
+                value = json.loads(line[len(prefix):])
+            except ValueError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
 
 
 def parse_status(stdout: str) -> NodeState:

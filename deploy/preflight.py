@@ -26,7 +26,6 @@ judged against the supported range, and on GPU nodes whether CUDA works there at
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -300,16 +299,6 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
 PROBE_PREFIX = "PROBE "
 
 
-def parse_probe(stdout: str) -> dict | None:
-    for line in stdout.splitlines():
-        if line.startswith(PROBE_PREFIX):
-            try:
-                return json.loads(line[len(PROBE_PREFIX):])
-            except ValueError:
-                return None
-    return None
-
-
 IMAGE_MISSING = ("No such image", "Unable to find image")
 NO_GPU_RUNTIME = "could not select device driver"
 
@@ -322,7 +311,7 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
     def fail(detail: str) -> Check:
         return Check(r.node, "torch", False, detail)
 
-    report = parse_probe(r.stdout)
+    report = plan.json_line(r.stdout, PROBE_PREFIX)
     if report is None:
         said = f"{r.stderr}\n{r.stdout}"
         if any(m in said for m in IMAGE_MISSING):
