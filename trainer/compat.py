@@ -11,8 +11,9 @@ Torch internals used, and how they behave across the range:
 
 - ``TCPStore(master_listen_fd=...)`` (both stores are handed a socket already bound to the
   node's address, since TCPStore itself binds every address): the libuv backend, TCPStore's
-  default since 2.4, raises NotImplementedError for a listen fd before 2.8 (pytorch#150215),
-  and ``USE_LIBUV=0`` does not reach a TCPStore built directly. :func:`tcp_store` asks for the
+  default since 2.4, raises NotImplementedError for a listen fd before 2.8 (pytorch#150215;
+  tried here: 2.5.1 refuses, 2.8.0 and 2.14.1 accept), and ``USE_LIBUV=0`` does not reach a
+  TCPStore built directly. :func:`tcp_store` asks for the
   classic backend on those versions.
 - The c10d rendezvous backend creates its store through the module attribute
   ``c10d_rendezvous_backend.TCPStore`` on every supported version (trainer.launch replaces it).
