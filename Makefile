@@ -12,7 +12,7 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest run check deploy sync launch wait status logs stop run-local image test test-fast clean
+.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop run-local image test test-fast clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
@@ -64,6 +64,10 @@ stop: install
 ## The trainer alone on this machine, no deploy tool: torchrun standalone, 2 processes.
 run-local: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m trainer --data-dir runs/data --ckpt-dir runs/ckpt $(ARGS)
+
+## The GPU acceptance check, on a machine with NVIDIA GPUs (no Docker): exits 2 where none is visible.
+gpu-check: install
+	$(VENV)/bin/python bench/gpu_check.py $(ARGS)
 
 ## The image (BASE_IMAGE=... to build on another base).
 image:
