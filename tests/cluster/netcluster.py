@@ -729,7 +729,36 @@ class NetCluster:
         _run(["ip", "link", "set", self.host(name).veth, "down"])
 
     def bring_link_up(self, name: str) -> None:
+        """Put node ``name`` back on the bridge as a plain link (any shaping removed too)."""
+        self.unshape_link(name)
         _run(["ip", "link", "set", self.host(name).veth, "up"])
+
+    def shape_link(self, name: str, rate_mbit: float) -> None:
+        """Limit node ``name``'s link to ``rate_mbit`` in both directions, as a slow NIC would:
+        a token bucket on its interface inside its namespace (what it sends) and on its veth on
+        the bridge side (what it receives). Replaces any earlier shaping of that node."""
+        if not rate_mbit > 0:
+            raise ValueError(f"rate_mbit must be > 0, got {rate_mbit}")
+        tbf = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "50ms"]
+        for argv in self._link_qdisc_argv(name, "replace"):
+            _run([*argv, *tbf])
+
+    def unshape_link(self, name: str) -> None:
+        """Give node ``name``'s link back its full speed (nothing to do when it is not shaped)."""
+        for argv in self._link_qdisc_argv(name, "del"):
+            r = _run([*argv, "root"], check=False)
+            if r.returncode != 0 and not _no_root_qdisc(r.stderr):
+                raise ClusterError(f"{shlex.join(argv)} root exited {r.returncode}: {r.stderr.strip()}")
+
+    def link_qdiscs(self, name: str) -> list[str]:
+        """``tc qdisc show`` of both ends of node ``name``'s link, node side first."""
+        return [_run([*argv, "root"]).stdout.strip()
+                for argv in self._link_qdisc_argv(name, "show")]
+
+    def _link_qdisc_argv(self, name: str, verb: str) -> list[list[str]]:
+        h = self.host(name)
+        return [["nsenter", f"--net={_ns_path(h.ns)}", "tc", "qdisc", verb, "dev", NODE_INTERFACE],
+                ["tc", "qdisc", verb, "dev", h.veth]]
 
     def hosts_config(self, runtime: str = "docker", procs: int = 2,
                      train_args: Sequence[str] | None = None, interface: str | None = None,
@@ -775,6 +804,11 @@ class NetCluster:
 
 
 # --------------------------------------------------------------------------- teardown
+
+def _no_root_qdisc(stderr: str) -> bool:
+    """tc's answer to deleting the root qdisc of a device that has only its default one."""
+    return "Cannot delete qdisc with handle of zero" in stderr or "No such file or directory" in stderr
+
 
 def _our_namespaces() -> list[str]:
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)

@@ -155,6 +155,66 @@ def test_a_node_whose_link_is_down_is_unreachable_until_it_comes_back(cluster):
         server.wait()
 
 
+SINK = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+    print("listening", flush=True)
+    conn, _ = s.accept()
+    got, start = 0, None
+    while chunk := conn.recv(1 << 20):
+        start = start or time.monotonic()
+        got += len(chunk)
+    print(got, time.monotonic() - start, flush=True)
+""")
+
+SOURCE = textwrap.dedent("""
+    import socket, sys
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as c:
+        c.sendall(bytes(int(sys.argv[3])))
+""")
+
+
+def _transfer_mbit(cluster, src, dst, port, nbytes):
+    """Megabits per second of one TCP transfer from node ``src`` to node ``dst``, timed by the
+    receiver from its first byte to the sender's close."""
+    h = cluster.host(dst)
+    sink = subprocess.Popen(["nsenter", f"--net=/var/run/netns/{h.ns}", sys.executable, "-c", SINK,
+                             h.address, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "listening"
+        r = cluster.run_on(src, [sys.executable, "-c", SOURCE, h.address, str(port), str(nbytes)])
+        assert r.returncode == 0, r.stderr
+        got, seconds = sink.communicate(timeout=60)[0].split()
+    finally:
+        sink.kill()
+        sink.wait()
+    assert int(got) == nbytes
+    return nbytes * 8 / float(seconds) / 1e6
+
+
+def test_a_shaped_link_carries_its_rate_both_ways_and_full_speed_once_unshaped(cluster):
+    rate, nbytes = 80, 16 * 10**6  # 1.6 s each way at the shaped rate
+    cluster.shape_link("node2", rate)
+    try:
+        assert all("tbf" in q and "rate 80Mbit" in q for q in cluster.link_qdiscs("node2"))
+        sent = _transfer_mbit(cluster, "node2", "node1", 45125, nbytes)
+        received = _transfer_mbit(cluster, "node3", "node2", 45126, nbytes)
+        assert 0.75 * rate <= sent <= 1.25 * rate, sent
+        assert 0.75 * rate <= received <= 1.25 * rate, received
+    finally:
+        cluster.unshape_link("node2")
+    assert not any("tbf" in q for q in cluster.link_qdiscs("node2"))
+    assert _transfer_mbit(cluster, "node3", "node2", 45127, nbytes) > 3 * rate
+    cluster.unshape_link("node2")  # unshaping a plain link is not an error
+
+
+def test_bringing_a_shaped_link_back_up_leaves_it_unshaped(cluster):
+    cluster.shape_link("node3", 50)
+    cluster.take_link_down("node3")
+    cluster.bring_link_up("node3")
+    assert not any("tbf" in q for q in cluster.link_qdiscs("node3"))
+
+
 def test_hosts_yaml_describes_every_node_and_the_cluster_paths(cluster, tmp_path):
     yaml = pytest.importorskip("yaml")
     path = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=3,
