@@ -114,7 +114,7 @@ def validate(st: _State) -> None:
 @click.option("--network", is_flag=True,
               help="Then a short all-reduce across every node with the job's backend, image and interfaces.")
 @click.option("--network-mb", type=click.FloatRange(min=0.001), default=32, show_default=True,
-              help="With --network: the all-reduce buffer, in MB.")
+              help="With --network: the all-reduce buffer, in MiB.")
 @pass_state
 def check(st: _State, network: bool, network_mb: float) -> None:
     """Preflight checks on every node, in parallel."""
@@ -137,7 +137,7 @@ def check(st: _State, network: bool, network_mb: float) -> None:
 
 def _print_network(report: dict) -> None:
     table = Table("node", "interface", "transport", "bus bandwidth", "pairs",
-                  title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 1e6:g} MB")
+                  title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 2**20:g} MiB")
     for n in report["nodes"]:
         pairs = ", ".join(f"{peer} {netcheck.rate(bw)}" for peer, bw in n["pairs"].items())
         table.add_row(n["node"], n["interface"], n["transport"], netcheck.rate(n["busbw"]), pairs)
