@@ -9,12 +9,15 @@ installs. pyproject.toml declares the same range (a test compares them).
 
 Torch internals used, and how they behave across the range:
 
-- ``TCPStore(master_listen_fd=...)`` (both stores are handed a socket already bound to the
-  node's address, since TCPStore itself binds every address): the libuv backend, TCPStore's
-  default since 2.4, raises NotImplementedError for a listen fd before 2.8 (pytorch#150215;
-  tried here: 2.5.1 refuses, 2.8.0 and 2.14.1 accept), and ``USE_LIBUV=0`` does not reach a
-  TCPStore built directly. :func:`tcp_store` asks for the
-  classic backend on those versions.
+- ``TCPStore(master_listen_fd=...)``: TCPStore binds every address of the machine; handed a
+  socket already bound to the node's address, it listens there alone. That works from 2.8 on
+  (:data:`BOUND_STORE_SINCE`). Before 2.8 the libuv backend (the default since 2.4) refuses a
+  listen fd (NotImplementedError, pytorch#150215; ``USE_LIBUV=0`` does not reach a TCPStore
+  built directly), and the classic backend takes it but aborts the process ("failed to format
+  addr, unknown family=0") when a reverse DNS lookup of the address fails for a while, as it
+  does on a node whose resolver is unreachable (seen on the test cluster). So before 2.8 both
+  stores (the c10d rendezvous store, the workers' store) are left to torch and listen on every
+  address: README, Security. Tried here: 2.5.1 as described, 2.8.0 and 2.14.1 bound.
 - The c10d rendezvous backend creates its store through the module attribute
   ``c10d_rendezvous_backend.TCPStore`` on every supported version (trainer.launch replaces it).
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` and ``RendezvousStoreInfo.build(..., local_addr)``
@@ -29,7 +32,8 @@ import re
 TORCH_SUPPORTED = ">=2.5.1,<2.15"
 """The torch versions the trainer runs on (pip specifier; the same string as in pyproject.toml)."""
 
-LIBUV_LISTEN_FD_SINCE = (2, 8)
+BOUND_STORE_SINCE = (2, 8)
+"""The first torch whose TCPStore can be hosted on a socket bound to one address (see above)."""
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -53,11 +57,10 @@ def torch_supported(version: str) -> bool:
     return Version(v.public) in SpecifierSet(TORCH_SUPPORTED)
 
 
-def tcp_store(host: str, port: int, *, listen_fd: int | None, **kwargs):
-    """``torch.distributed.TCPStore``, hosted on an already listening socket when ``listen_fd`` is given."""
-    import torch
-    from torch.distributed import TCPStore
+def binds_stores(version: str | None = None) -> bool:
+    """Whether this torch (or ``version``) hosts the c10d stores on a socket bound to one address."""
+    if version is None:
+        import torch
 
-    if listen_fd is not None and version_tuple(torch.__version__) < LIBUV_LISTEN_FD_SINCE:
-        kwargs["use_libuv"] = False
-    return TCPStore(host, port, master_listen_fd=listen_fd, **kwargs)
+        version = torch.__version__
+    return version_tuple(version) >= BOUND_STORE_SINCE

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .compat import tcp_store
+from .compat import binds_stores
 
 
 class DistSetupError(RuntimeError):
@@ -99,7 +99,13 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
         timeout = timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            kwargs.update(store=_bound_store(rank, world_size, timeout), rank=rank, world_size=world_size)
+            # A PrefixStore around it: torch 2.5's c10d logger formats init_process_group's
+            # arguments, and a TCPStore's repr raises there ("failed to format addr, unknown
+            # family=0") when a reverse DNS lookup of its address fails, as on a node whose
+            # resolver is unreachable (seen on the test cluster; 2.14 only warns). The wrapper's
+            # repr is plain, on every version.
+            store = dist.PrefixStore("workers", _bound_store(rank, world_size, timeout))
+            kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
 
@@ -119,15 +125,15 @@ def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStor
     """
     addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500)
     listen_fd = None
-    if rank == 0:
+    if rank == 0 and binds_stores():  # before torch 2.8: torch's own bind, every address (trainer.compat)
         try:
             listen_fd = listening_fd(addr, port)
         except OSError as exc:
             raise DistSetupError(f"cannot listen on MASTER_ADDR {addr}:{port} ({exc.strerror or exc}): it must "
                                  "be an address of this node; give torchrun --local-addr") from None
     global _OWN_STORE
-    _OWN_STORE = tcp_store(addr, port, listen_fd=listen_fd, world_size=world_size, is_master=rank == 0,
-                           timeout=timeout)
+    _OWN_STORE = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                               master_listen_fd=listen_fd)
     return _OWN_STORE
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .compat import binds_stores
+
 
 def default_nproc() -> str:
     import torch
@@ -81,14 +83,14 @@ def bind_rendezvous_store(address: str) -> None:
     """
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
 
-    from .compat import tcp_store
     from .dist import listening_fd
 
+    tcp_store = backend.TCPStore
+
     def bound_store(host, port, *args, is_master=False, **kwargs):
-        listen_fd = kwargs.pop("master_listen_fd", None)
-        if is_master and listen_fd is None:
-            listen_fd = listening_fd(address, port)
-        return tcp_store(host, port, *args, is_master=is_master, listen_fd=listen_fd, **kwargs)
+        if is_master and kwargs.get("master_listen_fd") is None:
+            kwargs["master_listen_fd"] = listening_fd(address, port)
+        return tcp_store(host, port, *args, is_master=is_master, **kwargs)
 
     backend.TCPStore = bound_store
 
@@ -102,7 +104,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     address = option(args, "--local-addr")
-    if address:
+    if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)
         bind_rendezvous_store(address)
     from torch.distributed.run import main as torchrun
 
