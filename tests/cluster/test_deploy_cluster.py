@@ -60,11 +60,14 @@ def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(clust
         assert containers_on(cluster, node) == []
 
 
-def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, tmp_path):
+def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, tmp_path, torch_python):
     # No interface in the inventory: every hostname here resolves to loopback, so this run
-    # completes only because launch detects the NIC holding each node's address.
-    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=2, train_args=TRAIN)
-    ok(ddp(cluster, hosts, "check"))
+    # completes only because launch detects the NIC holding each node's address. It runs on
+    # each end of the supported torch range (the nodes' interpreter is that end's venv).
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=2, train_args=TRAIN,
+                                     train={"python": torch_python.python})
+    checked = ok(ddp(cluster, hosts, "check")).stdout
+    assert checked.count(f"torch {torch_python.version}, ") == len(cluster.hosts)  # check names each node's torch
     ok(ddp(cluster, hosts, "deploy"))
     ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
     final = records(fresh_nas)[-1]

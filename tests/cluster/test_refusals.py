@@ -68,12 +68,6 @@ def _docker_gone(cluster, config, tmp_path):
 
 
 @contextlib.contextmanager
-def _gpus_declared(cluster, config, tmp_path):
-    config["nodes"][1]["gpus"] = 2
-    yield
-
-
-@contextlib.contextmanager
 def _nas_not_shared(cluster, config, tmp_path):
     """Another disk mounted over the NAS path, in node3's sshd (and so its sessions) alone."""
     pid = (cluster.host("node3").run_dir / "sshd.pid").read_text().strip()
@@ -91,7 +85,6 @@ FAULTS = {
     "wrong ssh key": (_wrong_key, "node2", "ssh", "auth refused"),
     "host key changed": (_changed_host_key, "node2", "ssh", "host key mismatch"),
     "no docker engine": (_docker_gone, "node2", "docker", "docker engine not usable"),
-    "no gpu where declared": (_gpus_declared, "node2", "gpus", "nvidia-smi failed"),
     "nas not the same storage": (_nas_not_shared, "node3", "shared storage", "not the same storage"),
 }
 
@@ -121,3 +114,54 @@ def test_check_names_the_node_and_the_cause_and_launch_starts_nothing(cluster, f
     record_fault(fault=f"{fault} ({node})", finished="refused before starting", redone_steps=None,
                  ckpt_every=None, detect_s=round(took, 1), detect_what=f"`check` naming {node} {check}",
                  left_running="nothing", bit_identical=None)
+
+
+def _blamed(proc) -> list[str]:
+    return proc.stderr.strip().splitlines()[0].split(" failed: ", 1)[1].split(" | ")
+
+
+@pytest.mark.parametrize("runtime, cause", [
+    # the nodes' real Docker engines have no NVIDIA runtime: `docker run --gpus` is refused
+    ("docker", "torch: no NVIDIA container runtime"),
+    # the host interpreter's torch finds no CUDA device (these machines have none)
+    ("host", "torch: CUDA not usable in "),
+])
+def test_gpu_nodes_where_cuda_cannot_work_are_each_named_and_nothing_starts(cluster, fresh_nas, tmp_path,
+                                                                            runtime, cause, record_fault):
+    config = cluster.hosts_config(runtime, 1, TRAIN, "eth0", ssh={"connect_timeout": 3}, storage={"min_free_gb": 0})
+    for node in config["nodes"]:
+        node["gpus"] = 1
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump(config, sort_keys=False))
+    if runtime == "docker":
+        assert ddp(cluster, hosts, "deploy", timeout=600).returncode == 0  # the image is there: only CUDA fails
+    started = time.monotonic()
+    checked = ddp(cluster, hosts, "check", timeout=120)
+    took = time.monotonic() - started
+    launched = ddp(cluster, hosts, "launch", timeout=120)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    blamed = _blamed(checked)
+    for h in cluster.hosts:
+        assert any(b.startswith(f"{h.name} {cause}") for b in blamed), blamed
+        assert f"{h.name} gpus: nvidia-smi failed" in " | ".join(blamed)  # and no GPUs listed on the host
+    assert launched.returncode == 1 and "nothing started" in launched.stderr and cause in launched.stderr
+    for h in cluster.hosts:
+        assert containers_on(cluster, h.name) == []
+        assert cluster.run_on(h.name, ["pgrep", "-f", "trainer.launch"]).stdout.strip() == ""
+    record_fault(fault=f"GPU nodes without usable CUDA ({runtime} runtime)", finished="refused before starting",
+                 redone_steps=None, ckpt_every=None, detect_s=round(took, 1),
+                 detect_what="`check` naming every node's torch/CUDA probe", left_running="nothing",
+                 bit_identical=None)
+
+
+def test_a_job_mixing_gpu_and_cpu_nodes_is_refused_by_validation_naming_them(cluster, tmp_path):
+    config = cluster.hosts_config("docker", 1, TRAIN, "eth0")
+    config["nodes"][0]["gpus"] = 1
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump(config, sort_keys=False))
+    for verb in ("check", "launch"):
+        r = ddp(cluster, hosts, verb, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert "mixes GPU nodes (node1) and CPU nodes (node2, node3)" in r.stderr
+    for h in cluster.hosts:
+        assert containers_on(cluster, h.name) == []
