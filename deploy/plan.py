@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from .inventory import Inventory, Node
-from .runtime import RUN_SUBDIR, NodeFacts, runtime  # noqa: F401  (RUN_SUBDIR: where host runs keep files)
+from .runtime import NodeFacts, runtime
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
@@ -39,14 +39,6 @@ class LaunchSpec:
     """(host path, container path); empty for the host runtime."""
     argv: tuple[str, ...] = field(default=())
     """The command actually run on the node."""
-
-
-def container_name(inv: Inventory, node: Node) -> str:
-    return runtime(inv).container(node)
-
-
-def run_dir(inv: Inventory, node: Node) -> str:
-    return runtime(inv).run_dir(node)
 
 
 def torchrun_options(inv: Inventory, index: int) -> tuple[str, ...]:
@@ -187,6 +179,7 @@ def make_dirs_argv(inv: Inventory) -> tuple[str, ...]:
 
 
 def python_check_argv(inv: Inventory) -> tuple[str, ...]:
+    """Host runtime, deploy: the interpreter imports this package and torch."""
     return (inv.python_path(), "-c", "import trainer, torch; print(torch.__version__)")
 
 
