@@ -166,3 +166,19 @@ def test_phase_two_readers_go_first_and_the_writer_ends_last(tmp_path):
         {"n2": "READ /nas/.ddp-deploy-check-aaa\n", "n3": "READ /nas/.ddp-deploy-check-aaa\n"}, {"n1": ""}]
     failed = {**first, "n1": Result("n1", None, "token e /nas is not a writable directory\ntoken rc 3\n")}
     assert preflight.token_waves(inv, failed) == []
+
+
+def test_the_session_finds_each_node_s_nic_and_infiniband_devices_for_its_launch(tmp_path):
+    inv = _inv(tmp_path)
+    nics = {n: f"1: lo    inet 127.0.0.1/8 scope host lo\n2: eth{i}    inet 127.0.0.{i}/24 scope global"
+            for i, n in enumerate(("n1", "n2", "n3"), start=1)}
+    final = {
+        "n1": Result("n1", 0, _tagged(nics=(0, nics["n1"]), fabric=(0, "rdma_cm\nuverbs0"))),
+        "n2": Result("n2", 0, _tagged(nics=(0, nics["n2"]), fabric=(0, ""))),
+        "n3": Result("n3", 0, _tagged(nics=(1, ""), fabric=(0, ""))),
+    }
+    first = {n: Result(n, None, r.stdout) for n, r in final.items()}
+    facts = preflight.facts_from(inv, first, final)
+    assert facts["n1"] == preflight.NodeFacts(interface="lo", infiniband=True)  # 127.0.0.1 is on lo here
+    assert facts["n2"] == preflight.NodeFacts(interface="eth2", infiniband=False)
+    assert facts["n3"] == preflight.NodeFacts(interface=None, infiniband=False)  # `ip` failed: left to gloo/NCCL
