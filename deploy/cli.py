@@ -120,7 +120,7 @@ def check(st: _State, network: bool, network_mb: float) -> None:
     """Preflight checks on every node, in parallel."""
     inv = st.inv
     with Remote(inv) as remote:
-        pre = preflight.run_checks(inv, remote)
+        pre = preflight.run_checks(inv, remote, for_launch=network)  # the network check needs the image there
         _print_checks(pre.checks)
         _refuse_failed_checks(pre.checks, "")
         click.echo(f"all {len(pre.checks)} checks passed")

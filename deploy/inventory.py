@@ -95,9 +95,17 @@ def _no_nul(v: str) -> str:
     return v
 
 
+# Set by the tool: GPU selection (nodes[].gpu_ids), the node's name, the marker `stop` finds a
+# host run's processes by. Overriding them would bypass what check verified or what stop relies on.
+RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
+                "DDP_DEPLOY_RUN")
+
+
 def _env_name(v: str) -> str:
     if not _ENV_NAME.fullmatch(v):
         raise ValueError("an environment variable name: letters, digits and '_', not starting with a digit")
+    if v in RESERVED_ENV:
+        raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids)")
     return v
 
 

@@ -297,6 +297,7 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
 
 
 PROBE_PREFIX = "PROBE "
+PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names", "nccl", "cuda_error")
 
 
 IMAGE_MISSING = ("No such image", "Unable to find image")
@@ -322,13 +323,20 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
         if NO_GPU_RUNTIME in said:
             return fail("no NVIDIA container runtime: docker cannot give the container GPUs "
                         "(install nvidia-container-toolkit on the node and restart dockerd)")
-        if "No module named trainer" in said:
-            return fail(f"{where} cannot import trainer: install this package for it (train.python)")
+        if "No module named 'trainer'" in said:
+            return fail(f"{where} cannot import trainer: {runtime(inv).install_hint()}")
+        if "No module named trainer.probe" in said:
+            return fail(f"{where} has a trainer older than trainer.probe: {runtime(inv).install_hint()}")
         if r.exit_code == 127:
             return fail(f"cannot run {where}: {(r.stderr.strip().splitlines() or ['not found'])[-1]}")
+        if r.exit_code == 124:
+            return fail(f"trainer.probe in {where} took longer than {PROBE_SECONDS} s (CUDA or the image stuck?)")
         return fail(f"{where}: trainer.probe failed: {r.summary()}")
     if report.get("error"):
         return fail(f"{where}: {report['error']}")
+    if any(key not in report for key in PROBE_KEYS):
+        return fail(f"{where}: trainer.probe answered without {', '.join(k for k in PROBE_KEYS if k not in report)}: "
+                    f"a trainer of another version? {runtime(inv).install_hint()}")
     version = report["torch"]
     if not torch_supported(version):
         return fail(f"torch {version} in {where} is outside the supported range {TORCH_SUPPORTED}: "

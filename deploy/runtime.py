@@ -83,6 +83,9 @@ else echo absent; fi
 
 MERGE_STDERR = 'exec "$@" 2>&1'
 
+# $1 = container, then the command that runs it: a leftover of an interrupted run goes first.
+REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
+
 # What NCCL needs to use InfiniBand/RoCE from a container: the verbs devices, pinned memory
 # without limit (IPC_LOCK, memlock). Shared memory comes with --ipc host, which every job has.
 INFINIBAND_DOCKER_ARGS = ("--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
@@ -133,6 +136,10 @@ class Runtime:
         """What the launch command gains from facts found on the node at launch time."""
         return []
 
+    def install_hint(self) -> str:
+        """How to get this version of the trainer where the job runs."""
+        raise NotImplementedError
+
     def engine_argv(self) -> tuple[str, ...] | None:
         """A check that the runtime itself works on the node, or None when the probe is that check."""
         return None
@@ -174,6 +181,9 @@ class DockerRuntime(Runtime):
 
     def torch_hint(self) -> str:
         return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
+
+    def install_hint(self) -> str:
+        return "rebuild the image from this version and run `ddp-deploy deploy`"
 
     def dry_run_notes(self, node: Node) -> list[str]:
         if not node.devices:
@@ -218,7 +228,8 @@ class DockerRuntime(Runtime):
         return argv + self._run(node, env, facts) + [self.inv.image.name, *launcher]
 
     def run_argv(self, node, launcher, env, facts):
-        return ["docker", "run", "--rm", "--name", f"{self.container(node)}-check",
+        name = f"{self.container(node)}-check"
+        return ["sh", "-c", REPLACE_CONTAINER, "sh", name, "docker", "run", "--rm", "--name", name,
                 *self._run(node, env, facts), self.inv.image.name, *launcher]
 
     def probe_argv(self, node, env):
@@ -251,6 +262,9 @@ class HostRuntime(Runtime):
 
     def torch_hint(self) -> str:
         return f"install a torch inside it for {self.inv.python_path()} (train.python)"
+
+    def install_hint(self) -> str:
+        return f"install this version of the package for {self.inv.python_path()} (train.python)"
 
     def run_dir(self, node: Node) -> str:
         return f"{self.inv.storage.checkpoints.host}/{RUN_SUBDIR}/{self.inv.job.name}/{node.name}"

@@ -126,3 +126,11 @@ def test_per_node_ssh_overrides_merge_with_defaults():
 def test_procs_default_to_gpus_or_one():
     inv = load(REPO / "hosts.example.yaml")
     assert inv.node("gpu1").nprocs == 8
+
+
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "DDP_DEPLOY_RUN"])
+def test_environment_the_tool_sets_itself_cannot_be_overridden(name):
+    text = (REPO / "hosts.example.yaml").read_text().replace("NCCL_DEBUG: WARN", f"{name}: '0'")
+    with pytest.raises(Exception, match=f"{name} is set by the tool"):
+        from deploy.inventory import loads
+        loads(text)

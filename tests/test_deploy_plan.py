@@ -125,7 +125,8 @@ def test_network_check_runs_the_job_s_launcher_in_the_foreground_with_its_own_re
     inv = _inv()
     cmds = plan.netcheck_plan(inv, {}, ("--size-mb", "4"))
     a = list(cmds["a"])
-    assert a[:3] == ["docker", "run", "--rm"] and "-d" not in a and "--restart" not in a
+    assert a[4] == "demo-a-check" and a[5:8] == ["docker", "run", "--rm"]  # after removing a leftover of that name
+    assert "-d" not in a and "--restart" not in a
     assert _opt(a, "--gpus") == '"device=0,1"'
     assert _opt(a, "--rdzv-id") == "demo-netcheck" and _opt(a, "--max-restarts") == "0"
     assert _opt(a, "--entry") == "trainer.netcheck"

@@ -5,6 +5,7 @@ runtime cannot exist here, so their answers are written out below as the probe p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -103,6 +104,7 @@ def test_a_broken_torch_install_is_reported_not_crashed_on():
 
 @pytest.mark.parametrize("version, inside", [("2.5.1", True), ("2.5.1+cu124", True), ("2.5.0", False),
                                              ("2.14.1+cu130", True), ("2.15.0", False), ("2.15.0.dev20261101", False),
+                                             ("2.6.0a0+ecf3bae40a.nv25.01", True), ("2.5.0a0+git1234", False),
                                              ("not-a-version", False)])
 def test_the_supported_range_compares_releases_ignoring_local_build_tags(version, inside):
     assert torch_supported(version) is inside
@@ -110,10 +112,27 @@ def test_the_supported_range_compares_releases_ignoring_local_build_tags(version
 
 def test_the_probe_runs_here_and_names_this_torch_without_cuda():
     out = subprocess.run([sys.executable, "-m", "trainer.probe", "--gpus", "1", "--procs", "1"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout  # as on a node without GPUs
     report = json.loads(out.removeprefix("PROBE "))
     import torch
     assert report["torch"] == torch.__version__
-    assert report["cuda_available"] is False and report["cuda_error"]  # no GPU on these machines
+    assert report["cuda_available"] is False and report["cuda_error"]
     c = _torch(_inv(gpus=1), Result("a", 0, out, ""), True)
     assert not c.ok and c.detail.startswith("CUDA not usable in image ddp-trainer:latest")
+
+
+def test_a_trainer_without_the_probe_or_without_trainer_at_all_is_told_apart():
+    old = _judge(None, exit_code=1, stderr="/usr/bin/python: No module named trainer.probe")
+    assert not old.ok and "has a trainer older than trainer.probe: rebuild the image" in old.detail
+    none = _judge(None, runtime="host", exit_code=1,
+                  stderr="/opt/venv/bin/python: Error while finding module specification for 'trainer.probe' "
+                         "(ModuleNotFoundError: No module named 'trainer')")
+    assert not none.ok and none.detail.startswith("/opt/venv/bin/python cannot import trainer: install this version")
+
+
+def test_a_probe_past_its_time_limit_or_of_another_version_is_named_not_crashed_on():
+    slow = _judge(None, exit_code=124)
+    assert not slow.ok and "took longer than" in slow.detail
+    other = _judge({"torch": "2.5.1"})
+    assert not other.ok and "answered without cuda_build" in other.detail

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
@@ -52,7 +53,7 @@ def test_deploy_help_lists_every_verb():
 
 
 def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base():
-    import tomllib
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
     from trainer.compat import TORCH_SUPPORTED, torch_supported
     from torch_ends import range_ends

@@ -53,8 +53,10 @@ def torch_supported(version: str) -> bool:
         v = Version(version)
     except InvalidVersion:
         return False
-    # "2.5.1+cu124" is 2.5.1 for a range: compare the public version.
-    return Version(v.public) in SpecifierSet(TORCH_SUPPORTED)
+    # "2.5.1+cu124" is 2.5.1 for a range: compare the public version. NVIDIA's NGC images carry
+    # pre-release builds ("2.6.0a0+ecf3bae40a.nv25.01"): inside the range, whatever packaging's
+    # default for pre-releases is.
+    return SpecifierSet(TORCH_SUPPORTED).contains(Version(v.public), prereleases=True)
 
 
 def binds_stores(version: str | None = None) -> bool:

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer",
         description="DDP trainer: run under torchrun or as a single process.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # `--dev cpu` must not pass for --device: the deploy tool owns that flag
     )
     parser.add_argument("--config", help="YAML file with any of the fields below; flags override it")
     for f in fields(TrainConfig):

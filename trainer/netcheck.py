@@ -171,12 +171,10 @@ def unique_names(names: list[str]) -> list[str]:
 
 # --------------------------------------------------------------------------- measuring
 
-def capture_nccl_log() -> Path | None:
+def capture_nccl_log() -> Path:
     """Makes NCCL write its INIT/NET lines to a private directory, where :func:`transport` reads
-    which network it chose. Must run before the process group exists; a user's own NCCL_DEBUG
-    wins (the transport is then reported as unknown)."""
-    if "NCCL_DEBUG" in os.environ:
-        return None
+    which network it chose. Must run before the process group exists. It overrides the job's own
+    NCCL_DEBUG for this check run alone (hosts.example.yaml sets one), so the transport is known."""
     log_dir = Path(tempfile.mkdtemp(prefix="netcheck-nccl-"))
     os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
                       NCCL_DEBUG_FILE=str(log_dir / "nccl.%h.%p"))

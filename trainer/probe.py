@@ -51,18 +51,17 @@ def _cuda(torch, procs: int) -> dict:
         said = [str(w.message).strip() for w in caught]
         out["cuda_error"] = said[0] if said else "no CUDA device visible"
         return out
-    out["cuda_available"] = True
-    out["devices"] = torch.cuda.device_count()
-    out["device_names"] = [torch.cuda.get_device_name(i) for i in range(out["devices"])]
     try:
+        out["devices"] = torch.cuda.device_count()
+        out["device_names"] = [torch.cuda.get_device_name(i) for i in range(out["devices"])]
         for i in range(min(procs, out["devices"])):
             torch.ones(1, device=f"cuda:{i}").add_(1).item()
-    except RuntimeError as exc:
-        out["cuda_available"] = False
-        out["cuda_error"] = str(exc).strip().splitlines()[0]
+        if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # any CUDA failure is the answer, reported on its first line
+        out["cuda_error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return out
-    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
-        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    out["cuda_available"] = True
     return out
 
 
