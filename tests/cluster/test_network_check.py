@@ -50,7 +50,8 @@ def test_network_check_reports_each_node_s_shaped_rate_and_names_the_slow_one(cl
         shaped = SLOW_MBIT if name == "node3" else FAST_MBIT
         assert interface == "eth0" and transport == "tcp"
         assert abs(figure - shaped) <= 0.25 * shaped, f"{name}: {figure} Mbit/s reported, shaped {shaped}"
-    record_fault(fault="network check on links shaped with tc (node3 at 1/10)", finished="node3 named as slow",
-                 redone_steps=None, ckpt_every=None, detect_s=None,
-                 detect_what=", ".join(f"{n} {c[3]}" for n, c in sorted(rows.items())),
+    figures = ", ".join(f"{n} {c[3]}" for n, c in sorted(rows.items()))
+    record_fault(fault="network check on links shaped with tc (node3 at 1/10)",
+                 finished=f"node3 named as slow; reported {figures} (shaped {FAST_MBIT}, {FAST_MBIT}, {SLOW_MBIT})",
+                 redone_steps=None, ckpt_every=None, detect_s=None, detect_what=None,
                  left_running="nothing", bit_identical=None)
