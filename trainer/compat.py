@@ -27,8 +27,6 @@ Torch internals used, and how they behave across the range:
 
 from __future__ import annotations
 
-import re
-
 TORCH_SUPPORTED = ">=2.5.1,<2.15"
 """The torch versions the trainer runs on (pip specifier; the same string as in pyproject.toml)."""
 
@@ -37,11 +35,11 @@ BOUND_STORE_SINCE = (2, 8)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """``"2.5.1+cu124"`` -> ``(2, 5, 1)``: the release numbers, without local or pre-release tags."""
-    release = re.match(r"\d+(\.\d+)*", version.strip())
-    if not release:
-        raise ValueError(f"not a version: {version!r}")
-    return tuple(int(p) for p in release.group(0).split("."))
+    """``"2.5.1+cu124"`` -> ``(2, 5, 1)``: the release numbers, without local or pre-release tags
+    (raises ValueError for a string that is not a version)."""
+    from packaging.version import Version
+
+    return Version(version).release
 
 
 def torch_supported(version: str) -> bool:
