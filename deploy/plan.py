@@ -41,8 +41,9 @@ class LaunchSpec:
     """The command actually run on the node."""
 
 
-def torchrun_options(inv: Inventory, index: int) -> tuple[str, ...]:
-    """torchrun flags for nodes[index].
+def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
+                     max_restarts: int | None = None) -> tuple[str, ...]:
+    """torchrun flags for nodes[index]; ``rdzv_id`` and ``max_restarts`` default to the job's.
 
     --node-rank is the inventory order; with the c10d backend torchrun ignores it (ranks
     follow arrival order) and it only matters for the static backend. --local-addr and
@@ -64,9 +65,9 @@ def torchrun_options(inv: Inventory, index: int) -> tuple[str, ...]:
         "--nproc-per-node", str(node.nprocs),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", _endpoint(rdzv.address, inv.rendezvous.port),
-        "--rdzv-id", inv.rdzv_id,
+        "--rdzv-id", inv.rdzv_id if rdzv_id is None else rdzv_id,
         "--rdzv-conf", conf,
-        "--max-restarts", str(inv.job.max_restarts),
+        "--max-restarts", str(inv.job.max_restarts if max_restarts is None else max_restarts),
         "--local-addr", node.address,
         "--node-rank", str(index),
     )
@@ -147,9 +148,7 @@ def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str,
     device = device_flags(inv)
     out = {}
     for i, node in enumerate(inv.nodes):
-        opts = list(torchrun_options(inv, i))
-        opts[opts.index("--rdzv-id") + 1] = f"{inv.rdzv_id}-netcheck"
-        opts[opts.index("--max-restarts") + 1] = "0"
+        opts = torchrun_options(inv, i, rdzv_id=f"{inv.rdzv_id}-netcheck", max_restarts=0)
         f = facts.get(node.name, NodeFacts())
         launcher = [*opts, "--entry", NETCHECK_ENTRY, "--", *device, *flags]
         out[node.name] = tuple(rt.run_argv(node, launcher, node_env(inv, node, f), f))
