@@ -155,8 +155,7 @@ def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     """The endpoint listens for every other node; every other node connects to it."""
     rdzv, port = inv.rdzv_node, str(inv.rendezvous.port)
     if node.name == rdzv.name:
-        python = "python3" if inv.job.runtime == "docker" else inv.python_path()
-        return (python, "-c", LISTEN, port, str(len(inv.nodes) - 1), str(LISTEN_SECONDS))
+        return (runtime(inv).listener_python(), "-c", LISTEN, port, str(len(inv.nodes) - 1), str(LISTEN_SECONDS))
     return ("bash", "-c", CONNECT, "bash", rdzv.address, port, str(LISTEN_SECONDS))
 
 
@@ -307,7 +306,8 @@ NO_GPU_RUNTIME = "could not select device driver"
 def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
     """The probe's answer: torch inside the supported range; on a GPU node, CUDA usable on every
     device a process will use, with NCCL."""
-    node, where = inv.node(r.node), runtime(inv).where()
+    rt = runtime(inv)
+    node, where = inv.node(r.node), rt.where()
 
     def fail(detail: str) -> Check:
         return Check(r.node, "torch", False, detail)
@@ -324,9 +324,9 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
             return fail("no NVIDIA container runtime: docker cannot give the container GPUs "
                         "(install nvidia-container-toolkit on the node and restart dockerd)")
         if "No module named 'trainer'" in said:
-            return fail(f"{where} cannot import trainer: {runtime(inv).install_hint()}")
+            return fail(f"{where} cannot import trainer: {rt.install_hint()}")
         if "No module named trainer.probe" in said:
-            return fail(f"{where} has a trainer older than trainer.probe: {runtime(inv).install_hint()}")
+            return fail(f"{where} has a trainer older than trainer.probe: {rt.install_hint()}")
         if r.exit_code == 127:
             return fail(f"cannot run {where}: {(r.stderr.strip().splitlines() or ['not found'])[-1]}")
         if r.exit_code == 124:
@@ -336,11 +336,11 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
         return fail(f"{where}: {report['error']}")
     if any(key not in report for key in PROBE_KEYS):
         return fail(f"{where}: trainer.probe answered without {', '.join(k for k in PROBE_KEYS if k not in report)}: "
-                    f"a trainer of another version? {runtime(inv).install_hint()}")
+                    f"a trainer of another version? {rt.install_hint()}")
     version = report["torch"]
     if not torch_supported(version):
         return fail(f"torch {version} in {where} is outside the supported range {TORCH_SUPPORTED}: "
-                    f"{runtime(inv).torch_hint()}")
+                    f"{rt.torch_hint()}")
     detail = f"torch {version}, " + (f"CUDA {report['cuda_build']}" if report["cuda_build"] else "CPU build")
     if node.devices:
         if not report["cuda_available"]:

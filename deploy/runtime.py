@@ -140,6 +140,10 @@ class Runtime:
         """How to get this version of the trainer where the job runs."""
         raise NotImplementedError
 
+    def listener_python(self) -> str:
+        """The node's interpreter for the preflight's rendezvous listener (outside any container)."""
+        raise NotImplementedError
+
     def engine_argv(self) -> tuple[str, ...] | None:
         """A check that the runtime itself works on the node, or None when the probe is that check."""
         return None
@@ -184,6 +188,9 @@ class DockerRuntime(Runtime):
 
     def install_hint(self) -> str:
         return "rebuild the image from this version and run `ddp-deploy deploy`"
+
+    def listener_python(self) -> str:
+        return "python3"
 
     def dry_run_notes(self, node: Node) -> list[str]:
         if not node.devices:
@@ -265,6 +272,9 @@ class HostRuntime(Runtime):
 
     def install_hint(self) -> str:
         return f"install this version of the package for {self.inv.python_path()} (train.python)"
+
+    def listener_python(self) -> str:
+        return self.inv.python_path()
 
     def run_dir(self, node: Node) -> str:
         return f"{self.inv.storage.checkpoints.host}/{RUN_SUBDIR}/{self.inv.job.name}/{node.name}"
