@@ -32,12 +32,13 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer.compat import TORCH_SUPPORTED, torch_supported
+from trainer.compat import TORCH_SUPPORTED
 
 from . import plan
 from .inventory import Inventory, Node
 from .remote import Remote, Result
 from .runtime import NodeFacts, runtime
+from .versions import torch_supported
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
 STORAGE = r"""for p in "$@"; do

@@ -14,7 +14,8 @@ import pytest
 from deploy.inventory import loads
 from deploy.preflight import _torch
 from deploy.remote import Result
-from trainer.compat import TORCH_SUPPORTED, torch_supported
+from deploy.versions import torch_supported
+from trainer.compat import TORCH_SUPPORTED
 
 INVENTORY = """
 job: {name: demo, runtime: RUNTIME}

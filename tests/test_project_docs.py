@@ -55,7 +55,8 @@ def test_deploy_help_lists_every_verb():
 def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
-    from trainer.compat import TORCH_SUPPORTED, torch_supported
+    from deploy.versions import torch_supported
+    from trainer.compat import TORCH_SUPPORTED
     from torch_ends import range_ends
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]

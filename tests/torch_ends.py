@@ -18,7 +18,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from trainer.compat import TORCH_SUPPORTED, version_tuple
+from trainer.compat import TORCH_SUPPORTED
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def torch_python(request) -> TorchEnd:
             _unavailable("the oldest supported torch is not installed: `make install-oldest` and set "
                          "DDP_TORCH_OLDEST_PYTHON (make test does both)")
     version = _torch_version(python)
-    if os.environ.get("DDP_TORCH_ENDS_REQUIRED") == "1" and version_tuple(version)[:len(expected)] != expected:
+    if os.environ.get("DDP_TORCH_ENDS_REQUIRED") == "1" and Version(version).release[:len(expected)] != expected:
         pytest.fail(f"{request.param} end: {python} has torch {version}, expected "
                     f"{'.'.join(map(str, expected))} ({TORCH_SUPPORTED})", pytrace=False)
     return TorchEnd(request.param, python, version)

@@ -1,7 +1,8 @@
 """The torch versions this project supports, and every use of torch internals that differs by version.
 
 Importing this module does not import torch: the deploy tool reads ``TORCH_SUPPORTED`` on the
-operator's machine to judge the versions its nodes report.
+operator's machine to judge the versions its nodes report (deploy.versions). What is here runs in
+the image too, so it needs nothing beyond torch and the standard library.
 
 The range is tested at both ends (README, Tests): the oldest is the Dockerfile's default base
 image (pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime), the newest the release the Makefile
@@ -34,33 +35,19 @@ BOUND_STORE_SINCE = (2, 8)
 """The first torch whose TCPStore can be hosted on a socket bound to one address (see above)."""
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    """``"2.5.1+cu124"`` -> ``(2, 5, 1)``: the release numbers, without local or pre-release tags
-    (raises ValueError for a string that is not a version)."""
-    from packaging.version import Version
-
-    return Version(version).release
-
-
-def torch_supported(version: str) -> bool:
-    """Whether a torch version string (``torch.__version__``) is inside :data:`TORCH_SUPPORTED`."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        v = Version(version)
-    except InvalidVersion:
-        return False
-    # "2.5.1+cu124" is 2.5.1 for a range: compare the public version. NVIDIA's NGC images carry
-    # pre-release builds ("2.6.0a0+ecf3bae40a.nv25.01"): inside the range, whatever packaging's
-    # default for pre-releases is.
-    return SpecifierSet(TORCH_SUPPORTED).contains(Version(v.public), prereleases=True)
-
-
 def binds_stores(version: str | None = None) -> bool:
-    """Whether this torch (or ``version``) hosts the c10d stores on a socket bound to one address."""
-    if version is None:
-        import torch
+    """Whether this torch (or ``version``) hosts the c10d stores on a socket bound to one address.
 
-        version = torch.__version__
-    return version_tuple(version) >= BOUND_STORE_SINCE
+    Runs on the nodes, in the image, where ``packaging`` is not installed: torch's own
+    ``TorchVersion`` compares. A pre-release of 2.8 (``2.8.0a0+...``, NGC builds) counts as older
+    than 2.8 and keeps torch's own bind, which works on every version.
+    """
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(version if version is not None else _torch_version()) >= BOUND_STORE_SINCE
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

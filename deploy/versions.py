@@ -1,0 +1,20 @@
+"""Judging the torch a node reports against the range the trainer supports (trainer.compat)."""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from trainer.compat import TORCH_SUPPORTED
+
+
+def torch_supported(version: str) -> bool:
+    """Whether a torch version string (``torch.__version__``) is inside :data:`TORCH_SUPPORTED`."""
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return False
+    # "2.5.1+cu124" is 2.5.1 for a range: compare the public version. NVIDIA's NGC images carry
+    # pre-release builds ("2.6.0a0+ecf3bae40a.nv25.01"): inside the range, whatever packaging's
+    # default for pre-releases is.
+    return SpecifierSet(TORCH_SUPPORTED).contains(Version(v.public), prereleases=True)
