@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import image, netcheck, plan, preflight, runtime
+from . import codesync, image, netcheck, plan, preflight, runtime, secretenv
+from .payload import payload
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .remote import Remote, command_line
@@ -60,8 +61,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DeployError as e:
             log.debug("failed", exc_info=True)
+            redact = ctx.obj.redact if isinstance(ctx.obj, _State) else str
             for line in e.lines():
-                click.echo(f"error: {line}", err=True)
+                click.echo(redact(f"error: {line}"), err=True)
             raise click.exceptions.Exit(e.exit_code) from None
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
@@ -77,12 +79,24 @@ class _State:
     def __init__(self, hosts: str) -> None:
         self.hosts = hosts
         self._inv: Inventory | None = None
+        self._redactor = secretenv.Redactor()
 
     @property
     def inv(self) -> Inventory:
         if self._inv is None:
             self._inv = load(self.hosts)
+            self.use_redactor(secretenv.redactor_for(self._inv))
         return self._inv
+
+    def use_redactor(self, redactor: secretenv.Redactor) -> None:
+        """Every secret value this shell can read is shown as *** in output and the debug log."""
+        self._redactor = redactor
+        if redactor:
+            for h in logging.getLogger("deploy").handlers:
+                h.addFilter(redactor.logging_filter())
+
+    def redact(self, text: str) -> str:
+        return self._redactor(text)
 
 
 pass_state = click.make_pass_decorator(_State)
@@ -117,10 +131,14 @@ def validate(st: _State) -> None:
               help="With --network: the all-reduce buffer, in MiB.")
 @pass_state
 def check(st: _State, network: bool, network_mb: float) -> None:
-    """Preflight checks on every node, in parallel."""
+    """Preflight checks on every node, in parallel (with train.code: the code is synced first, so
+    that the program's import is checked where it will run)."""
     inv = st.inv
+    secretenv.resolve(inv)  # a secret this shell cannot read fails here, not at launch
+    snap = codesync.snapshot_of(inv)
     with Remote(inv) as remote:
-        pre = preflight.run_checks(inv, remote, for_launch=network)  # the network check needs the image there
+        code = _sync_code(inv, remote, snap)
+        pre = preflight.run_checks(inv, remote, for_launch=network, code=code)  # --network needs the image there
         _print_checks(pre.checks)
         _refuse_failed_checks(pre.checks, "")
         click.echo(f"all {len(pre.checks)} checks passed")
@@ -133,6 +151,27 @@ def check(st: _State, network: bool, network_mb: float) -> None:
             raise RuntimeFailure(f"network: {', '.join(slow)} much slower than the other nodes "
                                  f"({netcheck.describe_slow(report)})",
                                  hint="check that node's link, cabling and interface (nodes[].interface)")
+
+
+def _sync_code(inv, remote, snap) -> runtime.CodeDir | None:
+    """The code snapshot on every node (only the files their store lacks travel), reported per node."""
+    if snap is None:
+        return None
+    click.echo(f"code: {snap.root}: {len(snap.files)} files, {_size(snap.size)}, snapshot {snap.id[:12]}")
+
+    def report(node: str, sent: codesync.Sent) -> None:
+        if sent.present:
+            click.echo(f"{node}: code snapshot {snap.id[:12]} present")
+        else:
+            click.echo(f"{node}: code sent {sent.files} file{'s' * (sent.files != 1)} ({_size(sent.bytes)}), "
+                       f"snapshot {snap.id[:12]} stored")
+
+    codesync.sync(inv, remote, snap, on_node=report)
+    return codesync.code_dir(inv, snap)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def _print_network(report: dict) -> None:
@@ -240,9 +279,18 @@ def _ship_with_progress(inv, remote, image_id, held):
 def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
     """Start the job on every node (all or nothing)."""
     inv = st.inv
+    secrets = secretenv.resolve(inv)
+    snap = codesync.snapshot_of(inv)
     if dry_run:
+        click.echo(f"[all] program: {payload(inv).describe()}")
+        if snap is not None:
+            click.echo(f"[all] code: {snap.root} ({len(snap.files)} files, {_size(snap.size)}) as snapshot "
+                       f"{snap.id} in {codesync.store_dir(inv)}; each node gets the files its store lacks")
+        for name in secrets:
+            click.echo(f"[all] secret {name}={secretenv.MASK} (from {secretenv.source(inv, name)}), on the start "
+                       "command's stdin")
         click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
-        for s in plan.launch_plan(inv):
+        for s in plan.launch_plan(inv, code=codesync.code_dir(inv, snap)):
             node = inv.node(s.node)
             _show(s.node, s.argv)
             if node.interface is None:
@@ -261,19 +309,21 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         if running:
             raise RuntimeFailure(f"a previous run of {inv.job.name} is still running on {', '.join(running)}",
                                  hint="run `ddp-deploy stop` first; two runs never share a rendezvous")
-        # Everything `check` proves (engine, torch and CUDA where the job runs, GPUs, shared
-        # storage, the rendezvous port free and reachable: so no other job's store can absorb
-        # this one) holds before anything starts.
-        pre = preflight.run_checks(inv, remote, for_launch=True)
+        code = _sync_code(inv, remote, snap)
+        # Everything `check` proves (engine, torch and CUDA where the job runs, the program
+        # importing there, GPUs, shared storage, the rendezvous port free and reachable: so no
+        # other job's store can absorb this one) holds before anything starts.
+        pre = preflight.run_checks(inv, remote, for_launch=True, code=code)
         if pre.failed:
             _print_checks(pre.failed)
         _refuse_failed_checks(pre.failed, "launch refused, nothing started: ")
         _warn_without_interface(inv, pre.facts)
-        specs = plan.launch_plan(inv, pre.facts)
+        specs = plan.launch_plan(inv, pre.facts, code)
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
             remote.run(finished, check=True, timeout=120)
-        results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120)
+        stdin = {s.node: secretenv.stdin_lines(secrets) for s in specs} if secrets else None
+        results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120, stdin=stdin)
         if not all(r.ok for r in results.values()):
             started = [n for n, r in results.items() if r.ok]
             undo = remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in results}, check=False, timeout=120)
@@ -283,7 +333,8 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                 hint = f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop` once they are reachable"
             raise RemoteFailure("launch", results, hint=hint)
         click.echo(f"started {inv.job.name} on {len(specs)} nodes "
-                   f"({sum(n.nprocs for n in inv.nodes)} processes)")
+                   f"({sum(n.nprocs for n in inv.nodes)} processes): {payload(inv).describe()}"
+                   + (f", code snapshot {code.snapshot[:12]}" if code else ""))
         if not wait:
             return
         final = _wait(inv, remote, timeout)
@@ -327,7 +378,8 @@ def _wait(inv, remote, timeout):
 
 def _states(inv, remote) -> dict[str, plan.NodeState]:
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
-    return {n: (plan.parse_status(r.stdout) if r.ok else plan.NodeState("unreachable", r.summary()))
+    redact = secretenv.redactor_for(inv)  # a program may print its environment
+    return {n: (plan.parse_status(redact(r.stdout)) if r.ok else plan.NodeState("unreachable", r.summary()))
             for n, r in res.items()}
 
 
@@ -366,7 +418,7 @@ def logs(st: _State, follow: bool, tail: int | None) -> None:
 
     def emit(node: str, line: str) -> None:
         with lock:
-            click.echo(f"{node:<{width}} | {line}")
+            click.echo(st.redact(f"{node:<{width}} | {line}"))
 
     cmds = {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in inv.nodes}
     with Remote(inv) as remote:

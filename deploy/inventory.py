@@ -38,6 +38,7 @@ _HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 _PATH = re.compile(r"[A-Za-z0-9_./+@=-]+")
 _IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _safe_name(v: str) -> str:
@@ -95,17 +96,38 @@ def _no_nul(v: str) -> str:
     return v
 
 
-# Set by the tool: GPU selection (nodes[].gpu_ids), the node's name, the marker `stop` finds a
-# host run's processes by. Overriding them would bypass what check verified or what stop relies on.
+# Set by the tool: GPU selection (nodes[].gpu_ids), the job's contract with its program (node name,
+# directories, run id, device, code snapshot: README, "Your own training code"), the marker `stop`
+# finds a host run's processes by. Overriding them would bypass what check verified or what stop
+# and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
-                "DDP_DEPLOY_RUN")
+                "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
+                "DDP_CODE_SNAPSHOT")
+
+
+def _identifier(v: str) -> str:
+    if not _ENV_NAME.fullmatch(v):
+        raise ValueError("an environment variable name: letters, digits and '_', not starting with a digit")
+    return v
 
 
 def _env_name(v: str) -> str:
-    if not _ENV_NAME.fullmatch(v):
-        raise ValueError("an environment variable name: letters, digits and '_', not starting with a digit")
+    _identifier(v)
     if v in RESERVED_ENV:
-        raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids)")
+        raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids; the rest: README, \"Your own training code\")")
+    return v
+
+
+def _module(v: str) -> str:
+    if not _MODULE.fullmatch(v):
+        raise ValueError("a Python module name, as for `python -m`: dotted identifiers like pkg.train")
+    return v
+
+
+def _script(v: str) -> str:
+    _path(v)
+    if v.startswith("-"):
+        raise ValueError("a script path cannot start with '-'")
     return v
 
 
@@ -127,6 +149,8 @@ Arg = Annotated[str, AfterValidator(_no_nul)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
 Port = Annotated[int, Field(ge=1, le=65535)]
+ModuleName = Annotated[str, AfterValidator(_module)]
+ScriptPath = Annotated[str, AfterValidator(_script)]
 
 
 class _Model(BaseModel):
@@ -250,15 +274,67 @@ class Storage(_Model):
 TOOL_FLAGS = ("--device", "--backend")
 
 
+class Secret(_Model):
+    """Where the operator's machine reads a secret at launch: never written in hosts.yaml, never
+    printed (shown as ``***``), sent to the nodes over SSH's stdin, not on any command line."""
+
+    env: Annotated[str, AfterValidator(_identifier)] | None = None
+    """A variable of the operator's environment."""
+    file: LocalPath | None = None
+    """A file on the operator's machine (relative to hosts.yaml's directory); one trailing newline
+    is dropped."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Secret":
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env: (an operator's environment variable) or file: (a path)")
+        return self
+
+
+class Code(_Model):
+    """A local directory synced to the shared volume as a snapshot and used as the working directory."""
+
+    path: LocalPath
+    """The project directory on the operator's machine, relative to hosts.yaml's directory."""
+    ignore: tuple[Arg, ...] = ()
+    """gitignore-style patterns left out, on top of the project's .gitignore files and .git/."""
+
+
 class Train(_Model):
     python: PathStr = "python3"
     """Host runtime: interpreter on the nodes that has this package installed. A
     relative path containing '/' is resolved against the directory of hosts.yaml."""
+    module: ModuleName | None = None
+    """The program, run as ``python -m MODULE`` by torchrun; default: the built-in trainer."""
+    script: ScriptPath | None = None
+    """Or a script path (relative to the working directory: the code snapshot, or the image's WORKDIR)."""
     args: tuple[Arg, ...] = ()
-    """Trainer flags; --data-dir/--ckpt-dir, --device and --backend are added by the tool."""
+    """The program's arguments. For the built-in trainer, checked with its own parser before any
+    connection; --data-dir/--ckpt-dir, --device and --backend are added by the tool."""
     env: Env = Field(default_factory=dict)
     """Extra environment for every node's processes; nodes[].env overrides it per node. Shown by
-    --dry-run: not for secrets."""
+    --dry-run: not for secrets (see secrets)."""
+    secrets: dict[EnvName, Secret] = Field(default_factory=dict)
+    """Environment variables whose values come from the operator's environment or a file."""
+    code: Code | None = None
+    """Sync this local directory as the job's working directory; none: the code is in the image
+    (docker) or installed for train.python (host)."""
+
+    @field_validator("code", mode="before")
+    @classmethod
+    def _code_shorthand(cls, v):
+        return {"path": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_program(self) -> "Train":
+        if self.module is not None and self.script is not None:
+            raise ValueError("give train.module or train.script, not both")
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        """The built-in trainer is the program (no module or script given)."""
+        return self.module is None and self.script is None
 
     @field_validator("args")
     @classmethod
@@ -354,9 +430,28 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
         out.append((("nodes",), f"mixes GPU nodes ({', '.join(gpu)}) and CPU nodes ({', '.join(cpu)}): their "
                                 "ranks would pick different backends (nccl, gloo) and hang; give every node "
                                 "gpus > 0, or every node gpus: 0"))
+    out += _train_problems(inv.train, [n.env for n in inv.nodes])
     if inv.rendezvous.node not in names:
         out.append((("rendezvous", "node"),
                     f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
+    return out
+
+
+def _train_problems(train: Train, node_envs: list[dict[str, str]]) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    if train.builtin:
+        # The trainer's own parser, here: a bad flag is exit 2 now, not exited(1) after restarts.
+        from trainer.config import flag_problem
+
+        problem = flag_problem(list(train.args))
+        if problem:
+            out.append((("train", "args"), f"the built-in trainer refuses these flags: {problem} "
+                                           "(see python -m trainer --help)"))
+    plain = set(train.env).union(*node_envs)
+    for name in train.secrets:
+        if name in plain:
+            out.append((("train", "secrets", name), f"{name} is also set in train.env or nodes[].env; "
+                                                    "keep it in one place (secrets for values never shown)"))
     return out
 
 

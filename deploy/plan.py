@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 
 from .inventory import Inventory, Node
-from .runtime import NodeFacts, runtime
+from .payload import payload
+from .runtime import CodeDir, NodeFacts, runtime
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
@@ -33,12 +34,14 @@ class LaunchSpec:
     torchrun: tuple[str, ...]
     """torchrun options (before `--` in the image's entrypoint)."""
     trainer: tuple[str, ...]
-    """trainer flags."""
+    """The program's arguments (the built-in trainer's flags, or train.args)."""
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[tuple[str, str], ...] = ()
     """(host path, container path); empty for the host runtime."""
     argv: tuple[str, ...] = field(default=())
     """The command actually run on the node."""
+    secrets: tuple[str, ...] = ()
+    """Names of the variables whose NAME=VALUE lines the command reads from stdin (values: never here)."""
 
 
 def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
@@ -95,10 +98,18 @@ def interface_holding(address: str, ip_output: str) -> str | None:
     return None
 
 
-def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts()) -> tuple[tuple[str, str], ...]:
-    """The environment of the node's processes: the node's name, the NIC for gloo and NCCL (the
-    inventory's, else the one detected on the node), then train.env and nodes[].env, which win."""
-    env = {"DDP_NODE_NAME": node.name}
+def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
+             code: CodeDir | None = None) -> tuple[tuple[str, str], ...]:
+    """The environment of the node's processes: the contract with the program (README, "Your own
+    training code": node name, directories, run id, device and backend, code snapshot), the NIC
+    for gloo and NCCL (the inventory's, else the one detected on the node), then train.env and
+    nodes[].env, which win (they cannot name the contract's variables: inventory.RESERVED_ENV)."""
+    data, ckpt = runtime(inv).job_dirs()
+    device, backend = device_flags(inv)[1::2]
+    env = {"DDP_NODE_NAME": node.name, "DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id,
+           "DDP_DEVICE": device, "DDP_BACKEND": backend}
+    if code is not None:
+        env["DDP_CODE_SNAPSHOT"] = code.snapshot
     interface = node.interface or facts.interface
     if interface is not None:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
@@ -115,26 +126,29 @@ def device_flags(inv: Inventory) -> tuple[str, ...]:
     return ("--device", "cpu", "--backend", "gloo")
 
 
-def trainer_flags(inv: Inventory) -> tuple[str, ...]:
+def program_args(inv: Inventory) -> tuple[str, ...]:
+    """The program's arguments: for the built-in trainer, the tool's flags and train.args."""
     data, ckpt = runtime(inv).job_dirs()
-    return ("--data-dir", data, "--ckpt-dir", ckpt, *device_flags(inv), *inv.train.args)
+    return payload(inv).program_args(data, ckpt, device_flags(inv))
 
 
-def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts()) -> LaunchSpec:
+def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code: CodeDir | None = None) -> LaunchSpec:
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
-    trainer = trainer_flags(inv)
-    env = node_env(inv, node, facts)
-    rt = runtime(inv)
-    argv = rt.start_argv(node, [*torchrun, "--", *trainer], env, facts)
-    return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=trainer,
-                      env=env, mounts=rt.mounts(), argv=tuple(argv))
+    program = program_args(inv)
+    env = node_env(inv, node, facts, code)
+    rt = runtime(inv, code)
+    argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
+    return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,
+                      env=env, mounts=rt.mounts(), argv=tuple(argv), secrets=tuple(inv.train.secrets))
 
 
-def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None) -> list[LaunchSpec]:
-    """Every node's launch; ``facts`` holds what the preflight found on each node (NIC, InfiniBand)."""
+def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None,
+                code: CodeDir | None = None) -> list[LaunchSpec]:
+    """Every node's launch; ``facts`` holds what the preflight found on each node (NIC, InfiniBand),
+    ``code`` the code snapshot the job runs in (train.code)."""
     facts = facts or {}
-    return [launch_spec(inv, i, facts.get(n.name, NodeFacts())) for i, n in enumerate(inv.nodes)]
+    return [launch_spec(inv, i, facts.get(n.name, NodeFacts()), code) for i, n in enumerate(inv.nodes)]
 
 
 NETCHECK_ENTRY = "trainer.netcheck"
@@ -155,8 +169,9 @@ def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str,
     return out
 
 
-def probe_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
-    return tuple(runtime(inv).probe_argv(node, node_env(inv, node)))
+def probe_argv(inv: Inventory, node: Node, code: CodeDir | None = None) -> tuple[str, ...]:
+    """trainer.probe where the job runs, with its code: torch, CUDA, and the program importing."""
+    return tuple(runtime(inv, code).probe_argv(node, node_env(inv, node, code=code), payload(inv).probe_options()))
 
 
 def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:

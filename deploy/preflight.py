@@ -36,8 +36,9 @@ from trainer.compat import TORCH_SUPPORTED
 
 from . import plan
 from .inventory import Inventory, Node
+from .payload import payload
 from .remote import Remote, Result
-from .runtime import NodeFacts, runtime
+from .runtime import CodeDir, NodeFacts, runtime
 from .versions import torch_supported
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
@@ -160,12 +161,13 @@ def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return ("bash", "-c", CONNECT, "bash", rdzv.address, port, str(LISTEN_SECONDS))
 
 
-def check_argv(inv: Inventory, node: Node, token: str) -> tuple[str, ...]:
-    """The one command run on ``node``; ``token`` is empty for a one-node inventory."""
+def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = None) -> tuple[str, ...]:
+    """The one command run on ``node``; ``token`` is empty for a one-node inventory; ``code``: the
+    code snapshot the probe imports the program from."""
     s = inv.storage
     engine = runtime(inv).engine_argv()
     checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
-    checks.append(("probe", plan.probe_argv(inv, node)))
+    checks.append(("probe", plan.probe_argv(inv, node, code)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
@@ -211,11 +213,12 @@ def token_waves(inv: Inventory, first: Mapping[str, Result]) -> list[dict[str, s
     return [{n: f"READ {path}\n" for n in up[1:]}, {up[0]: ""}]
 
 
-def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False) -> Preflight:
+def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False, code: CodeDir | None = None) -> Preflight:
     """Every check on every node, one session each; ``for_launch``: the image must be on the
-    nodes already (``check`` alone accepts a node that ``deploy`` has yet to ship it to)."""
+    nodes already (``check`` alone accepts a node that ``deploy`` has yet to ship it to);
+    ``code``: the synced code snapshot (train.code), where the program must import."""
     tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
-    commands = {n.name: check_argv(inv, n, tokens.get(n.name, "")) for n in inv.nodes}
+    commands = {n.name: check_argv(inv, n, tokens.get(n.name, ""), code) for n in inv.nodes}
     first: dict[str, Result] = {}
 
     def reply(phase1: dict[str, Result]) -> list[dict[str, str]]:
@@ -224,7 +227,8 @@ def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False) -> P
 
     final = remote.converse(commands, marker=MARKER, reply=reply,
                             timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
-    return Preflight(checks_from(inv, first, final, tokens, for_launch=for_launch), facts_from(inv, first, final))
+    return Preflight(checks_from(inv, first, final, tokens, for_launch=for_launch, code=code),
+                     facts_from(inv, first, final))
 
 
 def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result]) -> dict[str, NodeFacts]:
@@ -241,7 +245,7 @@ def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, 
 
 
 def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
-                tokens: Mapping[str, str], *, for_launch: bool = False) -> list[Check]:
+                tokens: Mapping[str, str], *, for_launch: bool = False, code: CodeDir | None = None) -> list[Check]:
     """Every node's Check rows from its session's output (``first``: up to the barrier)."""
     checks: list[Check] = []
     for n in inv.nodes:
@@ -261,6 +265,7 @@ def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str,
         checks += _judged(up, results, "engine", inv.job.runtime, lambda r: (True, f"engine {r.stdout.strip()}"),
                           f"{inv.job.runtime} engine not usable")
     checks += [_torch(inv, results[n]["probe"], for_launch) for n in up]
+    checks += [c for c in (_program(inv, results[n]["probe"], code) for n in up) if c is not None]
 
     def gpus(r: Result):
         want = inv.node(r.node).gpus
@@ -356,6 +361,24 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
     if report.get("infiniband"):
         detail += f", InfiniBand {' '.join(report['infiniband'])}"
     return Check(r.node, "torch", True, f"{detail} in {where}")
+
+
+def _program(inv: Inventory, r: Result, code: CodeDir | None) -> Check | None:
+    """The probe's import of the job's program (train.module / train.script / the built-in
+    trainer), where it will run; None when the probe itself gave no answer (``_torch`` says why)."""
+    report = plan.json_line(r.stdout, PROBE_PREFIX)
+    if report is None or report.get("error"):
+        return None
+    what = payload(inv).describe()
+    where = runtime(inv, code).where() + (f", code snapshot {code.snapshot[:12]}" if code else "")
+    if "program" not in report:
+        return Check(r.node, "program", False, f"trainer.probe in {runtime(inv).where()} cannot import a program: "
+                                               f"a trainer older than this tool? {runtime(inv).install_hint()}")
+    if report["program_error"]:
+        fix = "train.module / train.script, or the code (train.code" + (")" if code else ", or the image)")
+        return Check(r.node, "program", False, f"{what} does not import in {where}: {report['program_error']} "
+                                               f"(check {fix})")
+    return Check(r.node, "program", True, f"{what} imports in {where}")
 
 
 def _storage(inv: Inventory, r: Result) -> Check:

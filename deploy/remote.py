@@ -102,9 +102,16 @@ class Remote:
         timeout: float | None = None,
         check: bool = True,
         hint: str | None = None,
+        stdin: Mapping[str, bytes] | None = None,
     ) -> dict[str, Result]:
-        """Run ``commands[node] `` on each named node in parallel."""
-        results = self._parallel(commands, lambda n, argv: self._run_one(n, argv, timeout))
+        """Run ``commands[node] `` on each named node in parallel; ``stdin[node]``, if given, is
+        that command's whole stdin (for values that must not be on a command line)."""
+        def one(n: str, argv: Sequence[str]) -> Result:
+            if stdin is not None and n in stdin:
+                return self.send(n, [stdin[n]], argv, timeout=timeout)
+            return self._run_one(n, argv, timeout)
+
+        results = self._parallel(commands, one)
         if check and not all(r.ok for r in results.values()):
             raise RemoteFailure(what, results, hint=hint)
         return results
@@ -126,14 +133,18 @@ class Remote:
         source: Iterable[bytes],
         argv: Sequence[str],
         on_bytes: Callable[[int], None] = lambda n: None,
+        timeout: float | None = None,
     ) -> Result:
-        """Feed ``source`` to the stdin of ``argv`` on ``node`` (e.g. ``docker load``)."""
+        """Feed ``source`` to the stdin of ``argv`` on ``node`` (e.g. ``docker load``); ``timeout``
+        bounds each wait on the connection (seconds)."""
         n = self.inv.node(node)
+        log.debug("%s: %s < stdin", node, command_line(argv))
         try:
             if n.connection == "local":
-                return _send_local(node, source, argv, on_bytes)
+                return _send_local(node, source, argv, on_bytes, timeout)
             conn = self._connect(n)
             chan = conn.transport.open_session()
+            chan.settimeout(timeout)
             chan.exec_command(command_line(argv))
             for chunk in source:
                 chan.sendall(chunk)
@@ -144,6 +155,8 @@ class Remote:
             return Result(node, chan.recv_exit_status(), out, err)
         except _ConnectError as e:
             return Result(node, None, error=str(e))
+        except TimeoutError:
+            return Result(node, None, error=f"timed out after {timeout:g} s")
         except (OSError, paramiko.SSHException) as e:
             return Result(node, None, error=f"transfer broke: {e}")
 
@@ -466,8 +479,11 @@ class _LocalSession(_Session):
             self.p.wait()
 
 
-def _send_local(node: str, source: Iterable[bytes], argv: Sequence[str], on_bytes) -> Result:
-    p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _send_local(node: str, source: Iterable[bytes], argv: Sequence[str], on_bytes, timeout: float | None = None) -> Result:
+    try:
+        p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:
+        return Result(node, 127, "", f"cannot run {argv[0]}: {e.strerror}")
     out: list[bytes] = []
     err: list[bytes] = []
     readers = [threading.Thread(target=lambda s=s, b=b: b.append(s.read()), daemon=True)
@@ -482,7 +498,12 @@ def _send_local(node: str, source: Iterable[bytes], argv: Sequence[str], on_byte
         pass
     finally:
         p.stdin.close()
-    code = p.wait()
+    try:
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill(p)
+        p.wait()
+        return Result(node, None, error=f"timed out after {timeout:g} s")
     for t in readers:
         t.join()
     return Result(node, code, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"))

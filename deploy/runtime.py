@@ -83,6 +83,16 @@ else echo absent; fi
 
 MERGE_STDERR = 'exec "$@" 2>&1'
 
+# $@ = the command. Exports NAME=VALUE lines read from stdin (the secrets: never on a command
+# line, in a file or a log), then runs the command with them in its environment.
+SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
+
+# $1 = directory, then the command: the host runtime's working directory (the code snapshot).
+IN_DIR = 'cd "$1" || exit 1; shift; exec "$@"'
+
+CODE_MOUNT = "/workspace"
+"""Where a docker job sees its code snapshot (read-only, the working directory)."""
+
 # $1 = container, then the command that runs it: a leftover of an interrupted run goes first.
 REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
 
@@ -101,9 +111,19 @@ class NodeFacts:
     """/dev/infiniband exists on the node (NCCL can use IB/RoCE)."""
 
 
-def probe_args(node: Node) -> tuple[str, ...]:
-    """``python -m trainer.probe`` and what it checks: the node's GPUs and processes."""
-    return ("-m", "trainer.probe", "--gpus", str(len(node.devices)), "--procs", str(node.nprocs))
+@dataclass(frozen=True)
+class CodeDir:
+    """A code snapshot on the shared volume (deploy/codesync.py): the job's working directory."""
+
+    snapshot: str
+    host: str
+    """Its path on every node."""
+
+
+def probe_args(node: Node, program: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``python -m trainer.probe`` and what it checks: the node's GPUs and processes, and that the
+    program imports (``program``: the payload's probe options)."""
+    return ("-m", "trainer.probe", "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
 
 
 class Runtime:
@@ -113,8 +133,13 @@ class Runtime:
     dirs_mode = "nochown"
     """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
 
-    def __init__(self, inv: Inventory) -> None:
+    def __init__(self, inv: Inventory, code: CodeDir | None = None) -> None:
         self.inv = inv
+        self.code = code
+
+    def secrets_prefix(self) -> list[str]:
+        """Before a start command: read the secrets' NAME=VALUE lines from stdin (none: nothing)."""
+        return ["sh", "-c", SECRETS_FROM_STDIN, "sh"] if self.inv.train.secrets else []
 
     def job_dirs(self) -> tuple[str, str]:
         """The data and checkpoint directories as the job sees them."""
@@ -122,6 +147,11 @@ class Runtime:
 
     def where(self) -> str:
         """Where the job's torch lives, for messages."""
+        raise NotImplementedError
+
+    def workdir(self) -> str | None:
+        """The job's working directory as it sees it: the code snapshot, or None (the image's
+        WORKDIR, the login directory on the host)."""
         raise NotImplementedError
 
     def mounts(self) -> tuple[tuple[str, str], ...]:
@@ -158,8 +188,9 @@ class Runtime:
         """The launcher in the foreground (the network check): ends when it ends, leaves nothing."""
         raise NotImplementedError
 
-    def probe_argv(self, node: Node, env: tuple[tuple[str, str], ...]) -> list[str]:
-        """trainer.probe with the job's torch, GPUs and environment: one line of versions and CUDA state."""
+    def probe_argv(self, node: Node, env: tuple[tuple[str, str], ...], program: tuple[str, ...] = ()) -> list[str]:
+        """trainer.probe with the job's torch, GPUs, environment and code: one line of versions,
+        CUDA state and whether the program imports."""
         raise NotImplementedError
 
     def status_argv(self, node: Node) -> tuple[str, ...]:
@@ -183,6 +214,9 @@ class DockerRuntime(Runtime):
     def where(self) -> str:
         return f"image {self.inv.image.name}"
 
+    def workdir(self) -> str | None:
+        return CODE_MOUNT if self.code else None
+
     def torch_hint(self) -> str:
         return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
 
@@ -200,6 +234,11 @@ class DockerRuntime(Runtime):
     def mounts(self) -> tuple[tuple[str, str], ...]:
         s = self.inv.storage
         return (s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container)
+
+    def _code_args(self) -> list[str]:
+        if self.code is None:
+            return []
+        return ["-v", f"{self.code.host}:{CODE_MOUNT}:ro", "--workdir", CODE_MOUNT]
 
     def engine_argv(self) -> tuple[str, ...]:
         return ("docker", "version", "--format", "{{.Server.Version}}")
@@ -221,6 +260,7 @@ class DockerRuntime(Runtime):
             argv += INFINIBAND_DOCKER_ARGS
         for src, dst in self.mounts():
             argv += ["-v", f"{src}:{dst}"]
+        argv += self._code_args()
         for k, v in env:
             argv += ["-e", f"{k}={v}"]
         return argv
@@ -232,17 +272,19 @@ class DockerRuntime(Runtime):
             # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
             # next rendezvous round; the survivors' agents restart their workers into that round.
             argv += ["--restart", f"on-failure:{self.inv.job.max_restarts}"]
-        return argv + self._run(node, env, facts) + [self.inv.image.name, *launcher]
+        for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
+            argv += ["-e", name]
+        return [*self.secrets_prefix(), *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]
 
     def run_argv(self, node, launcher, env, facts):
         name = f"{self.container(node)}-check"
         return ["sh", "-c", REPLACE_CONTAINER, "sh", name, "docker", "run", "--rm", "--name", name,
                 *self._run(node, env, facts), self.inv.image.name, *launcher]
 
-    def probe_argv(self, node, env):
+    def probe_argv(self, node, env, program=()):
         return ["docker", "run", "--rm", "--pull", "never", "--network", "none", *self.gpu_args(node),
-                *(f"--env={k}={v}" for k, v in env), "--entrypoint", "python", self.inv.image.name,
-                *probe_args(node)]
+                *self._code_args(), *(f"--env={k}={v}" for k, v in env), "--entrypoint", "python",
+                self.inv.image.name, *probe_args(node, program)]
 
     def status_argv(self, node):
         return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node))
@@ -267,6 +309,9 @@ class HostRuntime(Runtime):
     def where(self) -> str:
         return self.inv.python_path()
 
+    def workdir(self) -> str | None:
+        return self.code.host if self.code else None
+
     def torch_hint(self) -> str:
         return f"install a torch inside it for {self.inv.python_path()} (train.python)"
 
@@ -289,17 +334,19 @@ class HostRuntime(Runtime):
     def _command(self, node: Node, env, args) -> list[str]:
         cmd = [self.inv.python_path(), *args]
         env = (*self.gpu_env(node), *env)
-        return ["env", *(f"{k}={v}" for k, v in env), *cmd] if env else cmd
+        if env:
+            cmd = ["env", *(f"{k}={v}" for k, v in env), *cmd]
+        return ["sh", "-c", IN_DIR, "sh", self.code.host, *cmd] if self.code else cmd
 
     def start_argv(self, node, launcher, env, facts):
-        return ["sh", "-c", HOST_START, "sh", self.run_dir(node),
+        return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node),
                 *self._command(node, env, ["-m", "trainer.launch", *launcher])]
 
     def run_argv(self, node, launcher, env, facts):
         return self._command(node, env, ["-m", "trainer.launch", *launcher])
 
-    def probe_argv(self, node, env):
-        return self._command(node, env, probe_args(node))
+    def probe_argv(self, node, env, program=()):
+        return self._command(node, env, probe_args(node, program))
 
     def status_argv(self, node):
         return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node))
@@ -317,5 +364,5 @@ class HostRuntime(Runtime):
 RUNTIMES = {r.name: r for r in (DockerRuntime, HostRuntime)}
 
 
-def runtime(inv: Inventory) -> Runtime:
-    return RUNTIMES[inv.job.runtime](inv)
+def runtime(inv: Inventory, code: CodeDir | None = None) -> Runtime:
+    return RUNTIMES[inv.job.runtime](inv, code)

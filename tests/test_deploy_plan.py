@@ -21,8 +21,14 @@ storage:
   data: {host: /nas/data, container: /data}
   checkpoints: {host: /nas/ckpt, container: /ckpt}
 train:
-  args: [--dataset, synthetic, --note, "it's $(rm -rf /); `id` > x"]
+  args: [--dataset, synthetic, --config, "it's $(rm -rf /); `id` > x"]
 """
+
+
+def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
+    """The environment every program gets (README, "Your own training code")."""
+    return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
+            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}"]
 
 
 def _inv(text=THREE_NODES, **replace):
@@ -66,7 +72,7 @@ def test_docker_command_for_a_gpu_node():
     assert _opt(argv, "--network") == "host" and _opt(argv, "--ipc") == "host"
     assert _opt(argv, "--gpus") == '"device=0,1"'  # which GPUs is explicit: the first `procs` by default
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["DDP_NODE_NAME=a", "GLOO_SOCKET_IFNAME=eth0",
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [*contract("a"), "GLOO_SOCKET_IFNAME=eth0",
                                                                      "NCCL_SOCKET_IFNAME=eth0"]
     image_at = argv.index("ddp-trainer:latest")
     sep = argv.index("--")
@@ -89,7 +95,7 @@ CPU_NODES = {"gpus: 2, ": "", "gpus: 2}": "}", ", gpus: 1}": "}"}
 def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
     argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
     assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["DDP_NODE_NAME=c"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == contract("c", device="cpu", backend="gloo")
     assert argv[argv.index("--", argv.index("ddp-trainer:latest")) + 5:][:4] == ["--device", "cpu", "--backend", "gloo"]
 
 
@@ -140,10 +146,11 @@ def test_the_probe_runs_with_the_job_s_torch_and_gpus():
     a = plan.probe_argv(inv, inv.node("a"))
     assert a[:3] == ("docker", "run", "--rm") and _opt(a, "--entrypoint") == "python"
     assert _opt(a, "--gpus") == '"device=0,1"' and _opt(a, "--network") == "none"
-    assert a[a.index("ddp-trainer:latest") + 1:] == ("-m", "trainer.probe", "--gpus", "2", "--procs", "2")
+    assert a[a.index("ddp-trainer:latest") + 1:] == ("-m", "trainer.probe", "--gpus", "2", "--procs", "2",
+                                                     "--import", "trainer.__main__")
     host = _inv(**{"runtime: docker": "runtime: host"})
     c = plan.probe_argv(host, host.node("c"))
-    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-6:] == ("-m", "trainer.probe", "--gpus", "1", "--procs", "1")
+    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-8:-2] == ("-m", "trainer.probe", "--gpus", "1", "--procs", "1")
 
 
 def test_host_runtime_runs_torchrun_with_host_paths_detached():
@@ -153,11 +160,11 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
     assert argv[4] == "/nas/ckpt/.ddp-deploy/demo/a"
     cmd = argv[5:]
-    assert cmd[:6] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1", "DDP_NODE_NAME=a",
-                       "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[6:9] == ["python3", "-m", "trainer.launch"]
+    assert cmd[:11] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+                        *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
+    assert cmd[11:14] == ["python3", "-m", "trainer.launch"]
     t = cmd.index("--")
-    assert tuple(cmd[9:t]) == spec.torchrun
+    assert tuple(cmd[14:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -206,4 +213,4 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
     specs = plan.launch_plan(_inv(), {"a": plan.NodeFacts("eth7"), "b": plan.NodeFacts("eth8")})
     assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
     assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
-    assert specs[2].env == (("DDP_NODE_NAME", "c"),)  # no NIC known: left to gloo/NCCL
+    assert [f"{k}={v}" for k, v in specs[2].env] == contract("c")  # no NIC known: left to gloo/NCCL

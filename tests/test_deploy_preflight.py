@@ -80,6 +80,7 @@ def test_every_check_passes_on_three_nodes_from_one_command_per_node(fake_docker
         *((n, "local", True, "reachable") for n in ("n1", "n2", "n3")),
         *((n, "docker", True, "engine 20.10.24") for n in ("n1", "n2", "n3")),
         *((n, "torch", True, f"torch {torch.__version__}, {build} in image ddp-trainer:latest") for n in ("n1", "n2", "n3")),
+        *((n, "program", True, "the built-in trainer imports in image ddp-trainer:latest") for n in ("n1", "n2", "n3")),
         *((n, "storage", True, f"{tmp_path}/nas/data missing (deploy creates it)") for n in ("n1", "n2", "n3")),
         ("n1", "shared storage", True, f"wrote token to {tmp_path}/nas/ckpt"),
         ("n2", "shared storage", True, "sees n1's token"),

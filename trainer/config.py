@@ -177,6 +177,27 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     return TrainConfig(**{name: _coerce(name, value) for name, value in values.items()})
 
 
+def flag_problem(argv: list[str]) -> str | None:
+    """What the trainer would refuse in these flags, or None: unknown or malformed flags and invalid
+    values, as at start, without exiting (the deploy tool checks ``train.args`` before launching).
+    ``--config FILE`` is not read: the file is where the job runs."""
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        known, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        return str(exc)
+    if unknown:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    values = vars(known)
+    values.pop("config", None)
+    try:
+        TrainConfig(**{name: _coerce(name, value) for name, value in values.items()})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def config_from_dict(values: dict) -> TrainConfig:
     """Rebuilds a config from ``to_dict`` output (e.g. one stored in a checkpoint)."""
     known = {f.name for f in fields(TrainConfig)}

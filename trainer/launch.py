@@ -1,8 +1,9 @@
 """The launcher on every node: torchrun options, then ``--``, then trainer flags.
 
-``--entry MODULE`` among the options (taken here, not passed to torchrun) runs that module
-instead of the trainer, through the same launcher: ``ddp-deploy check --network`` runs
-``trainer.netcheck`` this way, with the job's image, interpreter and interfaces.
+``--entry MODULE`` or ``--script PATH`` among the options (taken here, not passed to torchrun)
+runs that module or script instead of the trainer, through the same launcher: a user's own
+training code (hosts.yaml's train.module / train.script), and ``ddp-deploy check --network``,
+which runs ``trainer.netcheck`` with the job's image, interpreter and interfaces.
 
 ``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs torchrun (in this process)
 with ``--nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a trainer
@@ -39,22 +40,29 @@ def torchrun_args(args: list[str], environ: dict[str, str]) -> list[str]:
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
-    launcher, entry = _take_entry(launcher)
-    return [*launcher, "-m", entry, *trainer]
+    launcher, program = _take_program(launcher)
+    return [*launcher, *program, *trainer]
 
 
-def _take_entry(launcher: list[str]) -> tuple[list[str], str]:
-    """Removes ``--entry MODULE`` (or ``--entry=MODULE``) from the launcher options."""
-    rest, entry = [], DEFAULT_ENTRY
+# Our options -> how torchrun names the program: a module (-m), or a script path as is.
+PROGRAM_OPTIONS = {"--entry": ("-m",), "--script": ()}
+
+
+def _take_program(launcher: list[str]) -> tuple[list[str], list[str]]:
+    """Removes ``--entry MODULE`` / ``--script PATH`` (also spelt ``--entry=MODULE``) from the
+    launcher options: (torchrun's options, the program as torchrun takes it)."""
+    rest, program = [], ["-m", DEFAULT_ENTRY]
     it = iter(launcher)
     for arg in it:
-        if arg == "--entry":
-            entry = next(it, None) or _usage("--entry needs a module name")
-        elif arg.startswith("--entry="):
-            entry = arg.split("=", 1)[1] or _usage("--entry needs a module name")
+        name, eq, value = arg.partition("=")
+        if name in PROGRAM_OPTIONS:
+            value = value if eq else next(it, None)
+            if not value:
+                _usage(f"{name} needs a value")
+            program = [*PROGRAM_OPTIONS[name], value]
         else:
             rest.append(arg)
-    return rest, entry
+    return rest, program
 
 
 def _usage(message: str):

@@ -3,20 +3,27 @@
 ``ddp-deploy check`` runs it before anything starts, where the job will run: in the image on
 docker nodes (with the job's ``--gpus``), with the configured interpreter on host nodes (with
 the job's ``CUDA_VISIBLE_DEVICES``). The operator's side judges the answer (deploy/preflight.py):
-torch inside the supported range, and on GPU nodes CUDA usable on every device a process will
-use. Only the standard library is imported before torch, so that a broken torch is reported
-rather than crashing the probe.
+torch inside the supported range, on GPU nodes CUDA usable on every device a process will use,
+and the job's program importing where it will run (``--import MODULE`` or ``--script PATH``), so
+that a typo'd module name is a refusal in seconds, not a crash loop under torchrun's restarts.
+Only the standard library is imported before torch, so that a broken torch is reported rather
+than crashing the probe.
 
-    python -m trainer.probe --gpus 2 --procs 2
+    python -m trainer.probe --gpus 2 --procs 2 --import pkg.train
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
 import json
 import os
 import platform
+import runpy
 import sys
+import traceback
 import warnings
 
 INFINIBAND = "/dev/infiniband"
@@ -65,12 +72,41 @@ def _cuda(torch, procs: int) -> dict:
     return out
 
 
+def program(module: str | None, script: str | None) -> dict:
+    """Imports the program as torchrun would find it (from the working directory), without running
+    it as ``__main__``: ``{"program": NAME, "program_error": None or the error's last line}``."""
+    name = module or script
+    out = {"program": name, "program_error": None}
+    if name is None:
+        return out
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):  # the PROBE line stays the only line we print
+            if module:
+                sys.path.insert(0, os.getcwd())
+                importlib.import_module(module)
+            elif not os.path.isfile(script):
+                raise FileNotFoundError(f"no file {script} in {os.getcwd()}")
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+                runpy.run_path(script, run_name="__ddp_probe__")
+    except BaseException as exc:  # SystemExit from a module-level argparse included
+        lines = traceback.format_exception_only(type(exc), exc)
+        out["program_error"] = lines[-1].strip() if lines else type(exc).__name__
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=0, help="GPUs this node's processes use (0: a CPU node)")
     parser.add_argument("--procs", type=int, default=1, help="processes this node runs")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--import", dest="module", help="the job's module (python -m MODULE): it must import")
+    which.add_argument("--script", help="the job's script: it must exist and import")
     args = parser.parse_args(argv)
-    print("PROBE " + json.dumps(probe(args.gpus, args.procs)), flush=True)
+    report = probe(args.gpus, args.procs)
+    report.update(program(args.module, args.script))
+    print("PROBE " + json.dumps(report), flush=True)
     return 0
 
 
