@@ -1,5 +1,6 @@
 """README, Makefile and the CLI say the same thing."""
 
+import json
 import re
 import subprocess
 import sys
@@ -70,3 +71,51 @@ def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base(
     new_pin = re.search(r"^TORCH_PINS \?= torch==(\S+)", make, re.M).group(1)
     assert old_pin == ".".join(map(str, oldest)) == base.group(1)  # the oldest tested is the default base's
     assert new_pin.startswith(".".join(map(str, newest)) + ".")
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_the_readme_s_own_code_example_is_a_valid_train_section(tmp_path):
+    import yaml
+
+    from deploy.inventory import loads
+
+    block = re.search(r"```yaml\n(train:.*?)```", _readme_section("Your own training code"), re.S).group(1)
+    (tmp_path / "my-project").mkdir()
+    base = {"job": {"name": "readme"}, "rendezvous": {"node": "a"}, "nodes": [{"name": "a", "address": "10.0.0.1"}],
+            "storage": {"data": {"host": "/nas/data", "container": "/data"},
+                        "checkpoints": {"host": "/nas/ckpt", "container": "/ckpt"}}}
+    inv = loads(yaml.safe_dump(base) + block, base_dir=tmp_path / "sub")
+    assert inv.train.module == "pkg.train" and set(inv.train.secrets) == {"WANDB_API_KEY", "HF_TOKEN"}
+    assert inv.train.code.path == "../my-project"
+
+
+def test_the_readme_s_metrics_helper_prints_the_line_status_reads(capsys):
+    from deploy.plan import parse_status
+
+    code = re.search(r"```python\n(.*?)```", _readme_section("Your own training code"), re.S).group(1)
+    scope: dict = {}
+    exec(code, scope)
+    scope["report"](kind="train", epoch=0, step=1, loss=0.5)
+    line = capsys.readouterr().out.strip()
+    metrics = parse_status("running\n" + line).metrics
+    assert metrics == line and json.loads(metrics[len("METRICS "):])["loss"] == 0.5
+
+
+def test_every_variable_the_readme_promises_a_program_is_set_by_the_plan():
+    from deploy import plan
+    from deploy.inventory import RESERVED_ENV, loads
+
+    promised = set(re.findall(r"^\| `(DDP_[A-Z_]+)`(?:, `(DDP_[A-Z_]+)`)?", _readme_section("Your own training code"), re.M))
+    promised = {v for pair in promised for v in pair if v}
+    inv = loads("job: {name: j}\nrendezvous: {node: a}\nnodes: [{name: a, address: 10.0.0.1}]\nstorage:\n"
+                "  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n")
+    from deploy.runtime import CodeDir
+
+    env = dict(plan.node_env(inv, inv.nodes[0], code=CodeDir("abc", "/c/x")))
+    assert promised and promised <= set(env) and promised <= set(RESERVED_ENV)

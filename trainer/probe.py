@@ -15,13 +15,13 @@ than crashing the probe.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
-import importlib
+import importlib.util
 import io
 import json
 import os
 import platform
-import runpy
 import sys
 import traceback
 import warnings
@@ -73,27 +73,81 @@ def _cuda(torch, procs: int) -> dict:
 
 
 def program(module: str | None, script: str | None) -> dict:
-    """Imports the program as torchrun would find it (from the working directory), without running
-    it as ``__main__``: ``{"program": NAME, "program_error": None or the error's last line}``."""
+    """Whether the program is there and its imports resolve, as torchrun would run it (from the
+    working directory): ``{"program": NAME, "program_error": None or the error's last line}``.
+
+    The program itself is not executed (a script without a ``__main__`` guard would train here):
+    its source is compiled, and each module its top-level statements import must be found.
+    Imports inside ``try`` blocks (optional dependencies) and functions are not required.
+    """
     name = module or script
     out = {"program": name, "program_error": None}
     if name is None:
         return out
-    said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(said):  # the PROBE line stays the only line we print
-            if module:
-                sys.path.insert(0, os.getcwd())
-                importlib.import_module(module)
-            elif not os.path.isfile(script):
-                raise FileNotFoundError(f"no file {script} in {os.getcwd()}")
-            else:
-                sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-                runpy.run_path(script, run_name="__ddp_probe__")
-    except BaseException as exc:  # SystemExit from a module-level argparse included
+        with contextlib.redirect_stdout(io.StringIO()):  # the PROBE line stays the only line we print
+            path, package = _locate(module, script)
+            _check_imports(path, package)
+    except SyntaxError as exc:
+        out["program_error"] = f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    except BaseException as exc:  # SystemExit from a package's __init__ included
         lines = traceback.format_exception_only(type(exc), exc)
         out["program_error"] = lines[-1].strip() if lines else type(exc).__name__
     return out
+
+
+def _locate(module: str | None, script: str | None) -> tuple[str, str | None]:
+    """(source file, package for relative imports)."""
+    if script is not None:
+        if not os.path.isfile(script):
+            raise FileNotFoundError(f"no file {script} in {os.getcwd()}")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        return script, None
+    sys.path.insert(0, os.getcwd())
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {module!r}")
+    if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
+        spec = importlib.util.find_spec(module + ".__main__")
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named '{module}.__main__'; '{module}' is a package "
+                                      "and cannot be directly executed")
+    if not spec.origin or not os.path.isfile(spec.origin):
+        return "", None  # built in or compiled: found is all that can be said
+    return spec.origin, spec.name.rpartition(".")[0] or None
+
+
+def _check_imports(path: str, package: str | None) -> None:
+    if not path:
+        return
+    with open(path, "rb") as f:
+        tree = compile(f.read(), path, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names = [importlib.util.resolve_name(base, package) if node.level else base]
+        else:
+            continue
+        for name in names:
+            if name != "__future__" and importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named {name!r} (imported by {path}, line {node.lineno})")
+
+
+def _top_level(body):
+    """Statements that run on import: the body, and both branches of top-level ``if`` (not ``try``)."""
+    for node in body:
+        if isinstance(node, ast.If):
+            if not _is_main_guard(node):
+                yield from _top_level(node.body)
+            yield from _top_level(node.orelse)
+        else:
+            yield node
+
+
+def _is_main_guard(node) -> bool:
+    return "__main__" in ast.dump(node.test)
 
 
 def main(argv: list[str] | None = None) -> int:
