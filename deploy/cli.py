@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import codesync, image, netcheck, plan, preflight, runtime, secretenv
+from . import codesync, image, netcheck, plan, preflight, prepare, runtime, secretenv
 from .payload import payload
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
@@ -209,45 +209,14 @@ def _refuse_failed_checks(checks, doing: str) -> None:
 def deploy(st: _State, dry_run: bool, build: bool) -> None:
     """Create the shared directories; get the image (docker) or check the interpreter (host)."""
     inv = st.inv
-    mk = plan.make_dirs_argv(inv)
+    steps = prepare.deployer(inv)
     if dry_run:
-        if inv.job.runtime == "docker":
-            for n in inv.nodes:  # the directories, then the image ID and layers the node holds
-                _show(n.name, image.survey_argv(inv, mk))
-            if build:
-                _show("local", image.build_argv(inv))
-            cached = image.cache_path("IMAGE_ID", inv.image.name)
-            click.echo(f"[local] unless {cached} exists: {command_line(image.save_argv(inv))} > {cached}")
-            gz = " | gzip -1" if inv.image.compress else ""
-            for n in inv.nodes:
-                click.echo(f"[{n.name}] if its image ID differs: {cached} without the leading layers {n.name} "
-                           f"holds{gz} | {n.name}: {command_line(image.load_argv(inv))}")
-        else:
-            for n in inv.nodes:
-                _show(n.name, mk)
-            for n in inv.nodes:
-                _show(n.name, plan.python_check_argv(inv))
+        for line in steps.dry_run(build):
+            click.echo(line)
         return
-    dirs_failed = {"what": "creating the storage directories",
-                   "hint": "the ssh user must be root or own the parent directories"}
     with Remote(inv) as remote:
-        if inv.job.runtime == "docker":
-            held = image.survey(inv, remote, mk, **dirs_failed)
-        else:
-            remote.run_all(mk, **dirs_failed)
-        click.echo(f"directories ready: {inv.storage.data.host}, {inv.storage.checkpoints.host}")
-        if inv.job.runtime == "host":
-            res = remote.run_all(plan.python_check_argv(inv), what="python check",
-                                 hint=f"install this package for {inv.python_path()} on the node (train.python)")
-            for n, r in res.items():
-                click.echo(f"{n}: {inv.python_path()} has trainer and torch {r.stdout.strip()}")
-            return
-        image_id = image.build(inv) if build else image.local_id(inv)
-        click.echo(f"image {inv.image.name} = {image_id}")
-        outcomes = _ship_with_progress(inv, remote, image_id, held)
-    for n, o in outcomes.items():
-        kept = f" ({o.layers_held} of {o.layers} layers were there)" if o.layers_held else ""
-        click.echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}" if o.sent_bytes else "up to date"))
+        steps.run(remote, click.echo, build=build,
+                  ship=lambda image_id, held: _ship_with_progress(inv, remote, image_id, held))
 
 
 cli.add_command(deploy, name="sync")
