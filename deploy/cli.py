@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import codesync, image, netcheck, plan, preflight, prepare, runtime, secretenv
+from . import codesync, image, netcheck, plan, preflight, prepare, record, runtime, secretenv
 from .payload import payload
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
@@ -301,6 +301,12 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             if stuck:
                 hint = f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop` once they are reachable"
             raise RemoteFailure("launch", results, hint=hint)
+        first = inv.nodes[0].name  # the record of what ran, on the shared volume (deploy/record.py)
+        kept = remote.run({first: record.write_argv(inv)}, stdin={first: record.encode(record.launch_record(inv, code))},
+                          check=False, timeout=60)[first]
+        if not kept.ok:
+            click.echo(f"warning: {first}: the launch record {record.path(inv)} was not written: {kept.summary()}",
+                       err=True)
         click.echo(f"started {inv.job.name} on {len(specs)} nodes "
                    f"({sum(n.nprocs for n in inv.nodes)} processes): {payload(inv).describe()}"
                    + (f", code snapshot {code.snapshot[:12]}" if code else ""))

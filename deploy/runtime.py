@@ -69,8 +69,12 @@ fi
 rm -f "$run/pid" "$run/exit"
 """
 
-# $1 = container. Same two-line output as HOST_STATUS.
-DOCKER_STATUS = r"""s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}}' "$1" 2>/dev/null) || { echo absent; exit 0; }
+# $1 = container. Same two-line output as HOST_STATUS. Only "No such container" is absent: any
+# other failure of the engine (busy, restarting) fails the command, so it reads as a node that
+# did not answer this time, never as a job that ended.
+DOCKER_STATUS = r"""s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}}' "$1" 2>&1) || {
+  case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
+  echo "$s" >&2; exit 1; }
 case "$s" in running*|restarting*) echo running ;; *) echo "exited ${s#* }" ;; esac
 docker logs "$1" 2>&1 | grep '^METRICS ' | tail -n 1
 exit 0

@@ -165,7 +165,7 @@ def test_launch_refuses_before_starting_anything_when_a_check_fails(ddp, tmp_pat
 
 
 def test_launch_wait_exits_1_when_the_trainer_fails(ddp, tmp_path):
-    hosts = _inventory(tmp_path, ["--dataset", "no-such-dataset"], procs=1)
+    hosts = _inventory(tmp_path, ["--config", str(tmp_path / "missing.yaml")], procs=1)  # read where it runs
     r = ddp(hosts, "launch", "--wait", "--timeout", "120")
     assert r.exit_code == 1
     assert "the job failed on here" in r.stderr

@@ -5,10 +5,13 @@ from __future__ import annotations
 import shlex
 import subprocess
 
+import pytest
+
 from deploy import plan
 from deploy.inventory import loads
 from deploy.remote import command_line
 from deploy.runtime import HOST_START
+from fakes import install_command
 
 THREE_NODES = """
 job: {name: demo, runtime: docker, max_restarts: 2}
@@ -214,3 +217,15 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
     assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
     assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
     assert [f"{k}={v}" for k, v in specs[2].env] == contract("c")  # no NIC known: left to gloo/NCCL
+
+
+@pytest.mark.parametrize("said, absent", [("Error response from daemon: No such container: demo-a", True),
+                                          ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False)])
+def test_docker_status_is_absent_only_for_a_missing_container_never_for_a_failing_engine(tmp_path, monkeypatch, said, absent):
+    install_command(tmp_path, monkeypatch, "docker", f"#!/bin/sh\necho '{said}' >&2\nexit 1\n")
+    inv = _inv()
+    r = subprocess.run(list(plan.status_argv(inv, inv.node("a"))), capture_output=True, text=True)
+    if absent:
+        assert r.returncode == 0 and plan.parse_status(r.stdout).state == "absent"
+    else:  # the CLI reads a failed status command as a node that did not answer (unreachable), not an end
+        assert r.returncode != 0 and "Cannot connect" in r.stderr

@@ -21,7 +21,7 @@ from fakes import free_port, install_command
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in
   version) echo 20.10.24 ;;
-  inspect) exit 1 ;;
+  inspect) echo "Error response from daemon: No such container: $6" >&2; exit 1 ;;
   run) while [ "$1" != --entrypoint ]; do shift; done; shift 3; exec PYTHON "$@" ;;
   *) echo "fake docker: unexpected $*" >&2; exit 99 ;;
 esac

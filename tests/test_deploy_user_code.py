@@ -71,6 +71,8 @@ def test_a_package_from_a_synced_snapshot_trains_resumes_and_a_one_file_edit_sen
     assert not (snap / "runs").exists()
     assert not stat.S_IMODE((snap / "regress/train.py").stat().st_mode) & 0o222  # read-only
     assert (tmp_path / "nas/ckpt/latest.pt").exists()
+    kept = json.loads((tmp_path / "nas/ckpt/.ddp-deploy/usercode/launch.json").read_text())
+    assert kept["code_snapshot"] == snap.name and kept["program"] == "module regress.train"
 
     status = json.loads(_ok(ddp(hosts, "status", "--json")).stdout)[0]
     assert status["state"] == "exited(0)" and json.loads(status["metrics"][len("METRICS "):])["kind"] == "eval"
@@ -90,8 +92,9 @@ def test_a_package_from_a_synced_snapshot_trains_resumes_and_a_one_file_edit_sen
 
 LEAK = """\
 import json, os
-print("METRICS " + json.dumps({"kind": "train", "epoch": 0, "step": 1, "loss": 1.0, "token": os.environ["API_TOKEN"]}), flush=True)
-print("the token is", os.environ["API_TOKEN"], flush=True)
+if os.environ["RANK"] == "0":  # one process prints: the two ranks' lines would interleave
+    print("METRICS " + json.dumps({"kind": "train", "epoch": 0, "step": 1, "loss": 1.0, "token": os.environ["API_TOKEN"]}), flush=True)
+    print("the token is", os.environ["API_TOKEN"], flush=True)
 assert os.environ["DDP_DEVICE"] == "cpu" and os.environ["DDP_BACKEND"] == "gloo"
 assert os.environ["DDP_CKPT_DIR"].endswith("/nas/ckpt") and os.environ["DDP_RUN_ID"] == "usercode"
 """
@@ -119,6 +122,8 @@ def test_a_secret_reaches_the_program_and_shows_as_stars_everywhere_the_tool_pri
     assert '"token": "***"' in json.loads(status)[0]["metrics"] and SECRET not in status
     assert SECRET not in (tmp_path / "debug.log").read_text()
     assert SECRET not in (tmp_path / "hosts.yaml").read_text()
+    kept = (tmp_path / "nas/ckpt/.ddp-deploy/usercode/launch.json").read_text()
+    assert SECRET not in kept and json.loads(kept)["secrets"] == {"API_TOKEN": "$TEST_API_TOKEN"}
 
 
 def test_a_module_that_does_not_import_is_refused_naming_the_error_and_nothing_starts(ddp, tmp_path):

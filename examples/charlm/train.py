@@ -7,6 +7,7 @@ Started without torchrun (`python train.py`), it trains as one process.
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -217,6 +218,11 @@ def main():
     if rank == 0:
         print("sample: " + sample(model, stoi, chars, "The ", 120, device, args.seed).replace("\n", " "), flush=True)
     if dist.is_initialized():
+        # Every rank leaves together, and DDP's reference cycles are collected while Python is
+        # whole: left to the interpreter's exit, gloo's teardown aborts a rank now and then.
+        dist.barrier()
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 

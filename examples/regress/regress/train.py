@@ -7,6 +7,7 @@ resumes from.
 """
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -139,6 +140,11 @@ def main():
             ckpt.save(ckpt_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step})
 
     if dist.is_initialized():
+        # Every rank leaves together, and DDP's reference cycles are collected while Python is
+        # whole: left to the interpreter's exit, gloo's teardown aborts a rank now and then.
+        dist.barrier()
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
