@@ -474,25 +474,52 @@ def _gpu_id_problems(n: Node) -> list[str]:
 # ---------------------------------------------------------------- loading + error mapping
 
 
+MAX_BYTES = 1 << 20
+"""An inventory is a few kB; a larger file is the wrong file, refused before it is parsed."""
+MAX_VALUES = 100_000
+"""Values after YAML aliases are expanded ("billion laughs" files expand to billions)."""
+MAX_DEPTH = 50
+
+
 def load(path: str | Path) -> Inventory:
     path = Path(path)
     label = str(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise InventoryError([Issue(label, "", None, f"cannot read the file: {e.strerror or e}")]) from e
+    if len(data) > MAX_BYTES:
+        raise InventoryError([Issue(label, "", None, f"larger than {MAX_BYTES // 1024} KiB: an inventory is a few kB "
+                                                     "(is this the right file?)")])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise InventoryError([Issue(label, "", line, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                                                     "is this the right file?")]) from None
     return loads(text, label=label, base_dir=path.resolve().parent)
 
 
 def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None) -> Inventory:
+    if len(text) > MAX_BYTES:
+        raise InventoryError([Issue(label, "", None, f"larger than {MAX_BYTES // 1024} KiB: an inventory is a few kB")])
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            _bounded(root, label)
         data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        mark = e.problem_mark
+        raise InventoryError([Issue(label, "", mark.line + 1 if mark else None,
+                                    f"{e.problem}: hosts.yaml holds plain data (no language-specific tags)")]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else None
         problem = getattr(e, "problem", None) or str(e)
         raise InventoryError([Issue(label, "", line, f"YAML syntax error: {problem}")]) from e
+    except RecursionError:
+        raise InventoryError([Issue(label, "", None, f"nested more than {MAX_DEPTH} levels deep")]) from None
     lines: dict[tuple, int] = {}
     dupes: list[Issue] = []
     if root is not None:
@@ -509,6 +536,32 @@ def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None)
         raise InventoryError([_issue(label, loc, msg, lines) for loc, msg in e.problems]) from e
     inv._base_dir = base_dir or Path.cwd()
     return inv
+
+
+def _bounded(root: yaml.Node, label: str) -> None:
+    """Refuses a document nested too deeply or whose aliases expand to too many values, before
+    anything walks it expanded (counted once per distinct node: cheap whatever the expansion)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise InventoryError([Issue(label, "", node.start_mark.line + 1, f"nested more than {MAX_DEPTH} levels deep")])
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(size(v, depth + 1) for v in node.value)
+        else:
+            n = 1
+        sizes[id(node)] = n
+        if n > MAX_VALUES:
+            raise InventoryError([Issue(label, "", node.start_mark.line + 1,
+                                        f"YAML aliases expand to more than {MAX_VALUES} values (a \"billion laughs\" "
+                                        "file?); an inventory has a few hundred")])
+        return n
+
+    size(root, 0)
 
 
 def field_path(loc: tuple) -> str:
