@@ -187,7 +187,7 @@ def _put(inv: Inventory, remote: Remote, node: str, snap: Snapshot, missing: set
 
     send = [f for f in {f.key: f for f in snap.files}.values() if f.key in missing]
     with tempfile.TemporaryFile() as buf:
-        with tarfile.open(fileobj=buf, mode="w|") as tar:
+        with tarfile.open(fileobj=buf, mode="w|", dereference=True) as tar:  # a symlinked file: its content
             for f in send:
                 tar.add(snap.root / f.path, arcname=f"objects/{f.key}", recursive=False)
             info = tarfile.TarInfo("manifest.json")

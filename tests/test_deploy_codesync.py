@@ -118,3 +118,15 @@ def test_a_manifest_path_leaving_the_snapshot_is_refused(tmp_path):
     r = _put(tmp_path, {f"objects/{key}": b"x", "manifest.json": json.dumps([["../evil", key, 1]]).encode()})
     assert r.returncode == 1 and b"unsafe path" in r.stderr
     assert not (tmp_path / "store/evil").exists() and not (tmp_path / "store/snapshots/s1").exists()
+
+
+def test_a_symlinked_file_travels_as_its_content(tmp_path):
+    _project(tmp_path / "proj")
+    (tmp_path / "shared.py").write_text("X = 1\n")
+    (tmp_path / "proj/pkg/shared.py").symlink_to(tmp_path / "shared.py")
+    inv = _inv(tmp_path)
+    snap = codesync.snapshot_of(inv)
+    with Remote(inv) as remote:
+        codesync.sync(inv, remote, snap)
+    tree = Path(codesync.code_dir(inv, snap).host)
+    assert (tree / "pkg/shared.py").read_text() == "X = 1\n" and not (tree / "pkg/shared.py").is_symlink()
