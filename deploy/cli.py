@@ -338,7 +338,7 @@ def _wait(inv, remote, timeout):
         if all(s.state.startswith("exited") or s.state == "absent" for s in states.values()):
             return states
         for n, s in states.items():
-            silent[n] = silent[n] + 1 if s.state == "unreachable" else 0
+            silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
         if lost:
             _print_status(inv, states)
@@ -354,7 +354,8 @@ def _wait(inv, remote, timeout):
 def _states(inv, remote) -> dict[str, plan.NodeState]:
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
     redact = secretenv.redactor_for(inv)  # a program may print its environment
-    return {n: (plan.parse_status(redact(r.stdout)) if r.ok else plan.NodeState("unreachable", r.summary()))
+    return {n: (plan.parse_status(redact(r.stdout)) if r.ok
+                else plan.NodeState("unknown" if r.connected else "unreachable", r.summary()))
             for n, r in res.items()}
 
 

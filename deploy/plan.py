@@ -200,12 +200,12 @@ def python_check_argv(inv: Inventory) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NodeState:
     state: str
-    """running | exited(CODE) | absent | unreachable"""
+    """running | exited(CODE) | absent | unreachable | unknown (the node answered, its engine did not)"""
     metrics: str = ""
 
     @property
     def exists(self) -> bool:
-        return self.state not in ("absent", "unreachable")
+        return self.state not in ("absent", "unreachable", "unknown")
 
     @property
     def running(self) -> bool:
