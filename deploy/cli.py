@@ -21,9 +21,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 
 from . import codesync, image, netcheck, plan, preflight, prepare, record, runtime, secretenv
-from .payload import payload
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
+from .payload import payload
 from .remote import Remote, command_line
 
 log = logging.getLogger("deploy")
@@ -269,7 +269,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                 click.echo(f"[{s.node}] {note}")
         return
     with Remote(inv) as remote:
-        states = _states(inv, remote)
+        states = _states(inv, remote, st.redact)
         unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
             raise RuntimeFailure(f"launch refused, nothing started: unreachable: {'; '.join(unreachable)}",
@@ -312,7 +312,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                    + (f", code snapshot {code.snapshot[:12]}" if code else ""))
         if not wait:
             return
-        final = _wait(inv, remote, timeout)
+        final = _wait(inv, remote, timeout, st.redact)
     _print_status(inv, final)
     failed = [n for n, s in final.items() if s.state != "exited(0)"]
     if failed:
@@ -330,11 +330,11 @@ def _warn_without_interface(inv, facts) -> None:
 UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
 
 
-def _wait(inv, remote, timeout):
+def _wait(inv, remote, timeout, redact):
     deadline = None if timeout is None else time.monotonic() + timeout
     silent = {n.name: 0 for n in inv.nodes}
     while True:
-        states = _states(inv, remote)
+        states = _states(inv, remote, redact)
         if all(s.state.startswith("exited") or s.state == "absent" for s in states.values()):
             return states
         for n, s in states.items():
@@ -351,9 +351,9 @@ def _wait(inv, remote, timeout):
         time.sleep(1)
 
 
-def _states(inv, remote) -> dict[str, plan.NodeState]:
+def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
+    """Every node's state; ``redact`` hides secret values in the metrics (a program may print them)."""
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
-    redact = secretenv.redactor_for(inv)  # a program may print its environment
     return {n: (plan.parse_status(redact(r.stdout)) if r.ok
                 else plan.NodeState("unknown" if r.connected else "unreachable", r.summary()))
             for n, r in res.items()}
@@ -374,7 +374,7 @@ def status(st: _State, as_json: bool) -> None:
     """State of the job on every node."""
     inv = st.inv
     with Remote(inv) as remote:
-        states = _states(inv, remote)
+        states = _states(inv, remote, st.redact)
     if as_json:
         click.echo(json.dumps([{"node": n, "state": s.state, "ranks": inv.node(n).nprocs, "metrics": s.metrics}
                                for n, s in states.items()]))

@@ -14,6 +14,7 @@ others only confirm it; a node that does not share it gets its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -163,7 +164,12 @@ def code_dir(inv: Inventory, snap: Snapshot | None) -> CodeDir | None:
 
 def node_argv(inv: Inventory, mode: str, snap: Snapshot) -> tuple[str, ...]:
     """The receiving end on a node, with the node's interpreter (outside any container)."""
-    return (runtime(inv).listener_python(), "-c", NODE_PROGRAM.read_text(), mode, store_dir(inv), snap.id)
+    return (runtime(inv).listener_python(), "-c", _node_program(), mode, store_dir(inv), snap.id)
+
+
+@functools.cache
+def _node_program() -> str:
+    return NODE_PROGRAM.read_text()
 
 
 def sync(inv: Inventory, remote: Remote, snap: Snapshot, on_node=lambda node, sent: None) -> dict[str, Sent]:

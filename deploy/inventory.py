@@ -490,8 +490,7 @@ def load(path: str | Path) -> Inventory:
     except OSError as e:
         raise InventoryError([Issue(label, "", None, f"cannot read the file: {e.strerror or e}")]) from e
     if len(data) > MAX_BYTES:
-        raise InventoryError([Issue(label, "", None, f"larger than {MAX_BYTES // 1024} KiB: an inventory is a few kB "
-                                                     "(is this the right file?)")])
+        raise _too_large(label)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -503,7 +502,7 @@ def load(path: str | Path) -> Inventory:
 
 def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None) -> Inventory:
     if len(text) > MAX_BYTES:
-        raise InventoryError([Issue(label, "", None, f"larger than {MAX_BYTES // 1024} KiB: an inventory is a few kB")])
+        raise _too_large(label)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
@@ -536,6 +535,11 @@ def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None)
         raise InventoryError([_issue(label, loc, msg, lines) for loc, msg in e.problems]) from e
     inv._base_dir = base_dir or Path.cwd()
     return inv
+
+
+def _too_large(label: str) -> InventoryError:
+    return InventoryError([Issue(label, "", None, f"larger than {MAX_BYTES // 1024} KiB: an inventory is a few kB "
+                                                  "(is this the right file?)")])
 
 
 def _bounded(root: yaml.Node, label: str) -> None:

@@ -40,8 +40,6 @@ class LaunchSpec:
     """(host path, container path); empty for the host runtime."""
     argv: tuple[str, ...] = field(default=())
     """The command actually run on the node."""
-    secrets: tuple[str, ...] = ()
-    """Names of the variables whose NAME=VALUE lines the command reads from stdin (values: never here)."""
 
 
 def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
@@ -140,7 +138,7 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
     rt = runtime(inv, code)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,
-                      env=env, mounts=rt.mounts(), argv=tuple(argv), secrets=tuple(inv.train.secrets))
+                      env=env, mounts=rt.mounts(), argv=tuple(argv))
 
 
 def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None,

@@ -153,11 +153,6 @@ class Runtime:
         """Where the job's torch lives, for messages."""
         raise NotImplementedError
 
-    def workdir(self) -> str | None:
-        """The job's working directory as it sees it: the code snapshot, or None (the image's
-        WORKDIR, the login directory on the host)."""
-        raise NotImplementedError
-
     def mounts(self) -> tuple[tuple[str, str], ...]:
         """(host path, path in the job) pairs; empty when the job sees the host's paths."""
         return ()
@@ -217,9 +212,6 @@ class DockerRuntime(Runtime):
 
     def where(self) -> str:
         return f"image {self.inv.image.name}"
-
-    def workdir(self) -> str | None:
-        return CODE_MOUNT if self.code else None
 
     def torch_hint(self) -> str:
         return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
@@ -312,9 +304,6 @@ class HostRuntime(Runtime):
 
     def where(self) -> str:
         return self.inv.python_path()
-
-    def workdir(self) -> str | None:
-        return self.code.host if self.code else None
 
     def torch_hint(self) -> str:
         return f"install a torch inside it for {self.inv.python_path()} (train.python)"
