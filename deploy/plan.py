@@ -176,8 +176,14 @@ def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return runtime(inv).status_argv(node)
 
 
-def stop_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
-    return runtime(inv).stop_argv(node)
+STOP_GRACE_S = 45
+"""How long `stop` waits after SIGTERM before SIGKILL: torchrun gives its workers 30 s to finish
+their step and write the checkpoint of a planned stop (trainer/stopping.py), then it exits."""
+
+
+def stop_argv(inv: Inventory, node: Node, grace: int = 0) -> tuple[str, ...]:
+    """Ends the job on ``node``: with ``grace`` (s), a planned stop with a checkpoint; 0 kills at once."""
+    return runtime(inv).stop_argv(node, grace)
 
 
 def logs_argv(inv: Inventory, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:

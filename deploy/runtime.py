@@ -20,15 +20,32 @@ from .inventory import Inventory, Node
 # and `exit` (its exit code, written when it ends).
 RUN_SUBDIR = ".ddp-deploy"
 
-# $1 = run dir, $2... = the command. Refuses when a previous run is recorded. Starts the
-# command in its own session (setsid), so `stop` can kill the whole process group, waits for
-# the pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
+# $1 = run dir, $2 = max restarts, $3... = the command. Refuses when a previous run is recorded.
+# Starts the command in its own session (setsid), so `stop` can signal the whole process group,
+# under a supervisor loop that does for the host runtime what Docker's restart policy does for
+# containers: a command that exits non-zero (its torchrun killed, the OOM killer) is started
+# again, at most max-restarts times, and rejoins the job's next rendezvous round. Whatever the
+# command left (torchrun's workers live in sessions of their own) is killed first, as a
+# container's end takes every process in it. A signal to the
+# group (stop) ends the supervisor too, so a stopped job is never started again. Waits for the
+# pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
 HOST_START = r"""run=$1; shift
 if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
 mkdir -p "$run" || exit 1
-rm -f "$run/exit" "$run/log"
+rm -f "$run/exit" "$run/log" "$run/restarts"
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
-setsid sh -c 'echo $$ > "$0/pid.tmp" && mv "$0/pid.tmp" "$0/pid"; "$@" > "$0/log" 2>&1 < /dev/null; echo $? > "$0/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
+setsid sh -c '
+run=$0; max=$1; shift; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
+while :; do
+  "$@" >> "$run/log" 2>&1 < /dev/null; rc=$?
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = $$ ] || ! grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+  { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
+  n=$((n+1)); echo $n > "$run/restarts"
+  echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$run/log"; sleep 1
+done
+echo $rc > "$run/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
 i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 [ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
 sleep 1
@@ -49,20 +66,24 @@ fi
 exit 0
 """
 
-# $1 = run dir. Kills the process group if it still runs, then forgets the run (log kept).
-# torchrun starts each worker in a session of its own, so the group does not hold them: it
-# gets 40 s to shut them down (it gives them 30 s), then every process still carrying this
-# run's DDP_DEPLOY_RUN marker in its environment is killed too.
-HOST_STOP = r"""run=$1
+# $1 = run dir, $2 = grace in seconds (0: kill at once). SIGTERM to the process group if it
+# still runs: torchrun passes it to its workers, which finish their step, write a checkpoint
+# and exit (trainer/stopping.py) within torchrun's 30 s; after the grace, SIGKILL. torchrun
+# starts each worker in a session of its own, so the group does not hold them: every process
+# still carrying this run's DDP_DEPLOY_RUN marker in its environment is killed last. Then the
+# run is forgotten (log kept). Prints what the program said on stopping, if anything.
+HOST_STOP = r"""run=$1; grace=$2
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid")
-  kill -TERM "-$pid" 2>/dev/null
-  i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt 400 ]; do sleep 0.1; i=$((i+1)); done
+  if [ "$grace" -gt 0 ]; then
+    kill -TERM "-$pid" 2>/dev/null
+    i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
+  fi
   kill -KILL "-$pid" 2>/dev/null
   for p in /proc/[0-9]*; do
     grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
   done
-  echo stopped
+  echo "stopped$(grep -h ': stopped by ' "$run/log" 2>/dev/null | tail -n 1 | sed 's/^/: /')"
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
 fi
@@ -80,8 +101,16 @@ docker logs "$1" 2>&1 | grep '^METRICS ' | tail -n 1
 exit 0
 """
 
-# $1 = container. Idempotent remove.
-DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then docker rm -f "$1" > /dev/null && echo stopped
+# $1 = container, $2 = grace in seconds (0: remove at once). Idempotent. `docker stop` sends
+# SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
+# and SIGKILL after the grace; a container stopped so is never restarted by its policy.
+DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then
+  said=""
+  if [ "$2" -gt 0 ]; then
+    docker stop --time "$2" "$1" > /dev/null 2>&1
+    said=$(docker logs --tail 200 "$1" 2>&1 | grep -h ': stopped by ' | tail -n 1 | sed 's/^/: /')
+  fi
+  docker rm -f "$1" > /dev/null && echo "stopped$said"
 else echo absent; fi
 """
 
@@ -195,7 +224,9 @@ class Runtime:
     def status_argv(self, node: Node) -> tuple[str, ...]:
         raise NotImplementedError
 
-    def stop_argv(self, node: Node) -> tuple[str, ...]:
+    def stop_argv(self, node: Node, grace: int = 0) -> tuple[str, ...]:
+        """Ends the job on the node: SIGTERM, ``grace`` seconds for a checkpoint, then SIGKILL
+        (0: at once); removes what the run left (container, pid files)."""
         raise NotImplementedError
 
     def logs_argv(self, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
@@ -285,8 +316,8 @@ class DockerRuntime(Runtime):
     def status_argv(self, node):
         return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node))
 
-    def stop_argv(self, node):
-        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node))
+    def stop_argv(self, node, grace=0):
+        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace))
 
     def logs_argv(self, node, *, tail, follow):
         argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
@@ -333,7 +364,7 @@ class HostRuntime(Runtime):
 
     def start_argv(self, node, launcher, env, facts):
         return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node),
-                *self._command(node, env, ["-m", "trainer.launch", *launcher])]
+                str(self.inv.job.max_restarts), *self._command(node, env, ["-m", "trainer.launch", *launcher])]
 
     def run_argv(self, node, launcher, env, facts):
         return self._command(node, env, ["-m", "trainer.launch", *launcher])
@@ -344,8 +375,8 @@ class HostRuntime(Runtime):
     def status_argv(self, node):
         return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node))
 
-    def stop_argv(self, node):
-        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node))
+    def stop_argv(self, node, grace=0):
+        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace))
 
     def logs_argv(self, node, *, tail, follow):
         argv = ["tail", "-n", "+1" if tail is None else str(tail)]

@@ -119,6 +119,92 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     assert _tagged(run_dir) == []  # the workers, in sessions of their own, are gone too
 
 
+def _records(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "nas/ckpt/metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(predicate, what: str, timeout: float = 240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+LONG_ARGS = ["--dataset", "synthetic", "--epochs", "2", "--synthetic-size", "2048", "--batch-size", "16",
+             "--log-every", "1", "--ckpt-every", "8"]
+
+
+def test_stop_lets_the_job_write_a_checkpoint_at_its_step_and_a_relaunch_redoes_nothing(ddp, tmp_path):
+    hosts = _inventory(tmp_path, LONG_ARGS)
+    assert ddp(hosts, "launch").exit_code == 0
+    _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 11 for r in _records(tmp_path)), "step 11")
+    r = ddp(hosts, "stop")
+    assert r.exit_code == 0, r.output
+    stop = _records(tmp_path)[-1]
+    assert stop["kind"] == "stopped", stop
+    assert f"here: stopped: trainer: stopped by SIGTERM at step {stop['step']}" in r.stdout
+    assert stop["step"] == max(rec["step"] for rec in _records(tmp_path) if rec["kind"] == "train")
+
+    trained = len(_records(tmp_path))
+    r = ddp(hosts, "launch", "--wait", "--timeout", "240")
+    assert r.exit_code == 0, r.output
+    after = _records(tmp_path)[trained:]
+    assert after[0]["kind"] == "resumed" and after[0]["step"] == stop["step"]
+    assert min(rec["step"] for rec in after if rec["kind"] == "train") == stop["step"] + 1  # nothing redone
+    assert after[-1]["kind"] == "final"
+
+
+def test_stop_now_kills_at_once_without_a_checkpoint(ddp, tmp_path):
+    hosts = _inventory(tmp_path, LONG_ARGS)
+    assert ddp(hosts, "launch").exit_code == 0
+    _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
+    r = ddp(hosts, "stop", "--now")
+    assert r.exit_code == 0 and "here: stopped" in r.stdout and "SIGTERM" not in r.stdout
+    assert "stopped" not in [rec["kind"] for rec in _records(tmp_path)]
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
+    assert _tagged(run_dir) == []
+
+
+def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_finishes(ddp, tmp_path):
+    hosts = _inventory(tmp_path, LONG_ARGS)
+    hosts.write_text(hosts.read_text().replace('"max_restarts": 0', '"max_restarts": 1'))
+    assert ddp(hosts, "launch").exit_code == 0
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
+    _wait_for(lambda: (tmp_path / "nas/ckpt/ckpt-000000008.pt.ok").exists(), "the first checkpoint")
+    supervisor = int((run_dir / "pid").read_text())
+    torchrun = [p for p in _tagged(run_dir) if _parent(p) == supervisor]
+    assert len(torchrun) == 1
+    workers = [p for p in _tagged(run_dir) if p not in (supervisor, *torchrun)]
+    assert len(workers) == 2
+    os.kill(torchrun[0], 9)  # as the OOM killer would end it
+
+    final = _wait_for(lambda: (run_dir / "exit").exists() and _state(ddp, hosts), "the job to end", timeout=300)
+    assert final["state"] == "exited(0)", (run_dir / "log").read_text()[-3000:]
+    assert (run_dir / "restarts").read_text().strip() == "1"
+    assert not any(_alive(p) for p in workers)  # the killed torchrun's workers went with it
+    kinds = [rec["kind"] for rec in _records(tmp_path)]
+    assert "resumed" in kinds and kinds[-1] == "final"
+    assert "starting it again (1 of 1 restarts)" in (run_dir / "log").read_text()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _tagged(run_dir: Path) -> list[int]:
     """Processes whose environment carries this run's marker (torchrun and every worker)."""
     found = []

@@ -161,8 +161,8 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     spec = plan.launch_plan(inv)[0]
     argv = list(spec.argv)
     assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
-    assert argv[4] == "/nas/ckpt/.ddp-deploy/demo/a"
-    cmd = argv[5:]
+    assert argv[4:6] == ["/nas/ckpt/.ddp-deploy/demo/a", str(inv.job.max_restarts)]  # the supervisor's budget
+    cmd = argv[6:]
     assert cmd[:11] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
     assert cmd[11:14] == ["python3", "-m", "trainer.launch"]
@@ -186,7 +186,8 @@ def test_hostile_but_valid_trainer_args_survive_quoting_as_one_argument():
 def test_stop_status_logs_target_the_job_container():
     inv = _inv()
     a = inv.node("a")
-    assert plan.stop_argv(inv, a)[-1] == "demo-a"
+    assert plan.stop_argv(inv, a)[-2:] == ("demo-a", "0")
+    assert plan.stop_argv(inv, a, plan.STOP_GRACE_S)[-2:] == ("demo-a", str(plan.STOP_GRACE_S))
     assert plan.status_argv(inv, a)[-1] == "demo-a"
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")

@@ -117,6 +117,39 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
         assert torch.equal(a[name], b[name]), name
 
 
+def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_nothing_is_redone(
+        torch_python, tmp_path):
+    flags = [*SMALL, "--ckpt-every", "100", "--log-every", "1"]  # the stop's checkpoint is the only mid-epoch one
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert_ok(run_torchrun(torch_python.python, straight, *flags))
+    proc = subprocess.Popen(torchrun_cmd(torch_python.python, stopped, *flags), env=trainer_env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = stopped / "ckpt" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and any(r["kind"] == "train" and r["step"] >= 4 for r in metrics(stopped / "ckpt"))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, as docker stop and a scheduler send it
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, "a stopped job is not a finished one"
+    assert "stopped by SIGTERM at step" in err and "launch again to resume" in err
+    records = metrics(stopped / "ckpt")
+    stop = records[-1]
+    assert stop["kind"] == "stopped" and stop["signal"] == "SIGTERM" and stop["micro"] > 0
+    last_trained = max(r["step"] for r in records if r["kind"] == "train")
+    assert stop["step"] == last_trained
+    assert (stopped / "ckpt" / stop["checkpoint"]).exists() and not (stopped / "ckpt" / "final_model.pt").exists()
+
+    again = run_torchrun(torch_python.python, stopped, *flags)
+    assert_ok(again)
+    said = [json.loads(line[len("METRICS "):]) for line in again.stdout.splitlines() if line.startswith("METRICS ")]
+    assert said[0]["kind"] == "resumed" and said[0]["step"] == stop["step"]  # zero steps redone
+    assert min(r["step"] for r in said if r["kind"] == "train") == stop["step"] + 1
+    a, b = final_weights(straight / "ckpt"), final_weights(stopped / "ckpt")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(torch_python, tmp_path):
     port = free_port()
     nodes = []

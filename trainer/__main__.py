@@ -15,11 +15,12 @@ from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
 from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
 from .metrics import MetricsWriter
+from .stopping import STOPPED_EXIT, Stopped, StopSignal
 
 log = logging.getLogger("trainer")
 
 
-def make_context(cfg: TrainConfig, env: DistEnv) -> Context:
+def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal) -> Context:
     """Makes the dataset present (once per node), loads it onto the device and builds everything."""
     fetched = data.prepare(env, cfg.dataset, cfg.data_dir, cfg.synthetic_size, cfg.download)
     if fetched:
@@ -33,12 +34,16 @@ def make_context(cfg: TrainConfig, env: DistEnv) -> Context:
         normalize=data.Normalizer(spec, env.device),
         checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
         metrics=MetricsWriter(env, cfg.ckpt_dir),
+        stop=stop,
     )
 
 
-def run(cfg: TrainConfig, env: DistEnv) -> dict:
-    """One whole training job on an already set-up process; returns the final evaluation."""
-    ctx = make_context(cfg, env)
+def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
+    """One whole training job on an already set-up process; returns the final evaluation.
+    With ``stop`` (signals installed), a planned stop raises :class:`Stopped` after its checkpoint."""
+    stop = stop or StopSignal()
+    stop.join(env)
+    ctx = make_context(cfg, env, stop)
     torch_seed_per_rank(cfg, env)
     if not cfg.resume and env.is_main and ctx.checkpoints.complete():
         raise ResumeMismatch(f"resume: --no-resume, but {cfg.ckpt_dir} holds checkpoints of an earlier run; "
@@ -74,6 +79,7 @@ def torch_seed_per_rank(cfg: TrainConfig, env: DistEnv) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    stop = StopSignal().install()  # before joining: a stop during set-up still ends at a step boundary
     try:
         cfg = load_config(argv)
         env = setup(cfg.device, cfg.backend, cfg.dist_timeout)
@@ -83,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     finished = False
     try:
         require_cuda_for_sync_bn(cfg, env)
-        run(cfg, env)
+        run(cfg, env, stop)
         finished = True
+    except Stopped as exc:
+        finished = True  # every rank stopped at the same step: they leave together
+        if env.is_local_main:
+            print(f"trainer: {exc}", file=sys.stderr, flush=True)
+        return STOPPED_EXIT
     except (ResumeMismatch, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2

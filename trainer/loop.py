@@ -16,6 +16,7 @@ from .config import TrainConfig
 from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
 from .dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
+from .stopping import Stopped, StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Context:
     normalize: Normalizer
     checkpoints: CheckpointManager
     metrics: MetricsWriter
+    stop: StopSignal
 
 
 # --- checkpoint state -----------------------------------------------------------------------------
@@ -187,6 +189,8 @@ def train(ctx: Context, pos: Position) -> Position:
                 _log_train(ctx, pos, stats, timer)
             if done():
                 break
+            if ctx.stop.requested(env):
+                stop_here(ctx, pos)
             if cfg.ckpt_every and pos.global_step % cfg.ckpt_every == 0 and pos.micro < len(batches):
                 save_checkpoint(ctx, pos)
         if pos.micro >= len(batches):
@@ -195,8 +199,23 @@ def train(ctx: Context, pos: Position) -> Position:
             _log_train(ctx, pos, stats, timer)
         ctx.metrics.write({"kind": "eval", "epoch": pos.epoch, "step": pos.global_step, **evaluate(ctx)})
         save_checkpoint(ctx, pos)
+        if pos.epoch < cfg.epochs and not done() and ctx.stop.requested(env):
+            raise _stopped(ctx, pos)  # the epoch's checkpoint is this position
         timer.reset()  # evaluation and the checkpoint are not training throughput
     return pos
+
+
+def stop_here(ctx: Context, pos: Position) -> None:
+    """A planned stop (trainer/stopping.py): the checkpoint of this very step, then out."""
+    save_checkpoint(ctx, pos)
+    raise _stopped(ctx, pos)
+
+
+def _stopped(ctx: Context, pos: Position) -> Stopped:
+    name = ctx.checkpoints.path_for(pos.global_step).name
+    ctx.metrics.write({"kind": "stopped", "epoch": pos.epoch, "step": pos.global_step, "micro": pos.micro,
+                       "checkpoint": name, "signal": ctx.stop.received, "world_size": ctx.env.world_size})
+    return Stopped(pos.global_step, pos.epoch, name, ctx.stop.received)
 
 
 def _optimizer_step(cfg: TrainConfig, b: Built) -> None:

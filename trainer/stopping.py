@@ -1,0 +1,79 @@
+"""A planned stop: SIGTERM (``ddp-deploy stop``, a scheduler, a spot reclaim) ends the job at a
+step boundary, with a checkpoint, on every rank at the same step.
+
+torchrun's agent passes the signal it receives on to its workers and gives them 30 s (its
+shutdown timeout) before it kills them. A worker here only notes the signal; after each
+optimizer step every rank asks whether any rank was signalled (one all-reduce of a single
+integer on the CPU), so a signal that reached one node alone still stops all of them at the
+same step: the loop then writes a checkpoint and every rank exits with ``STOPPED_EXIT``.
+Launched again, the job resumes from that step: no step is trained twice.
+
+A second signal ends the process at once (the default action is restored by the first).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from .dist import DistEnv
+
+STOPPED_EXIT = 75
+"""The exit code of a process that stopped on a signal after its checkpoint (EX_TEMPFAIL: the
+job is not finished; launch it again). torchrun's agent on a node that was not signalled
+counts it as a failure and starts a new rendezvous round, as for any failure."""
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """Raised by the loop once the checkpoint of a planned stop is written."""
+
+    def __init__(self, step: int, epoch: int, checkpoint: str, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name} at step {step} (epoch {epoch}); checkpoint {checkpoint} "
+                         "written: launch again to resume from it")
+        self.step, self.epoch, self.checkpoint, self.signal_name = step, epoch, checkpoint, signal_name
+
+
+class StopSignal:
+    """Notes SIGTERM/SIGINT in this process; :meth:`requested` agrees on it across every rank."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        """The signal's name (``SIGTERM``, or ``SIGTERM to another rank``), once one arrived."""
+        self._signum = 0
+        self._group = None
+
+    def install(self) -> "StopSignal":
+        for sig in SIGNALS:
+            signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._signum == 0:
+            self._signum, self.received = signum, name
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        # os.write: the logging module takes locks the interrupted code may hold.
+        os.write(2, f"trainer: {name} received: stopping after this step, with a checkpoint\n".encode())
+
+    def join(self, env: DistEnv) -> None:
+        """Collective (every rank, once, after the process group exists): the group the flag
+        travels in. NCCL's collectives need CUDA tensors and a stream sync; a gloo group keeps
+        the question on the CPU and off the GPU's stream."""
+        if env.distributed and env.backend != "gloo":
+            self._group = dist.new_group(backend="gloo")
+
+    def requested(self, env: DistEnv) -> bool:
+        """Collective: True on every rank as soon as any rank has received a stop signal."""
+        if not env.distributed:
+            return self.received is not None
+        flag = torch.tensor([self._signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        signum = int(flag.item())
+        if signum and self.received is None:
+            self.received = f"{signal.Signals(signum).name} to another rank"
+        return signum != 0
