@@ -12,6 +12,7 @@ import os
 import ipaddress
 import re
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -165,6 +166,10 @@ class Job(_Model):
     max_restarts: int = Field(default=3, ge=0)
     """torchrun --max-restarts; with docker, also how often a node's container is started again
     after its torchrun died (``--restart on-failure:N``), so a killed node rejoins the job."""
+    min_nodes: int | None = Field(default=None, ge=1)
+    """The fewest nodes the job may train on (torchrun ``--nnodes MIN:MAX``). A node lost for good
+    then costs a rendezvous round, not the job: the others go on without it from the newest
+    checkpoint, and a node that comes back is taken in at the next round. None: every node."""
 
 
 class Rendezvous(_Model):
@@ -379,6 +384,31 @@ class Inventory(_Model):
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
+    @property
+    def elastic(self) -> bool:
+        """The job may go on with fewer nodes than listed (job.min_nodes)."""
+        return self.job.min_nodes is not None and self.job.min_nodes < len(self.nodes)
+
+    def without(self, names: Iterable[str]) -> "Inventory":
+        """This inventory minus ``names`` (nodes lost for good): the job runs on the others; if
+        the rendezvous node is among them, the first remaining node hosts the rendezvous."""
+        names = set(names)
+        unknown = sorted(names - {n.name for n in self.nodes})
+        if unknown:
+            raise InventoryError([Issue("--without", "", None, f"{', '.join(unknown)}: not in nodes[].name "
+                                                               f"({', '.join(n.name for n in self.nodes)})")])
+        kept = tuple(n for n in self.nodes if n.name not in names)
+        floor = self.job.min_nodes or 1
+        if len(kept) < floor:
+            raise InventoryError([Issue("--without", "", None, f"leaves {len(kept)} node(s), fewer than "
+                                                               f"job.min_nodes ({floor})")])
+        rendezvous = self.rendezvous
+        if rendezvous.node in names:
+            rendezvous = rendezvous.model_copy(update={"node": kept[0].name})
+        smaller = self.model_copy(update={"nodes": kept, "rendezvous": rendezvous})
+        smaller._base_dir = self._base_dir
+        return smaller
+
     def ssh_for(self, node: Node) -> Ssh:
         return self.ssh.merged(node.ssh)
 
@@ -431,6 +461,8 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
                                 "ranks would pick different backends (nccl, gloo) and hang; give every node "
                                 "gpus > 0, or every node gpus: 0"))
     out += _train_problems(inv.train, [n.env for n in inv.nodes])
+    if inv.job.min_nodes is not None and inv.job.min_nodes > len(inv.nodes):
+        out.append((("job", "min_nodes"), f"{inv.job.min_nodes} is more than the {len(inv.nodes)} nodes listed"))
     if inv.rendezvous.node not in names:
         out.append((("rendezvous", "node"),
                     f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))

@@ -55,7 +55,9 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     rdzv = inv.rdzv_node
     procs = {n.nprocs for n in inv.nodes}
     nnodes = str(len(inv.nodes))
-    if len(procs) > 1:
+    if inv.elastic:
+        nnodes = f"{inv.job.min_nodes}:{len(inv.nodes)}"
+    elif len(procs) > 1:
         # Heterogeneous nodes still all have to join: an elastic range with min = max.
         nnodes = f"{len(inv.nodes)}:{len(inv.nodes)}"
     conf = f"join_timeout={inv.rendezvous.join_timeout}"

@@ -230,3 +230,38 @@ def test_docker_status_is_absent_only_for_a_missing_container_never_for_a_failin
         assert r.returncode == 0 and plan.parse_status(r.stdout).state == "absent"
     else:  # the CLI reads a failed status command as a node that did not answer (unreachable), not an end
         assert r.returncode != 0 and "Cannot connect" in r.stderr
+
+
+def test_min_nodes_makes_the_job_elastic_from_min_to_every_node():
+    inv = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    assert inv.elastic
+    assert {_opt(s.torchrun, "--nnodes") for s in plan.launch_plan(inv)} == {"2:3"}
+    every = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 3}"})
+    assert not every.elastic and _opt(plan.launch_plan(every)[0].torchrun, "--nnodes") == "3:3"
+
+
+def test_min_nodes_above_the_node_count_is_refused_naming_the_field():
+    from deploy.errors import InventoryError
+
+    with pytest.raises(InventoryError, match=r"job\.min_nodes.*4 is more than the 3 nodes"):
+        _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 4}"})
+
+
+def test_without_the_rendezvous_node_the_first_remaining_node_hosts_it():
+    inv = _inv().without(["b"])
+    assert [n.name for n in inv.nodes] == ["a", "c"] and inv.rdzv_node.name == "a"
+    specs = plan.launch_plan(inv)
+    assert {_opt(s.torchrun, "--rdzv-endpoint") for s in specs} == {"198.18.0.11:29500"}
+    assert _opt(specs[0].torchrun, "--rdzv-conf").startswith("is_host=1")
+    assert [_opt(s.torchrun, "--nnodes") for s in specs] == ["2:2", "2:2"]  # a: 2 procs, c: 1
+    assert _inv().without(["c"]).rdzv_node.name == "b"  # the endpoint stays where it was
+
+
+def test_without_refuses_an_unknown_node_and_going_below_min_nodes():
+    from deploy.errors import InventoryError
+
+    with pytest.raises(InventoryError, match="z: not in nodes"):
+        _inv().without(["z"])
+    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    with pytest.raises(InventoryError, match=r"leaves 1 node\(s\), fewer than job.min_nodes \(2\)"):
+        elastic.without(["a", "b"])

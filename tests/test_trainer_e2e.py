@@ -89,9 +89,23 @@ def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
         assert proc.poll() is None, "the run ended before the checkpoint to kill at: " + proc.stderr.read()[-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    workers = _children(proc.pid)  # torchrun starts each in a session of its own: not in its group
     os.killpg(proc.pid, signal.SIGKILL)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)  # as a machine's crash would end them, with torchrun
     proc.wait()
     assert not (tmp_path / "ckpt" / "final_model.pt").exists(), "killed too late: the run had finished"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 @pytest.mark.parametrize("kill_at_step, extra", [
@@ -113,6 +127,26 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
     assert all(r["step"] > said[0]["step"] for r in said[1:] if r["kind"] == "train")
     a, b = final_weights(straight / "ckpt"), final_weights(resumed / "ckpt")
     assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_deterministically(torch_python, tmp_path):
+    """What an elastic job does when a node is lost or taken in (hosts.yaml job.min_nodes)."""
+    import shutil
+
+    flags = [*SMALL, "--ckpt-every", "4", "--synthetic-size", "4096"]  # 64 steps per epoch
+    _run_until_checkpoint_then_kill(torch_python.python, tmp_path / "a", flags, 20)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for run in ("a", "b"):
+        resized = run_torchrun(torch_python.python, tmp_path / run, *flags, nproc=1)
+        assert_ok(resized)
+        said = [json.loads(line[len("METRICS "):]) for line in resized.stdout.splitlines()
+                if line.startswith("METRICS ")]
+        assert said[0]["kind"] == "resumed" and said[0]["from_world_size"] == 2 and said[0]["world_size"] == 1
+        assert said[0]["epoch"] < 2 and said[0]["micro"] == 0  # the epoch again, laid out for one rank
+        assert said[-1]["kind"] == "final" and said[-1]["world_size"] == 1
+    a, b = final_weights(tmp_path / "a" / "ckpt"), final_weights(tmp_path / "b" / "ckpt")
     for name in a:
         assert torch.equal(a[name], b[name]), name
 

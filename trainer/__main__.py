@@ -52,10 +52,14 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
     latest = ctx.checkpoints.latest() if cfg.resume and env.is_main else None
     latest = broadcast_object(env, str(latest) if latest else None)
     if latest:
-        pos = restore(ctx, ctx.checkpoints.load(latest))
+        state = ctx.checkpoints.load(latest)
+        pos = restore(ctx, state)
         log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
+        # from_world_size != world_size: the job was resized (a node lost or taken in), and
+        # resumed at the start of the checkpoint's epoch (loop.restore).
         ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
-                           "step": pos.global_step, "world_size": env.world_size})
+                           "step": pos.global_step, "micro": pos.micro, "world_size": env.world_size,
+                           "from_world_size": state["world_size"]})
     pos = train(ctx, pos)
     final = evaluate(ctx)
     if env.is_main:
