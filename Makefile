@@ -12,7 +12,7 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop run-local image test test-fast clean
+.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-fast clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
@@ -60,6 +60,9 @@ logs: install
 
 stop: install
 	$(DEPLOY) stop
+
+unlock: install
+	$(DEPLOY) unlock
 
 ## The trainer alone on this machine, no deploy tool: torchrun standalone, 2 processes.
 run-local: install

@@ -7,6 +7,7 @@ default ``~/.cache/ddp-deploy/debug.log``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import codesync, image, netcheck, plan, preflight, prepare, record, runtime, secretenv
+from . import codesync, image, lock, netcheck, plan, preflight, prepare, record, runtime, secretenv
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -76,17 +77,29 @@ class _Group(click.Group):
 
 
 class _State:
-    def __init__(self, hosts: str) -> None:
+    def __init__(self, hosts: str, without: tuple[str, ...] = ()) -> None:
         self.hosts = hosts
+        self.without = without
         self._inv: Inventory | None = None
         self._redactor = secretenv.Redactor()
 
     @property
     def inv(self) -> Inventory:
         if self._inv is None:
-            self._inv = load(self.hosts)
+            inv = load(self.hosts)
+            if self.without:
+                inv = self._without(inv)
+            self._inv = inv
             self.use_redactor(secretenv.redactor_for(self._inv))
         return self._inv
+
+    def _without(self, whole: Inventory) -> Inventory:
+        inv = whole.without(self.without)
+        moved = "" if inv.rendezvous.node == whole.rendezvous.node else (
+            f"; the rendezvous moves from {whole.rendezvous.node} to {inv.rdzv_node.name} "
+            f"({inv.rdzv_node.address}:{inv.rendezvous.port})")
+        click.echo(f"note: without {', '.join(self.without)}: {len(inv.nodes)} nodes{moved}", err=True)
+        return inv
 
     def use_redactor(self, redactor: secretenv.Redactor) -> None:
         """Every secret value this shell can read is shown as *** in output and the debug log."""
@@ -106,12 +119,15 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Print the per-nod
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--hosts", default="hosts.yaml", envvar="DDP_HOSTS", show_default=True,
               help="Inventory file (env DDP_HOSTS).")
+@click.option("--without", metavar="NODE", multiple=True,
+              help="Leave this node out (lost for good), repeatable: the job runs on the others, and if it "
+                   "hosted the rendezvous, the first remaining node does. hosts.yaml is not changed.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug output on stderr.")
 @click.pass_context
-def cli(ctx: click.Context, hosts: str, verbose: bool) -> None:
+def cli(ctx: click.Context, hosts: str, without: tuple[str, ...], verbose: bool) -> None:
     """Deploy and run multi-node PyTorch DDP training described by hosts.yaml."""
     _setup_logging(verbose)
-    ctx.obj = _State(hosts)
+    ctx.obj = _State(hosts, tuple(n for item in without for n in item.split(",") if n))
 
 
 @cli.command()
@@ -211,10 +227,11 @@ def deploy(st: _State, dry_run: bool, build: bool) -> None:
     inv = st.inv
     steps = prepare.deployer(inv)
     if dry_run:
+        click.echo(f"[all] {lock.describe()}, held while deploy runs")
         for line in steps.dry_run(build):
             click.echo(line)
         return
-    with Remote(inv) as remote:
+    with Remote(inv) as remote, lock.held(inv, remote, "deploy", st.hosts, warn=_warn):
         steps.run(remote, click.echo, build=build,
                   ship=lambda image_id, held: _ship_with_progress(inv, remote, image_id, held))
 
@@ -258,6 +275,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         for name in secrets:
             click.echo(f"[all] secret {name}={secretenv.MASK} (from {secretenv.source(inv, name)}), on the start "
                        "command's stdin")
+        click.echo(f"[all] {lock.describe()}, held until the job has started")
         click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
         for s in plan.launch_plan(inv, code=codesync.code_dir(inv, snap)):
             node = inv.node(s.node)
@@ -268,12 +286,15 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             for note in runtime.runtime(inv).dry_run_notes(node):
                 click.echo(f"[{s.node}] {note}")
         return
-    with Remote(inv) as remote:
+    with Remote(inv) as remote, contextlib.ExitStack() as fleet:
+        fleet.enter_context(lock.held(inv, remote, "launch", st.hosts, warn=_warn))
         states = _states(inv, remote, st.redact)
         unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
+            gone = ",".join(n for n, s in states.items() if s.state == "unreachable")
             raise RuntimeFailure(f"launch refused, nothing started: unreachable: {'; '.join(unreachable)}",
-                                 hint="run `ddp-deploy check`")
+                                 hint=f"run `ddp-deploy check`; if lost for good, `ddp-deploy --without {gone} "
+                                      "launch` runs the job on the others (hosts.yaml unchanged)")
         running = [n for n, s in states.items() if s.running]
         if running:
             raise RuntimeFailure(f"a previous run of {inv.job.name} is still running on {', '.join(running)}",
@@ -307,6 +328,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         if not kept.ok:
             click.echo(f"warning: {first}: the launch record {record.path(inv)} was not written: {kept.summary()}",
                        err=True)
+        fleet.close()  # the job has started: following it (--wait) only reads, and can last hours
         click.echo(f"started {inv.job.name} on {len(specs)} nodes "
                    f"({sum(n.nprocs for n in inv.nodes)} processes): {payload(inv).describe()}"
                    + (f", code snapshot {code.snapshot[:12]}" if code else ""))
@@ -314,9 +336,14 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             return
         final = _wait(inv, remote, timeout, st.redact)
     _print_status(inv, final)
-    failed = [n for n, s in final.items() if s.state != "exited(0)"]
+    lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
+    failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
     if failed:
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}", hint="see `ddp-deploy logs`")
+    if lost:
+        click.echo(f"finished without {', '.join(lost)} (lost; job.min_nodes {inv.job.min_nodes}): the other "
+                   "nodes exited with code 0")
+        return
     click.echo("all nodes finished with exit code 0")
 
 
@@ -333,17 +360,20 @@ UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
 def _wait(inv, remote, timeout, redact):
     deadline = None if timeout is None else time.monotonic() + timeout
     silent = {n.name: 0 for n in inv.nodes}
+    floor = inv.job.min_nodes or len(inv.nodes)  # an elastic job goes on without lost nodes, down to this
     while True:
         states = _states(inv, remote, redact)
-        if all(s.state.startswith("exited") or s.state == "absent" for s in states.values()):
-            return states
         for n, s in states.items():
             silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
-        if lost:
+        if len(inv.nodes) - len(lost) >= floor and all(
+                s.state.startswith("exited") or s.state == "absent" or n in lost for n, s in states.items()):
+            return states
+        if lost and len(inv.nodes) - len(lost) < floor:
             _print_status(inv, states)
             raise RuntimeFailure(f"lost contact with {', '.join(lost)} while the job ran",
-                                 hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume")
+                                 hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume "
+                                      f"(`ddp-deploy --without {lost[0]} launch` leaves a node out for good)")
         if deadline is not None and time.monotonic() > deadline:
             _print_status(inv, states)
             raise RuntimeFailure(f"still running after {timeout:g} s",
@@ -413,25 +443,66 @@ def logs(st: _State, follow: bool, tail: int | None) -> None:
 
 @cli.command()
 @dry_run_option
+@click.option("--now", is_flag=True, help="Kill at once: no checkpoint, the work since the last one is redone.")
 @pass_state
-def stop(st: _State, dry_run: bool) -> None:
-    """Remove the containers / kill the process groups on every reachable node (idempotent)."""
+def stop(st: _State, dry_run: bool, now: bool) -> None:
+    """End the job on every reachable node (idempotent). The job first gets SIGTERM and up to
+    45 s to finish its step and write a checkpoint, so a later launch redoes nothing."""
     inv = st.inv
-    cmds = {n.name: plan.stop_argv(inv, n) for n in inv.nodes}
+    grace = 0 if now else plan.STOP_GRACE_S
+    cmds = {n.name: plan.stop_argv(inv, n, grace) for n in inv.nodes}
     if dry_run:
         for n, argv in cmds.items():
             _show(n, argv)
         return
     with Remote(inv) as remote:
-        results = remote.run(cmds, check=False, timeout=120)
+        results = remote.run(cmds, check=False, timeout=grace + 120)
     for n, r in results.items():
-        click.echo(f"{n}: {r.stdout.strip() if r.ok else r.summary()}")
+        click.echo(st.redact(f"{n}: {r.stdout.strip() if r.ok else r.summary()}"))
     if not all(r.ok for r in results.values()):
         raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
 
 
 def _show(node: str, argv) -> None:
     click.echo(f"[{node}] {command_line(argv)}")
+
+
+@cli.command()
+@click.option("--force", is_flag=True,
+              help="Also remove a live lock (fresh heartbeat): only when you know its command no longer runs.")
+@pass_state
+def unlock(st: _State, force: bool) -> None:
+    """Remove the fleet lock that launch and deploy hold, on every reachable node: a stale one
+    (its command has ended), or a live one with --force."""
+    inv = st.inv
+    with Remote(inv) as remote:
+        seen = lock.survey(inv, remote)
+        found = {n: s for n, s in seen.locks.items() if s is not None}
+        live = [s for s in found.values() if s.stale() is None]
+        if live and not force:
+            raise RuntimeFailure(f"unlock refused, nothing removed: {live[0].describe()}, its heartbeat "
+                                 f"{live[0].quiet} s ago", hint="that command still runs: wait for it to finish; "
+                                 "--force only if you know it does not")
+        removed = lock.remove(inv, remote, found)
+    left = {n: r.summary() for n, r in seen.failed.items()}
+    for n in (node.name for node in inv.nodes):
+        s, r = found.get(n), removed.get(n)
+        if n in seen.failed:
+            click.echo(f"{n}: {seen.failed[n].summary()}")
+        elif s is None or r.stdout.strip() == "gone":
+            click.echo(f"{n}: no lock")
+        elif r.stdout.strip() == "removed":
+            click.echo(f"{n}: removed the lock of {s.holder()} ({s.stale() or 'live, --force'})")
+        else:
+            left[n] = "another lock was taken meanwhile" if r.ok else r.summary()
+            click.echo(f"{n}: {left[n]}")
+    if left:
+        raise RuntimeFailure("unlock: not cleared on " + "; ".join(f"{n} ({why})" for n, why in left.items()),
+                             hint="run `ddp-deploy unlock` again once they answer")
+
+
+def _warn(text: str) -> None:
+    click.echo(f"warning: {text}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

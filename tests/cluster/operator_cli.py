@@ -16,11 +16,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _operator_env(cluster, hosts: Path) -> dict[str, str]:
+    return {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
+            "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
+
+
 def ddp(cluster, hosts: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
-           "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO,
+                          env=_operator_env(cluster, hosts), capture_output=True, text=True, timeout=timeout)
+
+
+def start_ddp(cluster, hosts: Path, *args: str) -> subprocess.Popen:
+    """``ddp`` in the background, for operators acting at the same moment: ``communicate()`` it."""
+    return subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO,
+                            env=_operator_env(cluster, hosts), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -118,18 +118,22 @@ def stop_after(cluster, hosts):
     ddp(cluster, hosts, "stop")
 
 
+# node1 is the rendezvous endpoint: its torchrun hosts the c10d store every agent talks to.
+@pytest.mark.parametrize("node, what", [("node2", "a node's container killed (SIGKILL) mid-epoch"),
+                                        ("node1", "the rendezvous node's container killed (SIGKILL) mid-epoch")])
 def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
-        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
+        cluster, fresh_nas, hosts, reference, record_fault, stop_after, node, what):
     ok(ddp(cluster, hosts, "launch"))
     newest, _ = _run_past_a_checkpoint(fresh_nas)
-    pid = int(cluster.run_on("node2", ["docker", "inspect", "--format", "{{.State.Pid}}", "ddp-test-node2"],
+    container = f"ddp-test-{node}"
+    pid = int(cluster.run_on(node, ["docker", "inspect", "--format", "{{.State.Pid}}", container],
                              check=True).stdout)
     os.kill(pid, signal.SIGKILL)  # the container's torchrun, as the OOM killer would end it
     killed = time.time()
 
     states = wait_until(lambda: _all_exited(cluster, hosts), 900, "the job to end", interval=2)
     assert states == {h.name: "exited(0)" for h in cluster.hosts}
-    restarts = cluster.run_on("node2", ["docker", "inspect", "--format", "{{.RestartCount}}", "ddp-test-node2"],
+    restarts = cluster.run_on(node, ["docker", "inspect", "--format", "{{.RestartCount}}", container],
                               check=True).stdout.strip()
     assert int(restarts) >= 1
     resumed = _resumed_after(fresh_nas, killed)
@@ -139,7 +143,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     final = records(fresh_nas)[-1]
     assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 3 * PROCS
     _assert_same_weights(reference, _weights(fresh_nas))
-    record_fault(fault="a node's container killed (SIGKILL) mid-epoch", finished=True,
+    record_fault(fault=what, finished=True,
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
                  detect_what="kill to the job resumed on all nodes", left_running="nothing (all exited 0)",
                  bit_identical=True)
@@ -183,13 +187,120 @@ def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_r
                  bit_identical=True)
 
 
+def _resumed_with(nas: Path, after: float, world_size: int):
+    found = [r for r in records(nas) if r["kind"] == "resumed" and r["time"] > after and r["world_size"] == world_size]
+    return found[0] if found else None
+
+
+def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_in_again_when_it_is_back(
+        cluster, fresh_nas, hosts, tmp_path, record_fault):
+    elastic = _hosts(cluster, tmp_path / "elastic.yaml", job={"max_restarts": 3, "min_nodes": 2})
+    try:
+        ok(ddp(cluster, elastic, "launch"))
+        _run_past_a_checkpoint(fresh_nas)
+        cluster.take_link_down("node3")
+        lost = time.time()
+        try:
+            resized = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * PROCS), LOST_NODE_BOUND,
+                                 "node1 and node2 to go on without node3", interval=1)
+            training = wait_until(lambda: [r for r in records(fresh_nas)
+                                           if r["kind"] == "train" and r["time"] > resized["time"]], 120,
+                                  "a training step on two nodes", interval=0.2)[0]
+        finally:
+            cluster.bring_link_up("node3")
+        back = time.time()
+        assert resized["from_world_size"] == 3 * PROCS and resized["micro"] == 0  # resumed at the epoch start
+        rejoined = wait_until(lambda: _resumed_with(fresh_nas, back, 3 * PROCS), 600,
+                              "node3 to be taken in again", interval=1)
+        states = wait_until(lambda: _all_exited(cluster, elastic), 900, "the job to end", interval=2)
+        assert states == {h.name: "exited(0)" for h in cluster.hosts}
+        final = records(fresh_nas)[-1]
+        assert final["kind"] == "final" and final["world_size"] == 3 * PROCS
+    finally:
+        ddp(cluster, elastic, "stop", "--now")
+    record_fault(fault="elastic job (min_nodes 2): a node lost for good, then back",
+                 finished="yes, on 2 nodes, then on 3 again", redone_steps=None, ckpt_every=CKPT_EVERY,
+                 detect_s=round(training["time"] - lost, 1),
+                 detect_what=f"link down to training again on 2 nodes (node back: taken in after "
+                             f"{rejoined['time'] - back:.0f} s)",
+                 left_running="nothing (all exited 0)", bit_identical="n/a (resized: deterministic)")
+
+
+def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_resumes_without_it(
+        cluster, fresh_nas, hosts, reference, record_fault):
+    ok(ddp(cluster, hosts, "launch"))
+    newest, _ = _run_past_a_checkpoint(fresh_nas)
+    cluster.take_link_down("node1")  # the c10d store every agent needs lives on node1
+    lost = time.time()
+    try:
+        def survivors_ended():
+            states = node_states(cluster, hosts)
+            return states if all(states[n].startswith("exited(") for n in ("node2", "node3")) else None
+
+        wait_until(survivors_ended, LOST_NODE_BOUND, "node2 and node3 to give up on node1", interval=2)
+        detect = time.time() - lost
+        refused = ddp(cluster, hosts, "launch")
+        assert refused.returncode == 1 and "unreachable: node1" in refused.stderr
+        assert "--without node1" in refused.stderr  # what to change, without editing hosts.yaml
+
+        relaunched = time.time()
+        moved = ok(ddp(cluster, hosts, "--without", "node1", "launch", "--wait", "--timeout", "900", timeout=960))
+        assert "the rendezvous moves from node1 to node2" in moved.stderr
+        resumed = _resumed_after(fresh_nas, relaunched)
+        assert resumed["step"] >= newest and resumed["world_size"] == 2 * PROCS
+        final = records(fresh_nas)[-1]
+        assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
+        ok(ddp(cluster, hosts, "--without", "node1", "stop"))
+    finally:
+        cluster.bring_link_up("node1")
+        ddp(cluster, hosts, "stop", "--now")
+    _no_containers_anywhere(cluster)
+    record_fault(fault="the rendezvous node lost for good (link down)",
+                 finished="after `--without node1 launch`: on node2 and node3, rendezvous on node2",
+                 redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(detect, 1),
+                 detect_what=f"link down to node2 and node3 exited (bound {LOST_NODE_BOUND} s)",
+                 left_running="node1's container, unreachable; removed by stop once it was back",
+                 bit_identical="n/a (resized to 2 nodes)")
+
+
 def _listening(cluster, node: str) -> list[tuple[str, str]]:
     """(local address:port, process) of every listening TCP socket in the node's namespace."""
     out = cluster.run_on(node, ["ss", "-Hltnp"], check=True).stdout
     return [(line.split()[3], line.split()[-1]) for line in out.splitlines()]
 
 
-def test_a_stopped_job_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
+def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and_ends_bit_identical(
+        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
+    ok(ddp(cluster, hosts, "launch"))
+    _run_past_a_checkpoint(fresh_nas)
+    asked = time.time()
+    said = ok(ddp(cluster, hosts, "stop")).stdout
+    took = time.time() - asked
+    _no_containers_anywhere(cluster)
+    stop = records(fresh_nas)[-1]
+    assert stop["kind"] == "stopped" and stop["signal"].startswith("SIGTERM"), stop
+    assert stop["micro"] > 0, "a planned stop writes a checkpoint at its own step"
+    assert stop["step"] == _last_step_before(fresh_nas, time.time())
+    assert complete_checkpoint_steps(fresh_nas)[-1] == stop["step"]
+    for h in cluster.hosts:
+        assert f"{h.name}: stopped: trainer: stopped by SIGTERM" in said, said
+
+    relaunched = time.time()
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    resumed = _resumed_after(fresh_nas, relaunched)
+    assert resumed["checkpoint"] == stop["checkpoint"] and resumed["step"] == stop["step"]
+    redone = stop["step"] - resumed["step"]
+    after = [r["step"] for r in records(fresh_nas) if r["kind"] == "train" and r["time"] > relaunched]
+    assert min(after) == stop["step"] + 1
+    assert records(fresh_nas)[-1]["kind"] == "final"
+    _assert_same_weights(reference, _weights(fresh_nas))
+    record_fault(fault="the whole job stopped (stop: SIGTERM, checkpoint) and launched again", finished=True,
+                 redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
+                 detect_what="stop to every container gone, checkpoint written",
+                 left_running="nothing (stop removed every container)", bit_identical=True)
+
+
+def test_a_job_stopped_now_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
     ok(ddp(cluster, hosts, "launch"))
     _run_past_a_checkpoint(fresh_nas)
@@ -200,8 +311,9 @@ def test_a_stopped_job_launched_again_resumes_and_never_loads_a_damaged_checkpoi
         assert len(job) >= PROCS, job
         assert all(where.rsplit(":", 1)[0] == h.address for where, _ in job), (h.name, job)
     assert any(where == f"{cluster.host('node1').address}:29400" for where, _ in _listening(cluster, "node1"))
-    ok(ddp(cluster, hosts, "stop"))
+    ok(ddp(cluster, hosts, "stop", "--now"))
     stopped = time.time()
+    assert "stopped" not in [r["kind"] for r in records(fresh_nas)], "--now gave the job no time for a checkpoint"
     _no_containers_anywhere(cluster)
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
     newest = complete_checkpoint_steps(fresh_nas)[-1]
@@ -223,8 +335,8 @@ def test_a_stopped_job_launched_again_resumes_and_never_loads_a_damaged_checkpoi
     redone = _last_step_before(fresh_nas, stopped) - resumed["step"]
     assert records(fresh_nas)[-1]["kind"] == "final"
     _assert_same_weights(reference, _weights(fresh_nas))
-    record_fault(fault="the whole job stopped and launched again", finished=True, redone_steps=redone,
-                 ckpt_every=CKPT_EVERY, detect_s=None, detect_what="(operator's stop)",
+    record_fault(fault="the whole job killed (stop --now) and launched again", finished=True, redone_steps=redone,
+                 ckpt_every=CKPT_EVERY, detect_s=None, detect_what="(operator's stop --now)",
                  left_running="nothing (stop removed every container)", bit_identical=True)
 
 
@@ -303,3 +415,68 @@ def test_a_full_shared_volume_during_a_checkpoint_keeps_the_previous_one_loadabl
                  redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(detect, 1),
                  detect_what="disk full to every node exited", left_running="nothing after stop",
                  bit_identical=None, previous_checkpoint=f"ckpt-{newest:09d}.pt loads, sha256 matches")
+
+
+# --- the host runtime: its supervisor does what Docker's restart policy does -------------------------
+
+@pytest.fixture(scope="module")
+def host_hosts(cluster, tmp_path_factory) -> Path:
+    """The fault job with the host runtime (the nodes' own interpreter; its torch, not the image's)."""
+    path = cluster.write_hosts_yaml(tmp_path_factory.mktemp("faults-host") / "hosts.yaml", runtime="host",
+                                    procs=PROCS, train_args=TRAIN, interface="eth0", **SETTINGS)
+    ok(ddp(cluster, path, "deploy"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def host_reference(cluster, host_hosts) -> dict:
+    """Final weights of the host-runtime job run once without a fault (the nodes' torch may differ
+    from the image's, so the docker reference is not this one's)."""
+    nas = Path(cluster.nas_dir)
+    empty_nas(nas)
+    try:
+        ok(ddp(cluster, host_hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+        assert records(nas)[-1]["kind"] == "final"
+        return _weights(nas)
+    finally:
+        ok(ddp(cluster, host_hosts, "stop"))
+        empty_nas(nas)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def test_host_runtime_a_nodes_torchrun_killed_mid_epoch_is_started_again_and_the_job_ends_bit_identical(
+        cluster, fresh_nas, host_hosts, host_reference, record_fault):
+    try:
+        ok(ddp(cluster, host_hosts, "launch"))
+        newest, _ = _run_past_a_checkpoint(fresh_nas)
+        run = fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-test" / "node2"
+        torchrun = _children(int((run / "pid").read_text()))  # the supervisor's one child
+        assert len(torchrun) == 1
+        os.kill(torchrun[0], signal.SIGKILL)  # as the OOM killer would end it
+        killed = time.time()
+
+        states = wait_until(lambda: _all_exited(cluster, host_hosts), 900, "the job to end", interval=2)
+        assert states == {h.name: "exited(0)" for h in cluster.hosts}, (run / "log").read_text()[-3000:]
+        assert (run / "restarts").read_text().strip() == "1"
+        resumed = _resumed_after(fresh_nas, killed)
+        assert resumed["step"] >= newest and resumed["world_size"] == 3 * PROCS
+        redone = _last_step_before(fresh_nas, killed) - resumed["step"]
+        assert 0 <= redone <= CKPT_EVERY
+        assert records(fresh_nas)[-1]["kind"] == "final"
+        _assert_same_weights(host_reference, _weights(fresh_nas))
+    finally:
+        ddp(cluster, host_hosts, "stop")
+    record_fault(fault="host runtime: a node's torchrun killed (SIGKILL) mid-epoch", finished=True,
+                 redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
+                 detect_what="kill to the job resumed on all nodes (the tool's supervisor)",
+                 left_running="nothing (all exited 0)", bit_identical=True)

@@ -1,0 +1,50 @@
+"""One operator at a time, on the real cluster: two `ddp-deploy launch` started at the same moment
+against the same 3 nodes. Exactly one starts the job; the other is refused with one line naming
+the holder, and starts nothing. The nodes hold the fleet lock (deploy/lock.py) over SSH; here
+they share /tmp, as the test's own lock directory (tests/conftest.py), so they share one lock.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+
+import pytest
+
+from .operator_cli import ddp, node_states, ok, start_ddp
+
+pytestmark = pytest.mark.cluster
+
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1000"]  # until stopped
+
+
+def test_two_launches_at_the_same_moment_one_starts_the_job_the_other_is_refused_naming_it(cluster, fresh_nas,
+                                                                                           tmp_path, fleet_lock_path):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=1, train_args=TRAIN, interface="eth0")
+    ok(ddp(cluster, hosts, "deploy"))
+    assert not fleet_lock_path.exists()  # deploy let it go
+
+    launches = [start_ddp(cluster, hosts, "launch") for _ in range(2)]
+    try:
+        outputs = [p.communicate(timeout=300) for p in launches]
+        codes = [p.returncode for p in launches]
+        assert sorted(codes) == [0, 1], outputs
+        winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+        assert "started ddp-test on 3 nodes (3 processes)" in outputs[winner][0]
+        refusal = outputs[loser][1].strip().splitlines()
+        assert len(refusal) == 1, refusal
+        who = f"{getpass.getuser()}@{socket.gethostname()} (pid {launches[winner].pid})"
+        assert refusal[0].startswith(f"error: launch refused, nothing started: node1 is locked by launch of job "
+                                     f"ddp-test by {who}, started "), refusal
+        assert "`ddp-deploy unlock`" in refusal[0]
+        assert "started" not in outputs[loser][0]
+        assert not fleet_lock_path.exists()  # released once the job had started
+        assert node_states(cluster, hosts) == {h.name: "running" for h in cluster.hosts}
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        ok(ddp(cluster, hosts, "stop"))
+    for h in cluster.hosts:
+        assert cluster.run_on(h.name, ["pgrep", "-f", "trainer.launch|-m trainer"]).stdout.strip() == ""

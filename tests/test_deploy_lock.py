@@ -1,0 +1,345 @@
+"""One operator at a time: the fleet lock (deploy/lock.py), for real, on `connection: local` nodes.
+
+Holders are real processes that take the lock as `launch` does (HOLDER below) and are raced,
+killed, frozen or interrupted; the operator's side goes through the CLI. Each test has its own
+lock directory (tests/conftest.py); where several local nodes must each have their own, as
+separate machines would, ``{address}`` in it gives every node its directory.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy import lock
+from deploy.cli import cli
+from deploy.inventory import load, loads
+from deploy.remote import Remote
+from fakes import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Says "ready", takes the fleet lock as `launch` does once it reads a line, says so, and holds it
+# until the next line (or an interrupt); refused, it prints the one line the operator would see.
+HOLDER = """
+import os, sys
+from deploy import lock
+from deploy.errors import DeployError
+from deploy.inventory import load
+from deploy.remote import Remote
+
+hosts = sys.argv[1]
+inv = load(hosts)
+print("ready", flush=True)
+sys.stdin.readline()
+with Remote(inv) as remote:
+    try:
+        with lock.held(inv, remote, "launch", hosts):
+            print("acquired", os.getpid(), flush=True)
+            sys.stdin.readline()
+    except DeployError as e:
+        print("refused", *e.lines(), flush=True)
+        sys.exit(1)
+"""
+
+
+def _inventory(path: Path, nodes: list[tuple[str, str]], python: str = sys.executable) -> Path:
+    """Local nodes (name, address) running the host runtime; storage beside the file."""
+    nas = path.parent / "nas"
+    path.write_text(json.dumps({  # JSON is YAML
+        "job": {"name": "locktest", "runtime": "host", "max_restarts": 0},
+        "rendezvous": {"node": nodes[0][0], "port": free_port(), "join_timeout": 60},
+        "nodes": [{"name": name, "address": address, "connection": "local", "procs": 1} for name, address in nodes],
+        "storage": {"data": {"host": str(nas / "data"), "container": "/data"},
+                    "checkpoints": {"host": str(nas / "ckpt"), "container": "/ckpt"}, "min_free_gb": 0.01},
+        "train": {"python": python,
+                  "args": ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256", "--batch-size", "32"]},
+    }))
+    return path
+
+
+ONE = [("here", "127.0.0.1")]
+FLEET = [("a", "127.0.0.1"), ("b", "127.0.0.2"), ("c", "127.0.0.3")]
+
+
+@pytest.fixture
+def per_node_locks(tmp_path, monkeypatch) -> Path:
+    """Every local node its own lock directory, <dir>/<address>, as if each were its own machine."""
+    d = tmp_path / "locks"
+    d.mkdir()
+    monkeypatch.setenv(lock.PATH_ENV, str(d / "{address}"))
+    return d
+
+
+@pytest.fixture
+def ddp(tmp_path):
+    runner = CliRunner()
+
+    def run(hosts: Path, *args: str):
+        return runner.invoke(cli, ["--hosts", str(hosts), *args], env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+
+    return run
+
+
+class Holder:
+    """A HOLDER process on ``hosts``."""
+
+    def __init__(self, hosts: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(hosts)], cwd=REPO, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ready(self) -> None:
+        said = self.answer()
+        assert said == "ready", said
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> str:
+        return self.proc.stdout.readline().strip()
+
+    def take(self) -> int:
+        """Takes the lock now; its pid."""
+        self.ready()
+        self.go()
+        said = self.answer()
+        assert said.startswith("acquired "), said
+        return int(said.split()[1])
+
+    def let_go(self) -> int:
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=60)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def holders():
+    made: list[Holder] = []
+
+    def make(hosts: Path) -> Holder:
+        made.append(Holder(hosts))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.proc.send_signal(signal.SIGCONT)
+        h.kill()
+
+
+def _locks(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+WHO = f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@pytest.mark.parametrize("second", [FLEET, [("z", "127.0.0.3"), ("y", "127.0.0.2"), ("x", "127.0.0.4")]],
+                         ids=["the same fleet", "an overlapping fleet named and ordered otherwise"])
+def test_two_operators_starting_at_the_same_moment_exactly_one_proceeds_the_other_is_told_who(
+        tmp_path, per_node_locks, holders, second):
+    first = _inventory(tmp_path / "first.yaml", FLEET)
+    other = _inventory(tmp_path / "second.yaml", second)
+    for _ in range(3):
+        racers = [holders(first), holders(other)]
+        for r in racers:
+            r.ready()
+        for r in racers:  # at the same moment: both wait for their line
+            r.go()
+        said = [r.answer() for r in racers]
+        assert sorted(s.split()[0] for s in said) == ["acquired", "refused"], said
+        winner, loser = (racers[0], racers[1]) if said[0].startswith("acquired") else (racers[1], racers[0])
+        pid = int(said[racers.index(winner)].split()[1])
+        refusal = said[racers.index(loser)]
+        assert loser.proc.wait(timeout=60) == 1
+        assert refusal.startswith("refused launch refused, nothing started: ")
+        assert f" is locked by launch of job locktest by {WHO} (pid {pid}), started " in refusal
+        assert "`ddp-deploy unlock`" in refusal
+        # The loser left nothing behind: only the winner's nodes are locked, by the winner.
+        won = load(tmp_path / ("first.yaml" if winner is racers[0] else "second.yaml"))
+        assert _locks(per_node_locks) == sorted(n.address for n in won.nodes)
+        holders_seen = {json.loads((per_node_locks / a / "owner").read_text())["pid"] for a in _locks(per_node_locks)}
+        assert holders_seen == {pid}
+        assert winner.let_go() == 0
+        assert _locks(per_node_locks) == []
+
+
+def test_the_order_is_by_address_then_ssh_port_whatever_the_inventory_s_order_and_names():
+    inv = loads("job: {name: j}\nrendezvous: {node: z}\nstorage:\n  data: {host: /d, container: /data}\n"
+                "  checkpoints: {host: /c, container: /ckpt}\nnodes:\n"
+                "  - {name: z, address: 10.0.0.3}\n"
+                "  - {name: y, address: 10.0.0.1, ssh: {port: 2222}}\n"
+                "  - {name: x, address: 10.0.0.2}\n")
+    assert [n.name for n in lock.canonical(inv)] == ["y", "x", "z"]
+
+
+def test_nodes_that_share_one_lock_directory_are_locked_once(tmp_path, fleet_lock_path):
+    # Local nodes of one machine (and the test cluster's nodes) share /tmp: the lock is taken
+    # on the first node, and is already ours on the others.
+    inv = load(_inventory(tmp_path / "hosts.yaml", FLEET))
+    with Remote(inv) as remote, lock.held(inv, remote, "deploy", "hosts.yaml") as held:
+        assert held.nodes == ["a", "b", "c"]
+        owner = json.loads((fleet_lock_path / "owner").read_text())
+        assert owner["command"] == "deploy" and owner["job"] == "locktest" and owner["pid"] == os.getpid()
+    assert not fleet_lock_path.exists()
+
+
+def test_a_held_lock_s_heartbeat_keeps_it_fresh(tmp_path, fleet_lock_path, monkeypatch):
+    monkeypatch.setattr(lock, "HEARTBEAT_EVERY", 0.1)
+    inv = load(_inventory(tmp_path / "hosts.yaml", ONE))
+    with Remote(inv) as remote, lock.held(inv, remote, "launch", "hosts.yaml"):
+        past = time.time() - 300
+        os.utime(fleet_lock_path / "heartbeat", (past, past))
+        deadline = time.time() + 30
+        while time.time() < deadline and (fleet_lock_path / "heartbeat").stat().st_mtime < past + 60:
+            time.sleep(0.1)
+        seen = lock.survey(inv, remote).locks["here"]
+        assert seen.quiet <= 2 and seen.stale() is None
+
+
+def test_a_lock_whose_process_has_ended_is_refused_as_stale_until_unlock_clears_it(ddp, tmp_path, holders,
+                                                                                  fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    crashed = holders(hosts)
+    pid = crashed.take()
+    crashed.kill()  # the operator's process dies holding the lock
+
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith(f"error: deploy refused, nothing started: here is locked by launch of job locktest "
+                               f"by {WHO} (pid {pid}), started ")
+    assert r.stderr.rstrip().endswith(f" ago; the lock is stale: process {pid} on this machine has ended (clear it "
+                                      "with `ddp-deploy unlock`, then run deploy again)")
+    assert not (tmp_path / "nas").exists()  # nothing started
+
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(f"here: removed the lock of launch of job locktest by {WHO} (pid {pid}), started ")
+    assert f"(process {pid} on this machine has ended)" in r.stdout
+    assert not fleet_lock_path.exists()
+
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "nas/ckpt").is_dir() and not fleet_lock_path.exists()
+
+
+def test_a_lock_without_heartbeat_for_a_minute_is_stale_though_its_process_exists(ddp, tmp_path, holders,
+                                                                                fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    hung = holders(hosts)
+    pid = hung.take()
+    hung.proc.send_signal(signal.SIGSTOP)  # alive, but its heartbeat no longer beats
+    past = time.time() - 300
+    os.utime(fleet_lock_path / "heartbeat", (past, past))
+
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1
+    assert f"here is locked by launch of job locktest by {WHO} (pid {pid})" in r.stderr
+    assert "the lock is stale: no heartbeat for 30" in r.stderr and "`ddp-deploy unlock`" in r.stderr
+
+    r = ddp(hosts, "unlock")  # stale: no --force needed
+    assert r.exit_code == 0, r.output
+    assert "here: removed the lock of launch of job locktest" in r.stdout and "(no heartbeat for 30" in r.stdout
+    assert not fleet_lock_path.exists()
+    hung.proc.send_signal(signal.SIGCONT)
+    assert hung.let_go() == 0  # its release finds its lock gone and leaves the rest alone
+
+
+def test_unlock_refuses_a_live_lock_without_force(ddp, tmp_path, holders, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    live = holders(hosts)
+    pid = live.take()
+
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 1
+    assert r.stderr.startswith(f"error: unlock refused, nothing removed: here is locked by launch of job locktest "
+                               f"by {WHO} (pid {pid}), started ")
+    assert "--force" in r.stderr and fleet_lock_path.is_dir()
+
+    r = ddp(hosts, "unlock", "--force")
+    assert r.exit_code == 0, r.output
+    assert "here: removed the lock of launch of job locktest" in r.stdout and "(live, --force)" in r.stdout
+    assert not fleet_lock_path.exists()
+    assert ddp(hosts, "unlock").stdout == "here: no lock\n"
+    assert live.let_go() == 0
+
+
+def test_unlock_names_the_nodes_it_cannot_reach_and_exits_1(ddp, tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    config = json.loads(_inventory(hosts, ONE).read_text())
+    config["nodes"].append({"name": "away", "address": "127.0.0.1", "ssh": {"port": free_port(), "connect_timeout": 2},
+                            "procs": 1})
+    hosts.write_text(json.dumps(config))
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 1
+    assert "here: no lock\n" in r.stdout and "away: unreachable: " in r.stdout
+    assert r.stderr.startswith("error: unlock: not cleared on away (unreachable: ")
+
+
+def test_the_lock_is_released_after_a_launch_refused_by_a_check(ddp, tmp_path, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE, python="/nonexistent/bin/python")
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1 and "here torch: cannot run /nonexistent/bin/python" in r.stderr
+    assert not fleet_lock_path.exists()
+
+
+def test_the_lock_is_released_when_its_holder_is_interrupted_or_fails(tmp_path, holders, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    holder = holders(hosts)
+    holder.take()
+    assert fleet_lock_path.is_dir()
+    holder.proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert holder.proc.wait(timeout=60) != 0
+    assert not fleet_lock_path.exists()
+
+    inv = load(hosts)
+    with pytest.raises(RuntimeError), Remote(inv) as remote, lock.held(inv, remote, "launch", str(hosts)):
+        assert fleet_lock_path.is_dir()
+        raise RuntimeError("the command failed")
+    assert not fleet_lock_path.exists()
+
+
+def test_dry_runs_name_the_lock_and_take_nothing(ddp, tmp_path, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    r = ddp(hosts, "launch", "--dry-run")
+    assert r.exit_code == 0
+    assert f"[all] the fleet lock ({fleet_lock_path} on every node, taken in address order), held until the job " \
+           "has started\n" in r.stdout
+    r = ddp(hosts, "deploy", "--dry-run")
+    assert r.exit_code == 0 and "[all] the fleet lock (" in r.stdout
+    assert not fleet_lock_path.exists()
+
+
+@pytest.mark.e2e
+def test_launch_releases_the_lock_once_the_job_has_started_and_wait_follows_without_it(tmp_path, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
+    deploy = [sys.executable, "-m", "deploy", "--hosts", str(hosts)]
+    launch = subprocess.Popen([*deploy, "launch", "--wait"], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        said = [launch.stdout.readline()]
+        while said[-1] and not said[-1].startswith("started locktest on 1 nodes"):
+            said.append(launch.stdout.readline())
+        assert said[-1], "".join(said)
+        assert launch.poll() is None and not fleet_lock_path.exists()  # following, without the lock
+    finally:
+        launch.terminate()
+        launch.wait(timeout=60)
+        stopped = subprocess.run([*deploy, "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not fleet_lock_path.exists()
