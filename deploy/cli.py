@@ -449,7 +449,7 @@ def stop(st: _State, dry_run: bool, now: bool) -> None:
     """End the job on every reachable node (idempotent). The job first gets SIGTERM and up to
     45 s to finish its step and write a checkpoint, so a later launch redoes nothing."""
     inv = st.inv
-    grace = 0 if now else plan.STOP_GRACE_S
+    grace = 0 if now else runtime.STOP_GRACE_S
     cmds = {n.name: plan.stop_argv(inv, n, grace) for n in inv.nodes}
     if dry_run:
         for n, argv in cmds.items():

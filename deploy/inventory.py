@@ -180,6 +180,13 @@ class Rendezvous(_Model):
     """Rendezvous id; defaults to job.name."""
     join_timeout: int = Field(default=600, ge=1)
     """Seconds torchrun waits for all nodes (--rdzv-conf join_timeout=)."""
+    last_call_timeout: int | None = Field(default=None, ge=1)
+    """Elastic jobs (job.min_nodes): once min_nodes are in a round, how long it still waits for
+    more (--rdzv-conf last_call_timeout=). It must end before join_timeout does, or a round
+    without a lost node times out; default: a third of join_timeout, at most 30 s."""
+
+    def last_call(self) -> int:
+        return self.last_call_timeout or max(1, min(30, self.join_timeout // 3))
 
 
 class SshOverrides(_Model):
@@ -463,6 +470,9 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
     out += _train_problems(inv.train, [n.env for n in inv.nodes])
     if inv.job.min_nodes is not None and inv.job.min_nodes > len(inv.nodes):
         out.append((("job", "min_nodes"), f"{inv.job.min_nodes} is more than the {len(inv.nodes)} nodes listed"))
+    if inv.rendezvous.last_call() >= inv.rendezvous.join_timeout:
+        out.append((("rendezvous", "last_call_timeout"), f"{inv.rendezvous.last_call()} must be less than "
+                    f"join_timeout ({inv.rendezvous.join_timeout}): a round of fewer nodes would time out first"))
     if inv.rendezvous.node not in names:
         out.append((("rendezvous", "node"),
                     f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))

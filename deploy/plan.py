@@ -61,6 +61,8 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
         # Heterogeneous nodes still all have to join: an elastic range with min = max.
         nnodes = f"{len(inv.nodes)}:{len(inv.nodes)}"
     conf = f"join_timeout={inv.rendezvous.join_timeout}"
+    if inv.elastic:  # torchrun's 30 s last call would outlast a short join_timeout: no round of fewer nodes
+        conf += f",last_call_timeout={inv.rendezvous.last_call()}"
     if node.name == rdzv.name:
         conf = f"is_host=1,{conf}"
     return (
@@ -176,11 +178,6 @@ def probe_argv(inv: Inventory, node: Node, code: CodeDir | None = None) -> tuple
 
 def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return runtime(inv).status_argv(node)
-
-
-STOP_GRACE_S = 45
-"""How long `stop` waits after SIGTERM before SIGKILL: torchrun gives its workers 30 s to finish
-their step and write the checkpoint of a planned stop (trainer/stopping.py), then it exits."""
 
 
 def stop_argv(inv: Inventory, node: Node, grace: int = 0) -> tuple[str, ...]:

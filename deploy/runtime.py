@@ -114,6 +114,11 @@ DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then
 else echo absent; fi
 """
 
+STOP_GRACE_S = 45
+"""How long a stop waits after SIGTERM before SIGKILL (`stop`, and Docker's own stop of the
+container when its daemon shuts down: a reboot, a spot reclaim): torchrun gives its workers 30 s
+to finish their step and write the checkpoint of a planned stop (trainer/stopping.py)."""
+
 MERGE_STDERR = 'exec "$@" 2>&1'
 
 # $@ = the command. Exports NAME=VALUE lines read from stdin (the secrets: never on a command
@@ -299,6 +304,7 @@ class DockerRuntime(Runtime):
             # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
             # next rendezvous round; the survivors' agents restart their workers into that round.
             argv += ["--restart", f"on-failure:{self.inv.job.max_restarts}"]
+        argv += ["--stop-timeout", str(STOP_GRACE_S)]  # also when the daemon stops it (reboot, reclaim)
         for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
             argv += ["-e", name]
         return [*self.secrets_prefix(), *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]

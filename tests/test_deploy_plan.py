@@ -10,7 +10,7 @@ import pytest
 from deploy import plan
 from deploy.inventory import loads
 from deploy.remote import command_line
-from deploy.runtime import HOST_START
+from deploy.runtime import HOST_START, STOP_GRACE_S
 from fakes import install_command
 
 THREE_NODES = """
@@ -187,7 +187,7 @@ def test_stop_status_logs_target_the_job_container():
     inv = _inv()
     a = inv.node("a")
     assert plan.stop_argv(inv, a)[-2:] == ("demo-a", "0")
-    assert plan.stop_argv(inv, a, plan.STOP_GRACE_S)[-2:] == ("demo-a", str(plan.STOP_GRACE_S))
+    assert plan.stop_argv(inv, a, STOP_GRACE_S)[-2:] == ("demo-a", str(STOP_GRACE_S))
     assert plan.status_argv(inv, a)[-1] == "demo-a"
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
@@ -236,6 +236,8 @@ def test_min_nodes_makes_the_job_elastic_from_min_to_every_node():
     inv = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
     assert inv.elastic
     assert {_opt(s.torchrun, "--nnodes") for s in plan.launch_plan(inv)} == {"2:3"}
+    # the round of fewer nodes ends before join_timeout (120): a third of it, at most 30 s
+    assert {_opt(s.torchrun, "--rdzv-conf").split(",")[-1] for s in plan.launch_plan(inv)} == {"last_call_timeout=30"}
     every = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 3}"})
     assert not every.elastic and _opt(plan.launch_plan(every)[0].torchrun, "--nnodes") == "3:3"
 
@@ -265,3 +267,22 @@ def test_without_refuses_an_unknown_node_and_going_below_min_nodes():
     elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
     with pytest.raises(InventoryError, match=r"leaves 1 node\(s\), fewer than job.min_nodes \(2\)"):
         elastic.without(["a", "b"])
+
+
+def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_only_the_others(tmp_path):
+    from click.testing import CliRunner
+
+    from deploy.cli import cli
+
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(THREE_NODES)
+    r = CliRunner().invoke(cli, ["--hosts", str(hosts), "--without", "b", "launch", "--dry-run"],
+                           env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    assert r.exit_code == 0, r.output
+    assert "note: without b: 2 nodes; the rendezvous moves from b to a (198.18.0.11:29500)" in r.stderr
+    started = [line for line in r.stdout.splitlines() if line.startswith("[a] ") or line.startswith("[c] ")]
+    assert started and not any(line.startswith("[b] ") for line in r.stdout.splitlines())
+    assert all("198.18.0.11:29500" in line for line in started if "--rdzv-endpoint" in line)
+    bad = CliRunner().invoke(cli, ["--hosts", str(hosts), "--without", "z", "status"],
+                             env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    assert bad.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in bad.stderr
