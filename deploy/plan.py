@@ -60,7 +60,10 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     elif len(procs) > 1:
         # Heterogeneous nodes still all have to join: an elastic range with min = max.
         nnodes = f"{len(inv.nodes)}:{len(inv.nodes)}"
-    conf = f"join_timeout={inv.rendezvous.join_timeout}"
+    # read_timeout bounds each store operation of an agent (torch's default: 60 s): past it, an
+    # agent whose rendezvous node is lost gives up. No longer than join_timeout, so that a lost
+    # rendezvous node ends the job within the same bound as any lost node (README, "When things fail").
+    conf = f"join_timeout={inv.rendezvous.join_timeout},read_timeout={min(inv.rendezvous.join_timeout, 60)}"
     if inv.elastic:  # torchrun's 30 s last call would outlast a short join_timeout: no round of fewer nodes
         conf += f",last_call_timeout={inv.rendezvous.last_call()}"
     if node.name == rdzv.name:

@@ -47,7 +47,8 @@ def _opt(argv, flag):
 def test_rendezvous_is_host_only_on_the_endpoint_node():
     specs = plan.launch_plan(_inv())
     confs = {s.node: _opt(s.torchrun, "--rdzv-conf") for s in specs}
-    assert confs == {"a": "join_timeout=120", "b": "is_host=1,join_timeout=120", "c": "join_timeout=120"}
+    assert confs == {"a": "join_timeout=120,read_timeout=60", "b": "is_host=1,join_timeout=120,read_timeout=60",
+                     "c": "join_timeout=120,read_timeout=60"}
     assert {_opt(s.torchrun, "--rdzv-endpoint") for s in specs} == {"198.18.0.12:29500"}
 
 

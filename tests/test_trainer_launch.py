@@ -1,4 +1,6 @@
+import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -92,3 +94,28 @@ def test_script_runs_a_script_path_through_the_same_launcher():
 def test_a_program_option_without_a_value_is_a_usage_error():
     with pytest.raises(SystemExit, match="--script needs a value"):
         torchrun_args(["--script", "--", "x"], {})
+
+
+def _watcher(endpoint: str, conf: str) -> subprocess.Popen:
+    code = ("import time\nfrom trainer.launch import watch_rendezvous\n"
+            f"print(watch_rendezvous(['--rdzv-endpoint', {endpoint!r}, '--rdzv-conf', {conf!r}], every=0.1, "
+            "slack=0) is not None, flush=True)\ntime.sleep(5)\nprint('still here', flush=True)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_node_whose_rendezvous_store_stays_silent_past_join_timeout_gives_up_naming_it():
+    port = free_port()  # nothing listens there: the rendezvous node is gone
+    out, err = _watcher(f"127.0.0.1:{port}", "join_timeout=1,read_timeout=1").communicate(timeout=30)
+    assert out.strip() == "True" and "still here" not in out
+    assert f"the rendezvous store at 127.0.0.1:{port} has not answered for 1 s" in err
+    assert "ddp-deploy --without NODE launch" in err
+
+
+def test_a_store_that_answers_and_the_node_hosting_it_are_never_given_up_on():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        answered = _watcher(f"127.0.0.1:{port}", "join_timeout=1")
+        out, _ = answered.communicate(timeout=30)
+    assert answered.returncode == 0 and out.split() == ["True", "still", "here"]
+    host, _ = _watcher(f"127.0.0.1:{free_port()}", "is_host=1,join_timeout=1").communicate(timeout=30)
+    assert host.split() == ["False", "still", "here"]

@@ -18,7 +18,10 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import threading
+import time
 
 from .compat import binds_stores
 
@@ -103,6 +106,47 @@ def bind_rendezvous_store(address: str) -> None:
     backend.TCPStore = bound_store
 
 
+def watch_rendezvous(args: list[str], every: float = 10, slack: float = 30) -> threading.Thread | None:
+    """On a node that does not host the rendezvous: ends this process when the rendezvous store
+    has not accepted a connection for ``join_timeout + 30`` s.
+
+    When the rendezvous node is lost for good (link down, power), torchrun's agent blocks in a
+    store call on a connection that never answers (for as long as the kernel retransmits, about
+    15 minutes), its workers gone, and the job neither ends nor goes on. No round of the job can
+    form without the store, so after longer than any round may take, the agent gives up here:
+    exit 1, and the node's restart budget (Docker's policy, the host supervisor) runs out as for
+    any other lost node. A connection that opens and closes costs the store nothing.
+    """
+    endpoint, conf = option(args, "--rdzv-endpoint"), option(args, "--rdzv-conf") or ""
+    settings = dict(item.partition("=")[::2] for item in conf.split(",") if item)
+    if not endpoint or settings.get("is_host", "").lower() in ("1", "true"):
+        return None
+    host, _, port = endpoint.rpartition(":")
+    bound = int(settings.get("join_timeout", 600)) + slack
+    thread = threading.Thread(target=_watch, args=(host.strip("[]"), int(port), bound, every),
+                              name="rendezvous-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _watch(host: str, port: int, bound: float, every: float) -> None:
+    silent_since = None
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            silent_since = None
+        except OSError as exc:
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > bound:
+                sys.stderr.write(f"trainer.launch: error: the rendezvous store at {host}:{port} has not answered "
+                                 f"for {bound:.0f} s ({exc.strerror or exc}): its node is lost, and no round of "
+                                 "the job can form without it; giving up (ddp-deploy --without NODE launch runs "
+                                 "the job on the other nodes)\n")
+                sys.stderr.flush()
+                os._exit(1)
+        time.sleep(every)
+
+
 def main() -> None:
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
@@ -114,6 +158,7 @@ def main() -> None:
     address = option(args, "--local-addr")
     if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)
         bind_rendezvous_store(address)
+    watch_rendezvous(args)
     from torch.distributed.run import main as torchrun
 
     torchrun(args)
