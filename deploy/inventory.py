@@ -169,7 +169,7 @@ class Job(_Model):
     min_nodes: int | None = Field(default=None, ge=1)
     """The fewest nodes the job may train on (torchrun ``--nnodes MIN:MAX``). A node lost for good
     then costs a rendezvous round, not the job: the others go on without it from the newest
-    checkpoint, and a node that comes back is taken in at the next round. None: every node."""
+    checkpoint. None: every node."""
 
 
 class Rendezvous(_Model):

@@ -192,7 +192,7 @@ def _resumed_with(nas: Path, after: float, world_size: int):
     return found[0] if found else None
 
 
-def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_in_again_when_it_is_back(
+def test_an_elastic_job_trains_on_without_a_lost_node_and_finishes_on_the_others(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
     elastic = _hosts(cluster, tmp_path / "elastic.yaml", job={"max_restarts": 3, "min_nodes": 2})
     try:
@@ -206,24 +206,29 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_in_again_when
             training = wait_until(lambda: [r for r in records(fresh_nas)
                                            if r["kind"] == "train" and r["time"] > resized["time"]], 120,
                                   "a training step on two nodes", interval=0.2)[0]
+            assert resized["from_world_size"] == 3 * PROCS and resized["micro"] == 0  # at the epoch start
+
+            def survivors_done():
+                states = node_states(cluster, elastic)
+                return states if all(states[n].startswith("exited(") for n in ("node1", "node2")) else None
+
+            states = wait_until(survivors_done, 900, "node1 and node2 to finish", interval=2)
+            assert states["node1"] == states["node2"] == "exited(0)" and states["node3"] == "unreachable"
+            final = records(fresh_nas)[-1]
+            assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
         finally:
             cluster.bring_link_up("node3")
-        back = time.time()
-        assert resized["from_world_size"] == 3 * PROCS and resized["micro"] == 0  # resumed at the epoch start
-        rejoined = wait_until(lambda: _resumed_with(fresh_nas, back, 3 * PROCS), 600,
-                              "node3 to be taken in again", interval=1)
-        states = wait_until(lambda: _all_exited(cluster, elastic), 900, "the job to end", interval=2)
-        assert states == {h.name: "exited(0)" for h in cluster.hosts}
-        final = records(fresh_nas)[-1]
-        assert final["kind"] == "final" and final["world_size"] == 3 * PROCS
     finally:
+        for h in cluster.hosts:  # kept beside the test's hosts.yaml, for a failure's post-mortem
+            got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
+            (tmp_path / f"{h.name}.log").write_text(got.stdout + got.stderr)
         ddp(cluster, elastic, "stop", "--now")
-    record_fault(fault="elastic job (min_nodes 2): a node lost for good, then back",
-                 finished="yes, on 2 nodes, then on 3 again", redone_steps=None, ckpt_every=CKPT_EVERY,
+    record_fault(fault="elastic job (min_nodes 2): a node lost for good",
+                 finished="yes, on the 2 other nodes", redone_steps=None, ckpt_every=CKPT_EVERY,
                  detect_s=round(training["time"] - lost, 1),
-                 detect_what=f"link down to training again on 2 nodes (node back: taken in after "
-                             f"{rejoined['time'] - back:.0f} s)",
-                 left_running="nothing (all exited 0)", bit_identical="n/a (resized: deterministic)")
+                 detect_what="link down to training again on 2 nodes (resumed at the epoch start)",
+                 left_running="node3's container, unreachable; removed by stop once it was back",
+                 bit_identical="n/a (resized: deterministic)")
 
 
 def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_resumes_without_it(
