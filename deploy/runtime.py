@@ -20,6 +20,16 @@ from .inventory import Inventory, Node
 # and `exit` (its exit code, written when it ends).
 RUN_SUBDIR = ".ddp-deploy"
 
+# A shell function: kill_run RUNDIR [PID] kills every process whose environment carries the run's
+# DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live in sessions of their own),
+# except PID. No single quote in it: the supervisor's script below is one quoted word.
+KILL_RUN = r"""kill_run() {
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = "$2" ] || ! grep -qzx "DDP_DEPLOY_RUN=$1" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+}
+"""
+
 # $1 = run dir, $2 = max restarts, $3... = the command. Refuses when a previous run is recorded.
 # Starts the command in its own session (setsid), so `stop` can signal the whole process group,
 # under a supervisor loop that does for the host runtime what Docker's restart policy does for
@@ -34,13 +44,11 @@ if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-de
 mkdir -p "$run" || exit 1
 rm -f "$run/exit" "$run/log" "$run/restarts"
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
-setsid sh -c '
+setsid sh -c '""" + KILL_RUN + r"""
 run=$0; max=$1; shift; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
   "$@" >> "$run/log" 2>&1 < /dev/null; rc=$?
-  for p in /proc/[0-9]*; do
-    [ "${p#/proc/}" = $$ ] || ! grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
-  done
+  kill_run "$run" $$
   { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
   n=$((n+1)); echo $n > "$run/restarts"
   echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$run/log"; sleep 1
@@ -72,7 +80,7 @@ exit 0
 # starts each worker in a session of its own, so the group does not hold them: every process
 # still carrying this run's DDP_DEPLOY_RUN marker in its environment is killed last. Then the
 # run is forgotten (log kept). Prints what the program said on stopping, if anything.
-HOST_STOP = r"""run=$1; grace=$2
+HOST_STOP = KILL_RUN + r"""run=$1; grace=$2
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid")
   if [ "$grace" -gt 0 ]; then
@@ -80,9 +88,7 @@ if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
     i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
   fi
   kill -KILL "-$pid" 2>/dev/null
-  for p in /proc/[0-9]*; do
-    grep -qzx "DDP_DEPLOY_RUN=$run" "$p/environ" 2>/dev/null && kill -KILL "${p#/proc/}" 2>/dev/null
-  done
+  kill_run "$run" ""
   echo "stopped$(grep -h ': stopped by ' "$run/log" 2>/dev/null | tail -n 1 | sed 's/^/: /')"
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent

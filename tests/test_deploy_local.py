@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from deploy.cli import cli
 from fakes import free_port
+from procs import alive, parent_of
 
 pytestmark = pytest.mark.e2e
 
@@ -176,7 +177,7 @@ def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_f
     run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
     _wait_for(lambda: (tmp_path / "nas/ckpt/ckpt-000000008.pt.ok").exists(), "the first checkpoint")
     supervisor = int((run_dir / "pid").read_text())
-    torchrun = [p for p in _tagged(run_dir) if _parent(p) == supervisor]
+    torchrun = [p for p in _tagged(run_dir) if parent_of(p) == supervisor]
     assert len(torchrun) == 1
     workers = [p for p in _tagged(run_dir) if p not in (supervisor, *torchrun)]
     assert len(workers) == 2
@@ -185,24 +186,10 @@ def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_f
     final = _wait_for(lambda: (run_dir / "exit").exists() and _state(ddp, hosts), "the job to end", timeout=300)
     assert final["state"] == "exited(0)", (run_dir / "log").read_text()[-3000:]
     assert (run_dir / "restarts").read_text().strip() == "1"
-    assert not any(_alive(p) for p in workers)  # the killed torchrun's workers went with it
+    assert not any(alive(p) for p in workers)  # the killed torchrun's workers went with it
     kinds = [rec["kind"] for rec in _records(tmp_path)]
     assert "resumed" in kinds and kinds[-1] == "final"
     assert "starting it again (1 of 1 restarts)" in (run_dir / "log").read_text()
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _tagged(run_dir: Path) -> list[int]:

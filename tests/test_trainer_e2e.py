@@ -22,6 +22,7 @@ from trainer.dist import DistEnv
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port
+from procs import children_of
 
 pytestmark = pytest.mark.e2e
 
@@ -89,23 +90,12 @@ def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
         assert proc.poll() is None, "the run ended before the checkpoint to kill at: " + proc.stderr.read()[-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    workers = _children(proc.pid)  # torchrun starts each in a session of its own: not in its group
+    workers = children_of(proc.pid)  # torchrun starts each in a session of its own: not in its group
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in workers:
         os.kill(pid, signal.SIGKILL)  # as a machine's crash would end them, with torchrun
     proc.wait()
     assert not (tmp_path / "ckpt" / "final_model.pt").exists(), "killed too late: the run had finished"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
 
 
 @pytest.mark.parametrize("kill_at_step, extra", [

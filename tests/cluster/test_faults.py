@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from procs import children_of
+
 from .operator_cli import (complete_checkpoint_steps, containers_on, ddp, empty_nas, node_states, ok,
                            records, wait_until)
 
@@ -57,9 +59,10 @@ def _assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
 
 
-def _all_exited(cluster, hosts: Path):
+def _exited(cluster, hosts: Path, nodes=None):
+    """Every node's state, once ``nodes`` (default: all) have exited; else None."""
     states = node_states(cluster, hosts)
-    return states if all(s.startswith("exited(") for s in states.values()) else None
+    return states if all(s.startswith("exited(") for n, s in states.items() if nodes is None or n in nodes) else None
 
 
 def _no_containers_anywhere(cluster) -> None:
@@ -101,6 +104,11 @@ def hosts(cluster, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(cluster, hosts) -> dict:
     """Final weights of the same job run once without any fault."""
+    return _uninterrupted_weights(cluster, hosts)
+
+
+def _uninterrupted_weights(cluster, hosts: Path) -> dict:
+    """The job of ``hosts`` run once to its end on an empty NAS; the NAS is emptied again after."""
     nas = Path(cluster.nas_dir)
     empty_nas(nas)
     try:
@@ -131,7 +139,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     os.kill(pid, signal.SIGKILL)  # the container's torchrun, as the OOM killer would end it
     killed = time.time()
 
-    states = wait_until(lambda: _all_exited(cluster, hosts), 900, "the job to end", interval=2)
+    states = wait_until(lambda: _exited(cluster, hosts), 900, "the job to end", interval=2)
     assert states == {h.name: "exited(0)" for h in cluster.hosts}
     restarts = cluster.run_on(node, ["docker", "inspect", "--format", "{{.RestartCount}}", container],
                               check=True).stdout.strip()
@@ -156,11 +164,7 @@ def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_r
     cluster.take_link_down("node3")
     lost = time.time()
     try:
-        def survivors_ended():
-            states = node_states(cluster, hosts)
-            return states if all(states[n].startswith("exited(") for n in ("node1", "node2")) else None
-
-        states = wait_until(survivors_ended, LOST_NODE_BOUND, "node1 and node2 to give up on node3", interval=2)
+        states = wait_until(lambda: _exited(cluster, hosts, ("node1", "node2")), LOST_NODE_BOUND, "node1 and node2 to give up on node3", interval=2)
         detect = time.time() - lost
         assert states["node3"] == "unreachable"  # status names the lost node
         assert states["node1"] != "exited(0)" and states["node2"] != "exited(0)"
@@ -207,12 +211,7 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_finishes_on_the_others
                                            if r["kind"] == "train" and r["time"] > resized["time"]], 120,
                                   "a training step on two nodes", interval=0.2)[0]
             assert resized["from_world_size"] == 3 * PROCS and resized["micro"] == 0  # at the epoch start
-
-            def survivors_done():
-                states = node_states(cluster, elastic)
-                return states if all(states[n].startswith("exited(") for n in ("node1", "node2")) else None
-
-            states = wait_until(survivors_done, 900, "node1 and node2 to finish", interval=2)
+            states = wait_until(lambda: _exited(cluster, elastic, ("node1", "node2")), 900, "node1 and node2 to finish", interval=2)
             assert states["node1"] == states["node2"] == "exited(0)" and states["node3"] == "unreachable"
             final = records(fresh_nas)[-1]
             assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
@@ -238,11 +237,7 @@ def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_r
     cluster.take_link_down("node1")  # the c10d store every agent needs lives on node1
     lost = time.time()
     try:
-        def survivors_ended():
-            states = node_states(cluster, hosts)
-            return states if all(states[n].startswith("exited(") for n in ("node2", "node3")) else None
-
-        wait_until(survivors_ended, LOST_NODE_BOUND, "node2 and node3 to give up on node1", interval=2)
+        wait_until(lambda: _exited(cluster, hosts, ("node2", "node3")), LOST_NODE_BOUND, "node2 and node3 to give up on node1", interval=2)
         detect = time.time() - lost
         refused = ddp(cluster, hosts, "launch")
         assert refused.returncode == 1 and "unreachable: node1" in refused.stderr
@@ -398,7 +393,7 @@ def test_a_full_shared_volume_during_a_checkpoint_keeps_the_previous_one_loadabl
         subprocess.run(["fallocate", "-l", str(free - 64 * 1024), str(ckpt / "filler")], check=True)
         filled = time.time()
 
-        states = wait_until(lambda: _all_exited(cluster, hosts), 600, "the job to stop", interval=1)
+        states = wait_until(lambda: _exited(cluster, hosts), 600, "the job to stop", interval=1)
         detect = time.time() - filled
         assert any(s != "exited(0)" for s in states.values())
         said = ok(ddp(cluster, hosts, "logs")).stdout
@@ -437,26 +432,7 @@ def host_hosts(cluster, tmp_path_factory) -> Path:
 def host_reference(cluster, host_hosts) -> dict:
     """Final weights of the host-runtime job run once without a fault (the nodes' torch may differ
     from the image's, so the docker reference is not this one's)."""
-    nas = Path(cluster.nas_dir)
-    empty_nas(nas)
-    try:
-        ok(ddp(cluster, host_hosts, "launch", "--wait", "--timeout", "900", timeout=960))
-        assert records(nas)[-1]["kind"] == "final"
-        return _weights(nas)
-    finally:
-        ok(ddp(cluster, host_hosts, "stop"))
-        empty_nas(nas)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
+    return _uninterrupted_weights(cluster, host_hosts)
 
 
 def test_host_runtime_a_nodes_torchrun_killed_mid_epoch_is_started_again_and_the_job_ends_bit_identical(
@@ -465,12 +441,12 @@ def test_host_runtime_a_nodes_torchrun_killed_mid_epoch_is_started_again_and_the
         ok(ddp(cluster, host_hosts, "launch"))
         newest, _ = _run_past_a_checkpoint(fresh_nas)
         run = fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-test" / "node2"
-        torchrun = _children(int((run / "pid").read_text()))  # the supervisor's one child
+        torchrun = children_of(int((run / "pid").read_text()))  # the supervisor's one child
         assert len(torchrun) == 1
         os.kill(torchrun[0], signal.SIGKILL)  # as the OOM killer would end it
         killed = time.time()
 
-        states = wait_until(lambda: _all_exited(cluster, host_hosts), 900, "the job to end", interval=2)
+        states = wait_until(lambda: _exited(cluster, host_hosts), 900, "the job to end", interval=2)
         assert states == {h.name: "exited(0)" for h in cluster.hosts}, (run / "log").read_text()[-3000:]
         assert (run / "restarts").read_text().strip() == "1"
         resumed = _resumed_after(fresh_nas, killed)
