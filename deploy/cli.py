@@ -169,7 +169,7 @@ def check(st: _State, network: bool, network_mb: float) -> None:
                                  hint="check that node's link, cabling and interface (nodes[].interface)")
 
 
-def _sync_code(inv, remote, snap) -> runtime.CodeDir | None:
+def _sync_code(inv, remote, snap, nodes=None) -> runtime.CodeDir | None:
     """The code snapshot on every node (only the files their store lacks travel), reported per node."""
     if snap is None:
         return None
@@ -182,7 +182,7 @@ def _sync_code(inv, remote, snap) -> runtime.CodeDir | None:
             click.echo(f"{node}: code sent {sent.files} file{'s' * (sent.files != 1)} ({_size(sent.bytes)}), "
                        f"snapshot {snap.id[:12]} stored")
 
-    codesync.sync(inv, remote, snap, on_node=report)
+    codesync.sync(inv, remote, snap, on_node=report, nodes=nodes)
     return codesync.code_dir(inv, snap)
 
 
@@ -345,6 +345,94 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                    "nodes exited with code 0")
         return
     click.echo("all nodes finished with exit code 0")
+
+
+@cli.command()
+@click.argument("node")
+@dry_run_option
+@pass_state
+def join(st: _State, node: str, dry_run: bool) -> None:
+    """Start NODE in the elastic job running on the other nodes (job.min_nodes): a node back after
+    a loss, one whose restarts ran out, or a spare left out with --without. The running nodes take
+    it in at their next rendezvous round, from the newest checkpoint."""
+    inv = st.inv
+    inv.check_names("join NODE", {node})
+    if not inv.elastic:
+        raise InputError(f"join: job {inv.job.name} has a fixed size (job.min_nodes is not set below the "
+                         f"{inv.listed} nodes listed): no node can join it while it runs",
+                         hint="`ddp-deploy stop`, then `ddp-deploy launch` runs it on every node")
+    secrets = secretenv.resolve(inv)
+    snap = codesync.snapshot_of(inv)
+    if dry_run:
+        click.echo(f"[{node}] the running job's rendezvous node and size are read from its launch record "
+                   f"{record.path(inv)}; shown here as hosts.yaml has them")
+        click.echo(f"[{node}] the launch's preflight checks on {node} alone first; it must see that record and "
+                   "reach the running job's rendezvous store")
+        _show(node, plan.launch_spec(inv, _index(inv, node), code=codesync.code_dir(inv, snap)).argv)
+        return
+    with Remote(inv) as remote, lock.held(inv, remote, "join", st.hosts, warn=_warn):
+        states = _states(inv, remote, st.redact)
+        mine = states[node]
+        if mine.state == "unreachable":
+            raise RuntimeFailure(f"join refused, nothing started: {node} is unreachable ({mine.metrics})",
+                                 hint="check its link and sshd; `ddp-deploy check` names the cause")
+        if mine.running:
+            raise RuntimeFailure(f"join refused: {node} runs the job already",
+                                 hint="the running nodes take it in at their next round; see `ddp-deploy status`")
+        running = [n for n, s in states.items() if s.running]
+        if not running:
+            raise RuntimeFailure(f"join refused, nothing started: {inv.job.name} runs on no node",
+                                 hint="`ddp-deploy launch` starts it (it resumes from the newest checkpoint)")
+        at, text, joined = _running_job(inv, remote, running[0], node)
+        if not states[at.rdzv_node.name].running:
+            raise RuntimeFailure(f"join refused, nothing started: {at.rdzv_node.name}, which hosts the running "
+                                 f"job's rendezvous, does not run it ({states[at.rdzv_node.name].state})",
+                                 hint="the job cannot take a node in without it: `ddp-deploy stop`, then "
+                                      f"`ddp-deploy --without {at.rdzv_node.name} launch`")
+        code = _sync_code(at, remote, snap, nodes=[node])
+        pre = preflight.join_checks(at, remote, node, (record.path(inv), text), code)
+        if pre.failed:
+            _print_checks(pre.failed)
+        _refuse_failed_checks(pre.failed, "join refused, nothing started: ")
+        spec = plan.launch_spec(at, _index(at, node), pre.facts.get(node, plan.NodeFacts()), code)
+        if mine.exists:  # its finished run (restarts run out): its checkpoints stay on the shared volume
+            remote.run({node: plan.stop_argv(at, at.node(node))}, check=True, timeout=120)
+        stdin = {node: secretenv.stdin_lines(secrets)} if secrets else None
+        started = remote.run({node: spec.argv}, check=False, timeout=120, stdin=stdin)
+        if not started[node].ok:
+            remote.run({node: plan.stop_argv(at, at.node(node))}, check=False, timeout=120)
+            raise RemoteFailure("join", started, hint="nothing else changed: the job runs on as it was")
+    click.echo(f"{node} started: the job's nodes ({', '.join(joined)}) take it in at their next rendezvous round "
+               f"({at.rdzv_node.name}, {plan.endpoint(at)}); `ddp-deploy status` shows it training")
+
+
+def _index(inv: Inventory, node: str) -> int:
+    return [n.name for n in inv.nodes].index(node)
+
+
+def _running_job(inv: Inventory, remote: Remote, reader: str, node: str) -> tuple[Inventory, str, list[str]]:
+    """The inventory of the job running now (its rendezvous node from its launch record, read on
+    ``reader``), the record's text, and the nodes it was launched on."""
+    where = record.path(inv)
+    got = remote.run({reader: ("cat", where)}, check=False, timeout=60)[reader]
+    found = record.decode(got.stdout) if got.ok else None
+    if found is None or not isinstance(found.get("rendezvous"), dict):
+        raise RuntimeFailure(f"join refused, nothing started: {reader} cannot read the running job's launch "
+                             f"record {where} ({got.summary() if not got.ok else 'not one this version wrote'})",
+                             hint="`ddp-deploy stop`, then `ddp-deploy launch` (it resumes from the newest checkpoint)")
+    rdzv = found["rendezvous"].get("node")
+    if rdzv == node or rdzv not in {n.name for n in inv.nodes}:
+        raise RuntimeFailure(f"join refused, nothing started: the running job's rendezvous is on {rdzv!r} "
+                             f"({where}), " + ("the node to join" if rdzv == node else "not a node of hosts.yaml now"),
+                             hint="`ddp-deploy stop`, then `ddp-deploy launch`")
+    at = inv.hosting_rendezvous_on(rdzv)
+    now = {"endpoint": plan.endpoint(at), "nnodes": plan.nnodes(at)}
+    then = {"endpoint": found["rendezvous"].get("endpoint"), "nnodes": found.get("nnodes")}
+    if now != then:
+        changed = "; ".join(f"{k} {then[k]} then, {now[k]} now" for k in now if now[k] != then[k])
+        raise RuntimeFailure(f"join refused, nothing started: hosts.yaml changed since the launch ({changed})",
+                             hint="undo the change, or `ddp-deploy stop` and `ddp-deploy launch` with it")
+    return at, got.stdout, [n["name"] for n in found.get("nodes", []) if isinstance(n, dict) and "name" in n]
 
 
 def _warn_without_interface(inv, facts) -> None:

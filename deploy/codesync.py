@@ -172,11 +172,13 @@ def _node_program() -> str:
     return NODE_PROGRAM.read_text()
 
 
-def sync(inv: Inventory, remote: Remote, snap: Snapshot, on_node=lambda node, sent: None) -> dict[str, Sent]:
-    """Make the snapshot present on every node; raises RemoteFailure naming a node that failed."""
+def sync(inv: Inventory, remote: Remote, snap: Snapshot, on_node=lambda node, sent: None,
+         nodes: Sequence[str] | None = None) -> dict[str, Sent]:
+    """Make the snapshot present on every node (or on ``nodes``); raises RemoteFailure naming a
+    node that failed."""
 
     out: dict[str, Sent] = {}
-    for node in inv.nodes:
+    for node in inv.nodes if nodes is None else [inv.node(n) for n in nodes]:
         asked = remote.send(node.name, [snap.manifest()], node_argv(inv, "need", snap))
         if not asked.ok:
             raise RemoteFailure("code sync", {node.name: asked}, hint=_hint(inv))

@@ -169,7 +169,8 @@ class Job(_Model):
     min_nodes: int | None = Field(default=None, ge=1)
     """The fewest nodes the job may train on (torchrun ``--nnodes MIN:MAX``). A node lost for good
     then costs a rendezvous round, not the job: the others go on without it from the newest
-    checkpoint. None: every node."""
+    checkpoint, and take it in again when it is back (or ``ddp-deploy join`` starts it). The
+    most is every node listed, those left out with --without too. None: every node."""
 
 
 class Rendezvous(_Model):
@@ -368,6 +369,8 @@ class Inventory(_Model):
     train: Train = Field(default_factory=Train)
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _listed: int | None = PrivateAttr(default=None)
+    """How many nodes hosts.yaml lists, when some are left out (--without)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Inventory":
@@ -392,29 +395,46 @@ class Inventory(_Model):
         return next(n for n in self.nodes if n.name == name)
 
     @property
+    def listed(self) -> int:
+        """How many nodes hosts.yaml lists, those left out with --without included: an elastic
+        job's most nodes, so that a node left out can join it later (``ddp-deploy join``)."""
+        return self._listed or len(self.nodes)
+
+    @property
     def elastic(self) -> bool:
-        """The job may go on with fewer nodes than listed (job.min_nodes)."""
-        return self.job.min_nodes is not None and self.job.min_nodes < len(self.nodes)
+        """The job may run on fewer nodes than listed (job.min_nodes)."""
+        return self.job.min_nodes is not None and self.job.min_nodes < self.listed
 
     def without(self, names: Iterable[str]) -> "Inventory":
         """This inventory minus ``names`` (nodes lost for good): the job runs on the others; if
         the rendezvous node is among them, the first remaining node hosts the rendezvous."""
         names = set(names)
-        unknown = sorted(names - {n.name for n in self.nodes})
-        if unknown:
-            raise InventoryError([Issue("--without", "", None, f"{', '.join(unknown)}: not in nodes[].name "
-                                                               f"({', '.join(n.name for n in self.nodes)})")])
+        self.check_names("--without", names)
         kept = tuple(n for n in self.nodes if n.name not in names)
         floor = self.job.min_nodes or 1
         if len(kept) < floor:
             raise InventoryError([Issue("--without", "", None, f"leaves {len(kept)} node(s), fewer than "
                                                                f"job.min_nodes ({floor})")])
-        rendezvous = self.rendezvous
-        if rendezvous.node in names:
-            rendezvous = rendezvous.model_copy(update={"node": kept[0].name})
-        smaller = self.model_copy(update={"nodes": kept, "rendezvous": rendezvous})
-        smaller._base_dir = self._base_dir
-        return smaller
+        node = self.rendezvous.node if self.rendezvous.node not in names else kept[0].name
+        return self._reshaped(kept, node)
+
+    def hosting_rendezvous_on(self, name: str) -> "Inventory":
+        """This inventory with the rendezvous on ``name`` (where a running job has it)."""
+        self.check_names("rendezvous", {name})
+        return self._reshaped(self.nodes, name)
+
+    def check_names(self, field: str, names: set[str]) -> None:
+        """Raises InventoryError (exit 2) naming any of ``names`` that is not a node here."""
+        unknown = sorted(names - {n.name for n in self.nodes})
+        if unknown:
+            raise InventoryError([Issue(field, "", None, f"{', '.join(unknown)}: not in nodes[].name "
+                                                         f"({', '.join(n.name for n in self.nodes)})")])
+
+    def _reshaped(self, nodes: tuple[Node, ...], rendezvous_node: str) -> "Inventory":
+        rendezvous = self.rendezvous.model_copy(update={"node": rendezvous_node})
+        other = self.model_copy(update={"nodes": nodes, "rendezvous": rendezvous})
+        other._base_dir, other._listed = self._base_dir, self.listed
+        return other
 
     def ssh_for(self, node: Node) -> Ssh:
         return self.ssh.merged(node.ssh)

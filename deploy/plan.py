@@ -53,13 +53,6 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     """
     node = inv.nodes[index]
     rdzv = inv.rdzv_node
-    procs = {n.nprocs for n in inv.nodes}
-    nnodes = str(len(inv.nodes))
-    if inv.elastic:
-        nnodes = f"{inv.job.min_nodes}:{len(inv.nodes)}"
-    elif len(procs) > 1:
-        # Heterogeneous nodes still all have to join: an elastic range with min = max.
-        nnodes = f"{len(inv.nodes)}:{len(inv.nodes)}"
     # read_timeout bounds each store operation of an agent (torch's default: 60 s): past it, an
     # agent whose rendezvous node is lost gives up. No longer than join_timeout, so that a lost
     # rendezvous node ends the job within the same bound as any lost node (README, "When things fail").
@@ -69,16 +62,32 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     if node.name == rdzv.name:
         conf = f"is_host=1,{conf}"
     return (
-        "--nnodes", nnodes,
+        "--nnodes", nnodes(inv),
         "--nproc-per-node", str(node.nprocs),
         "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", _endpoint(rdzv.address, inv.rendezvous.port),
+        "--rdzv-endpoint", endpoint(inv),
         "--rdzv-id", inv.rdzv_id if rdzv_id is None else rdzv_id,
         "--rdzv-conf", conf,
         "--max-restarts", str(inv.job.max_restarts if max_restarts is None else max_restarts),
         "--local-addr", node.address,
         "--node-rank", str(index),
     )
+
+
+def nnodes(inv: Inventory) -> str:
+    """torchrun's --nnodes: every node, or for an elastic job MIN:MAX with MAX every node listed,
+    those left out included, so that one of them can join later (``ddp-deploy join``)."""
+    if inv.elastic:
+        return f"{inv.job.min_nodes}:{inv.listed}"
+    if len({n.nprocs for n in inv.nodes}) > 1:
+        # Heterogeneous nodes still all have to join: an elastic range with min = max.
+        return f"{len(inv.nodes)}:{len(inv.nodes)}"
+    return str(len(inv.nodes))
+
+
+def endpoint(inv: Inventory) -> str:
+    """The rendezvous endpoint, ADDRESS:PORT."""
+    return _endpoint(inv.rdzv_node.address, inv.rendezvous.port)
 
 
 def _endpoint(address: str, port: int) -> str:

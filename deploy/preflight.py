@@ -161,9 +161,11 @@ def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return ("bash", "-c", CONNECT, "bash", rdzv.address, port, str(LISTEN_SECONDS))
 
 
-def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = None) -> tuple[str, ...]:
+def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = None,
+               meeting: Sequence[tuple[str, Sequence[str]]] | None = None) -> tuple[str, ...]:
     """The one command run on ``node``; ``token`` is empty for a one-node inventory; ``code``: the
-    code snapshot the probe imports the program from."""
+    code snapshot the probe imports the program from; ``meeting``: the checks by which the node
+    meets the others (default: the fleet's, :class:`FleetMeeting`)."""
     s = inv.storage
     engine = runtime(inv).engine_argv()
     checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
@@ -171,9 +173,9 @@ def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = No
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
-    if token:
-        checks.append(("token", ("sh", "-c", TOKEN, "sh", s.checkpoints.host, token)))
-    checks += [("status", plan.status_argv(inv, node)), ("rdzv", rendezvous_argv(inv, node)),
+    if meeting is None:
+        meeting = FleetMeeting.meeting_checks(inv, node, token)
+    checks += [*meeting, ("status", plan.status_argv(inv, node)),
                ("nics", plan.INTERFACES_ARGV), ("fabric", ("sh", "-c", FABRIC))]
     argv = ["bash", "-c", PHASES, "bash", str(PROBE_SECONDS)]
     for tag, words in checks:
@@ -213,27 +215,97 @@ def token_waves(inv: Inventory, first: Mapping[str, Result]) -> list[dict[str, s
     return [{n: f"READ {path}\n" for n in up[1:]}, {up[0]: ""}]
 
 
+class FleetMeeting:
+    """How the nodes of a launch (or ``check``) meet: through shared storage (every node writes a
+    token in phase 1, the others read the first node's in phase 2) and at the rendezvous (the
+    endpoint listens on the port, free, while every other node connects)."""
+
+    def __init__(self, inv: Inventory) -> None:
+        self.inv = inv
+        self.tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
+
+    @staticmethod
+    def meeting_checks(inv: Inventory, node: Node, token: str) -> list[tuple[str, Sequence[str]]]:
+        out: list[tuple[str, Sequence[str]]] = []
+        if token:
+            out.append(("token", ("sh", "-c", TOKEN, "sh", inv.storage.checkpoints.host, token)))
+        return [*out, ("rdzv", rendezvous_argv(inv, node))]
+
+    def argv(self, node: Node, code: CodeDir | None) -> tuple[str, ...]:
+        return check_argv(self.inv, node, self.tokens.get(node.name, ""), code)
+
+    def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
+        return token_waves(self.inv, first)
+
+    def judge(self, up: list[str], results) -> list[Check]:
+        return _shared(self.inv, up, results, self.tokens) + _rendezvous(self.inv, up, results)
+
+
+class JoinMeeting:
+    """How a node meets a job that runs already (``ddp-deploy join``): in phase 2 it reads the
+    job's launch record on the shared storage, which must match what a running node read there,
+    and it reaches the job's rendezvous store, which listens."""
+
+    def __init__(self, inv: Inventory, record_path: str, record_text: str) -> None:
+        self.inv, self.path, self.text = inv, record_path, record_text
+
+    def argv(self, node: Node, code: CodeDir | None) -> tuple[str, ...]:
+        rdzv = self.inv.rdzv_node
+        reach = ("bash", "-c", CONNECT, "bash", rdzv.address, str(self.inv.rendezvous.port), str(LISTEN_SECONDS))
+        return check_argv(self.inv, node, "", code, meeting=[("rdzv", reach)])
+
+    def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
+        return [{n: f"READ {self.path}\n" for n, r in first.items() if r.connected}]
+
+    def judge(self, up: list[str], results) -> list[Check]:
+        rdzv, port = self.inv.rdzv_node, self.inv.rendezvous.port
+        out = []
+        for node in up:
+            seen = results[node]["seen"]
+            same = seen.ok and seen.stdout.strip() == self.text.strip()
+            out.append(Check(node, "shared storage", same, f"sees the running job's launch record {self.path}" if same
+                             else f"does not see the running job's launch record {self.path} "
+                                  f"({seen.summary() if not seen.ok else 'another content'}): not the same storage"))
+            reached = results[node]["rdzv"].ok
+            out.append(Check(node, "rendezvous", reached, f"reaches the running job's store at {rdzv.address}:{port}"
+                             if reached else f"cannot reach the running job's store at {rdzv.address}:{port}"))
+        return out
+
+
 def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False, code: CodeDir | None = None) -> Preflight:
     """Every check on every node, one session each; ``for_launch``: the image must be on the
     nodes already (``check`` alone accepts a node that ``deploy`` has yet to ship it to);
     ``code``: the synced code snapshot (train.code), where the program must import."""
-    tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
-    commands = {n.name: check_argv(inv, n, tokens.get(n.name, ""), code) for n in inv.nodes}
+    return _run(inv, remote, inv.nodes, FleetMeeting(inv), for_launch=for_launch, code=code)
+
+
+def join_checks(inv: Inventory, remote: Remote, node: str, record: tuple[str, str],
+                code: CodeDir | None = None) -> Preflight:
+    """The launch's checks on ``node`` alone, before it joins the job that runs on the others
+    (``inv``'s rendezvous node hosts its store): ``record`` is the job's launch record (path,
+    content) as a running node read it, which ``node`` must see the same on the shared storage."""
+    return _run(inv, remote, (inv.node(node),), JoinMeeting(inv, *record), for_launch=True, code=code)
+
+
+def _run(inv: Inventory, remote: Remote, nodes: Sequence[Node], meeting, *, for_launch: bool,
+         code: CodeDir | None) -> Preflight:
+    commands = {n.name: meeting.argv(n, code) for n in nodes}
     first: dict[str, Result] = {}
 
     def reply(phase1: dict[str, Result]) -> list[dict[str, str]]:
         first.update(phase1)
-        return token_waves(inv, phase1)
+        return meeting.waves(phase1)
 
     final = remote.converse(commands, marker=MARKER, reply=reply,
                             timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
-    return Preflight(checks_from(inv, first, final, tokens, for_launch=for_launch, code=code),
-                     facts_from(inv, first, final))
+    return Preflight(checks_from(inv, first, final, meeting, for_launch=for_launch, code=code, nodes=nodes),
+                     facts_from(inv, first, final, nodes))
 
 
-def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result]) -> dict[str, NodeFacts]:
+def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
+               nodes: Sequence[Node] | None = None) -> dict[str, NodeFacts]:
     facts = {}
-    for n in inv.nodes:
+    for n in inv.nodes if nodes is None else nodes:
         if not first[n.name].connected:
             continue
         got = parse_tagged(n.name, final[n.name].stdout)
@@ -245,14 +317,16 @@ def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, 
 
 
 def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
-                tokens: Mapping[str, str], *, for_launch: bool = False, code: CodeDir | None = None) -> list[Check]:
+                meeting, *, for_launch: bool = False, code: CodeDir | None = None,
+                nodes: Sequence[Node] | None = None) -> list[Check]:
     """Every node's Check rows from its session's output (``first``: up to the barrier)."""
+    nodes = inv.nodes if nodes is None else nodes
     checks: list[Check] = []
-    for n in inv.nodes:
+    for n in nodes:
         r = first[n.name]
         how = "local" if n.connection == "local" else "ssh"
         checks.append(Check(n.name, how, r.connected, "reachable" if r.connected else r.error))
-    up = [n.name for n in inv.nodes if first[n.name].connected]
+    up = [n.name for n in nodes if first[n.name].connected]
     if not up:
         return checks
     results = {}
@@ -274,8 +348,7 @@ def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str,
 
     checks += _judged([n for n in up if inv.node(n).gpus > 0], results, "gpus", "gpus", gpus, "nvidia-smi failed")
     checks += [_storage(inv, results[n]["storage"]) for n in up]
-    checks += _shared(inv, up, results, tokens)
-    checks += _rendezvous(inv, up, results)
+    checks += meeting.judge(up, results)
     checks += [_previous_run(results[n]["status"]) for n in up]
     return checks
 

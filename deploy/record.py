@@ -10,6 +10,7 @@ import time
 from . import secretenv
 from .inventory import Inventory
 from .payload import payload
+from .plan import endpoint, nnodes
 from .runtime import RUN_SUBDIR, CodeDir, runtime
 
 # $1 = file. Writes stdin to it atomically (the directory is created).
@@ -29,6 +30,8 @@ def launch_record(inv: Inventory, code: CodeDir | None) -> dict:
         "args": list(inv.train.args),
         "code_snapshot": code.snapshot if code else None,
         "where": runtime(inv, code).where(),
+        "rendezvous": {"node": inv.rdzv_node.name, "endpoint": endpoint(inv), "id": inv.rdzv_id},
+        "nnodes": nnodes(inv),
         "nodes": [{"name": n.name, "address": n.address, "procs": n.nprocs, "gpus": list(n.devices)} for n in inv.nodes],
         "env": sorted({*inv.train.env, *(k for n in inv.nodes for k in n.env)}),
         "secrets": {name: secretenv.source(inv, name) for name in inv.train.secrets},
@@ -41,3 +44,12 @@ def write_argv(inv: Inventory) -> tuple[str, ...]:
 
 def encode(record: dict) -> bytes:
     return (json.dumps(record, indent=1) + "\n").encode()
+
+
+def decode(text: str) -> dict | None:
+    """A launch record read back, or None if it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -4,7 +4,6 @@ layers a node already holds, count the bytes, verify the ID after loading, never
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import os

@@ -287,3 +287,50 @@ def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_only_t
     bad = CliRunner().invoke(cli, ["--hosts", str(hosts), "--without", "z", "status"],
                              env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
     assert bad.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in bad.stderr
+
+
+def test_an_elastic_job_without_a_node_keeps_room_for_it_to_join_later():
+    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    smaller = elastic.without(["c"])
+    assert [n.name for n in smaller.nodes] == ["a", "b"] and smaller.listed == 3 and smaller.elastic
+    assert {_opt(s.torchrun, "--nnodes") for s in plan.launch_plan(smaller)} == {"2:3"}
+    # a fixed-size job without a node is exactly the nodes left
+    assert _opt(plan.launch_plan(_inv().without(["c"]))[0].torchrun, "--nnodes") == "2"
+
+
+def test_the_launch_record_says_where_the_rendezvous_is_and_how_many_nodes_may_join():
+    from deploy import record
+
+    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"}).without(["b"])
+    kept = record.decode(record.encode(record.launch_record(elastic, None)).decode())
+    assert kept["rendezvous"] == {"node": "a", "endpoint": "198.18.0.11:29500", "id": "demo"}
+    assert kept["nnodes"] == "2:3" and [n["name"] for n in kept["nodes"]] == ["a", "c"]
+    assert record.decode("not json") is None and record.decode("[1]") is None
+
+
+def _cli(tmp_path, text, *args):
+    from click.testing import CliRunner
+
+    from deploy.cli import cli
+
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(text)
+    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args], env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+
+
+def test_join_is_refused_for_a_fixed_size_job_and_an_unknown_node_before_connecting(tmp_path):
+    fixed = _cli(tmp_path, THREE_NODES, "join", "c")
+    assert fixed.exit_code == 2 and "job demo has a fixed size" in fixed.stderr and "ddp-deploy stop" in fixed.stderr
+    elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
+    unknown = _cli(tmp_path, elastic, "join", "z")
+    assert unknown.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in unknown.stderr
+
+
+def test_join_dry_run_prints_the_node_s_start_command_and_where_the_rendezvous_comes_from(tmp_path):
+    elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
+    r = _cli(tmp_path, elastic, "join", "c", "--dry-run")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert all(line.startswith("[c] ") for line in lines)
+    assert "launch record /nas/ckpt/.ddp-deploy/demo/launch.json" in lines[0]
+    assert "--nnodes 2:3" in lines[-1] and "--rdzv-endpoint 198.18.0.12:29500" in lines[-1]

@@ -154,7 +154,9 @@ def test_a_node_that_reads_another_token_is_not_on_the_same_storage(tmp_path):
         "n3": Result("n3", 0, _tagged(**common, token=(0, "p3"), seen=(1, ""))),
     }
     first = {n: Result(n, None, r.stdout) for n, r in final.items()}
-    shared = [c for c in preflight.checks_from(inv, first, final, tokens) if c.name == "shared storage"]
+    meeting = preflight.FleetMeeting(inv)
+    meeting.tokens = tokens
+    shared = [c for c in preflight.checks_from(inv, first, final, meeting) if c.name == "shared storage"]
     assert [(c.node, c.ok) for c in shared] == [("n1", True), ("n2", True), ("n3", False)]
     assert shared[2].detail == f"does not see {path} written by n1: not the same storage"
 
@@ -183,3 +185,29 @@ def test_the_session_finds_each_node_s_nic_and_infiniband_devices_for_its_launch
     assert facts["n1"] == preflight.NodeFacts(interface="lo", infiniband=True)  # 127.0.0.1 is on lo here
     assert facts["n2"] == preflight.NodeFacts(interface="eth2", infiniband=False)
     assert facts["n3"] == preflight.NodeFacts(interface=None, infiniband=False)  # `ip` failed: left to gloo/NCCL
+
+
+@pytest.mark.parametrize("seen, store", [("same", True), ("other", True), ("same", False)])
+def test_a_joining_node_alone_must_see_the_running_job_s_record_and_reach_its_store(fake_docker, tmp_path, monkeypatch, seen,
+                                                                                   store):
+    """join: the checks run on the joining node only; the store of the running job listens (its
+    port in use is the point), and the record on the shared storage must match a running node's."""
+    monkeypatch.setattr(preflight, "LISTEN_SECONDS", 2)
+    record = tmp_path / "nas/ckpt/.ddp-deploy/pf/launch.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"job": "pf"}\n')
+    with socket.create_server(("127.0.0.2", 0)) as running_store:
+        running_store.listen(8)
+        port = running_store.getsockname()[1] if store else free_port()
+        inv = _inv(tmp_path, port=port)
+        text = '{"job": "pf"}\n' if seen == "same" else '{"job": "other"}\n'
+        with CountingRemote(inv) as remote:
+            checks = preflight.join_checks(inv, remote, "n3", (str(record), text)).checks
+    assert remote.commands == ["n3"] and {c.node for c in checks} == {"n3"}
+    rows = {c.name: (c.ok, c.detail) for c in checks}
+    assert rows["shared storage"] == ((True, f"sees the running job's launch record {record}") if seen == "same" else
+                                      (False, f"does not see the running job's launch record {record} (another "
+                                              "content): not the same storage"))
+    assert rows["rendezvous"] == (store, f"{'reaches' if store else 'cannot reach'} the running job's store at "
+                                         f"127.0.0.2:{port}")
+    assert rows["previous run"] == (True, "none") and rows["torch"][0]

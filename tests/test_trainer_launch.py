@@ -119,3 +119,58 @@ def test_a_store_that_answers_and_the_node_hosting_it_are_never_given_up_on():
     assert answered.returncode == 0 and out.split() == ["True", "still", "here"]
     host, _ = _watcher(f"127.0.0.1:{free_port()}", "is_host=1,join_timeout=1").communicate(timeout=30)
     assert host.split() == ["False", "still", "here"]
+
+
+def test_only_a_node_range_with_room_is_elastic():
+    from trainer.launch import elastic
+
+    assert elastic(["--nnodes", "2:3", "--rdzv-backend", "c10d"])
+    assert elastic(["--nnodes=1:4"])
+    assert not elastic(["--nnodes", "3:3"]) and not elastic(["--nnodes", "3"]) and not elastic([])
+
+
+# Two agents' rendezvous handlers on one real c10d store: one fails (an exception on its way
+# out, as torch's launcher calls shutdown from a `finally`), then a newcomer must still be able
+# to join; after one that ends cleanly, no agent can join any more.
+RENDEZVOUS_AFTER_FAILURE = r"""
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from trainer.launch import keep_rendezvous_open_on_failure
+
+keep_rendezvous_open_on_failure()
+port = int(sys.argv[1])
+
+def handler(host):
+    return get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=1, max_nodes=3,
+        is_host=host, join_timeout=20, last_call_timeout=1))
+
+def joins():
+    try:
+        handler(False).next_rendezvous()
+        return "joined"
+    except RendezvousClosedError:
+        return "closed"
+
+host = handler(True)
+lost = handler(False)
+try:
+    try:
+        raise ConnectionError("the store stopped answering")
+    finally:
+        lost.shutdown()
+except ConnectionError:
+    pass
+print("after a failed agent:", joins())
+handler(False).shutdown()
+print("after a finished agent:", joins())
+"""
+
+
+def test_an_elastic_agent_that_fails_leaves_the_rendezvous_open_and_one_that_finishes_closes_it(torch_python):
+    proc = subprocess.run([torch_python.python, "-c", RENDEZVOUS_AFTER_FAILURE, str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["after a failed agent: joined", "after a finished agent: closed"], proc.stderr[-3000:]

@@ -147,6 +147,35 @@ def _watch(host: str, port: int, bound: float, every: float) -> None:
         time.sleep(every)
 
 
+def elastic(args: list[str]) -> bool:
+    """``--nnodes MIN:MAX`` with MIN < MAX: the job may go on with fewer nodes."""
+    low, sep, high = (option(args, "--nnodes") or "").partition(":")
+    return bool(sep) and low.strip() != high.strip()
+
+
+def keep_rendezvous_open_on_failure() -> None:
+    """An elastic job's rendezvous stays open when this node's agent ends on an error.
+
+    torchrun's agent closes the rendezvous for every node whenever it ends, unless a signal
+    ended it. A node that lost its link long enough for its agent to give up, once the link is
+    back, closes it on its way out: no agent can join any round again (RendezvousClosedError),
+    so that node never comes back, and the others die at their next round. In an elastic job
+    the others go on without a failed node, so only an agent whose job is done closes the
+    rendezvous. torch's launcher calls ``shutdown`` from a ``finally``: an exception on its way
+    out is the agent failing.
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    close = DynamicRendezvousHandler.shutdown
+
+    def shutdown(self) -> bool:
+        if sys.exc_info()[0] is not None:
+            return False
+        return close(self)
+
+    DynamicRendezvousHandler.shutdown = shutdown
+
+
 def main() -> None:
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
@@ -158,6 +187,8 @@ def main() -> None:
     address = option(args, "--local-addr")
     if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)
         bind_rendezvous_store(address)
+    if elastic(args):
+        keep_rendezvous_open_on_failure()
     watch_rendezvous(args)
     from torch.distributed.run import main as torchrun
 

@@ -43,10 +43,19 @@ SETTINGS = {"job": {"max_restarts": MAX_RESTARTS}, "rendezvous": {"join_timeout"
 LOST_NODE_BOUND = DIST_TIMEOUT + (1 + MAX_RESTARTS) * (JOIN_TIMEOUT + 30)
 
 
-def _hosts(cluster, path: Path, **overrides) -> Path:
+def _hosts(cluster, path: Path, train=TRAIN, **overrides) -> Path:
     settings = {**SETTINGS, **overrides}
-    return cluster.write_hosts_yaml(path, runtime="docker", procs=PROCS, train_args=TRAIN, interface="eth0",
+    return cluster.write_hosts_yaml(path, runtime="docker", procs=PROCS, train_args=train, interface="eth0",
                                     **settings)
+
+
+# An elastic job trains longer: taking a node in (its round, a checkpoint, the epoch replayed)
+# must happen while the job still runs; two epochs on two nodes take about 30 s here.
+ELASTIC_TRAIN = [*TRAIN[:TRAIN.index("--epochs")], "--epochs", "8", *TRAIN[TRAIN.index("--epochs") + 2:]]
+
+
+def _elastic_hosts(cluster, path: Path) -> Path:
+    return _hosts(cluster, path, train=ELASTIC_TRAIN, job={"max_restarts": 3, "min_nodes": 2})
 
 
 def _weights(nas: Path) -> dict:
@@ -196,9 +205,21 @@ def _resumed_with(nas: Path, after: float, world_size: int):
     return found[0] if found else None
 
 
-def test_an_elastic_job_trains_on_without_a_lost_node_and_finishes_on_the_others(
+def _keep_node_logs(cluster, where: Path) -> None:
+    """Each node's container log beside the test's hosts.yaml, for a failure's post-mortem."""
+    for h in cluster.hosts:
+        got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
+        (where / f"{h.name}.log").write_text(got.stdout + got.stderr)
+
+
+def _training_after(nas: Path, moment: float) -> dict:
+    return wait_until(lambda: [r for r in records(nas) if r["kind"] == "train" and r["time"] > moment], 120,
+                      "a training step", interval=0.2)[0]
+
+
+def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_returns(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
-    elastic = _hosts(cluster, tmp_path / "elastic.yaml", job={"max_restarts": 3, "min_nodes": 2})
+    elastic = _elastic_hosts(cluster, tmp_path / "elastic.yaml")
     try:
         ok(ddp(cluster, elastic, "launch"))
         _run_past_a_checkpoint(fresh_nas)
@@ -207,27 +228,53 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_finishes_on_the_others
         try:
             resized = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * PROCS), LOST_NODE_BOUND,
                                  "node1 and node2 to go on without node3", interval=1)
-            training = wait_until(lambda: [r for r in records(fresh_nas)
-                                           if r["kind"] == "train" and r["time"] > resized["time"]], 120,
-                                  "a training step on two nodes", interval=0.2)[0]
+            training = _training_after(fresh_nas, resized["time"])
             assert resized["from_world_size"] == 3 * PROCS and resized["micro"] == 0  # at the epoch start
-            states = wait_until(lambda: _exited(cluster, elastic, ("node1", "node2")), 900, "node1 and node2 to finish", interval=2)
-            assert states["node1"] == states["node2"] == "exited(0)" and states["node3"] == "unreachable"
-            final = records(fresh_nas)[-1]
-            assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
         finally:
             cluster.bring_link_up("node3")
+        back = time.time()
+        # node3's agent gave up while its link was down, and its container was started again: the
+        # rendezvous it left open takes it in at the others' next round.
+        rejoined = wait_until(lambda: _resumed_with(fresh_nas, back, 3 * PROCS), 240,
+                              "node3 to be taken in again", interval=1)
+        states = wait_until(lambda: _exited(cluster, elastic), 900, "the job to end", interval=2)
+        assert states == {h.name: "exited(0)" for h in cluster.hosts}
+        final = records(fresh_nas)[-1]
+        assert final["kind"] == "final" and final["world_size"] == 3 * PROCS
     finally:
-        for h in cluster.hosts:  # kept beside the test's hosts.yaml, for a failure's post-mortem
-            got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
-            (tmp_path / f"{h.name}.log").write_text(got.stdout + got.stderr)
+        _keep_node_logs(cluster, tmp_path)
         ddp(cluster, elastic, "stop", "--now")
-    record_fault(fault="elastic job (min_nodes 2): a node lost for good",
-                 finished="yes, on the 2 other nodes", redone_steps=None, ckpt_every=CKPT_EVERY,
+    record_fault(fault="elastic job (min_nodes 2): a node lost, then back",
+                 finished="yes, on 2 nodes, then on 3 again", redone_steps=None, ckpt_every=CKPT_EVERY,
                  detect_s=round(training["time"] - lost, 1),
-                 detect_what="link down to training again on 2 nodes (resumed at the epoch start)",
-                 left_running="node3's container, unreachable; removed by stop once it was back",
-                 bit_identical="n/a (resized: deterministic)")
+                 detect_what=f"link down to training again on 2 nodes (node back: taken in after "
+                             f"{rejoined['time'] - back:.0f} s)",
+                 left_running="nothing (all exited 0)", bit_identical="n/a (resized: deterministic)")
+
+
+def test_join_adds_a_node_left_out_to_the_running_elastic_job(cluster, fresh_nas, hosts, tmp_path, record_fault):
+    elastic = _elastic_hosts(cluster, tmp_path / "elastic.yaml")
+    try:
+        ok(ddp(cluster, elastic, "--without", "node3", "launch"))  # node3: a spare
+        _run_past_a_checkpoint(fresh_nas)
+        assert node_states(cluster, elastic)["node3"] != "running"
+        asked = time.time()
+        joined = ok(ddp(cluster, elastic, "join", "node3"))
+        assert "node3 started: the job's nodes (node1, node2) take it in at their next rendezvous round" in joined.stdout
+        taken = wait_until(lambda: _resumed_with(fresh_nas, asked, 3 * PROCS), 240, "node3 to be taken in",
+                           interval=1)
+        training = _training_after(fresh_nas, taken["time"])
+        again = ddp(cluster, elastic, "join", "node3")
+        assert again.returncode == 1 and "join refused: node3 runs the job already" in again.stderr
+        assert node_states(cluster, elastic) == {h.name: "running" for h in cluster.hosts}
+    finally:
+        _keep_node_logs(cluster, tmp_path)
+        ddp(cluster, elastic, "stop", "--now")
+    record_fault(fault="elastic job (min_nodes 2): `join` adds a node left out at launch",
+                 finished="n/a (stopped once training on 3 nodes)", redone_steps=None, ckpt_every=CKPT_EVERY,
+                 detect_s=round(training["time"] - asked, 1),
+                 detect_what="`ddp-deploy join node3` to training on 3 nodes",
+                 left_running="nothing", bit_identical="n/a (resized: deterministic)")
 
 
 def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_resumes_without_it(

@@ -7,7 +7,6 @@ it reports must match the shaped rate within 25 %, and node3 alone must be named
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
