@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import asdict
 import logging
 import os
 import sys
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import codesync, image, lock, netcheck, plan, preflight, prepare, record, runtime, secretenv
+from . import codesync, failure, image, lock, netcheck, plan, preflight, prepare, record, runtime, secretenv, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -334,12 +336,32 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                    + (f", code snapshot {code.snapshot[:12]}" if code else ""))
         if not wait:
             return
-        final = _wait(inv, remote, timeout, st.redact)
+        final = _follow(inv, remote, timeout, st.redact)
+        _verdict(inv, final, remote, st.redact)
+
+
+def _follow(inv, remote, timeout, redact):
+    """Waits for the job's end, showing every node's state and progress as it goes: a table
+    redrawn in place on a terminal, plain lines otherwise (CI logs, pipes)."""
+    if out.is_terminal:
+        with Live(console=out, refresh_per_second=2, transient=True) as live:
+            final = _wait(inv, remote, timeout, redact, show=lambda states: live.update(_status_table(inv, states)))
+    else:
+        final = _wait(inv, remote, timeout, redact, show=view.PlainFollower(click.echo).update)
     _print_status(inv, final)
+    return final
+
+
+def _verdict(inv, final, remote, redact) -> None:
+    """The end of a followed job: exit 0 if every node (of an elastic job: every node not lost)
+    exited with 0, else a failure naming the nodes and the first failure (node, rank, exit code,
+    the program's first error line)."""
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
     if failed:
-        raise RuntimeFailure(f"the job failed on {', '.join(failed)}", hint="see `ddp-deploy logs`")
+        first = _first_failure(inv, remote, [n for n in failed if final[n].failed], redact)
+        raise RuntimeFailure(f"the job failed on {', '.join(failed)}" + (f": {first.describe()}" if first else ""),
+                             hint=f"`ddp-deploy logs{f' --tail {FAILURE_TAIL}' if first else ''}` shows the rest")
     if lost:
         click.echo(f"finished without {', '.join(lost)} (lost; job.min_nodes {inv.job.min_nodes}): the other "
                    "nodes exited with code 0")
@@ -445,12 +467,13 @@ def _warn_without_interface(inv, facts) -> None:
 UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
 
 
-def _wait(inv, remote, timeout, redact):
+def _wait(inv, remote, timeout, redact, show=lambda states: None):
     deadline = None if timeout is None else time.monotonic() + timeout
     silent = {n.name: 0 for n in inv.nodes}
     floor = inv.job.min_nodes or len(inv.nodes)  # an elastic job goes on without lost nodes, down to this
     while True:
         states = _states(inv, remote, redact)
+        show(states)
         for n, s in states.items():
             silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
@@ -469,6 +492,17 @@ def _wait(inv, remote, timeout, redact):
         time.sleep(1)
 
 
+FAILURE_TAIL = 400  # log lines read per failed node: torchrun's summary ends the log
+
+
+def _first_failure(inv, remote, nodes, redact) -> failure.Failure | None:
+    if not nodes:
+        return None
+    got = remote.run({n: plan.logs_argv(inv, inv.node(n), tail=FAILURE_TAIL, follow=False) for n in nodes},
+                     check=False, timeout=60)
+    return failure.first_failure({n: redact(r.stdout) for n, r in got.items() if r.ok})
+
+
 def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
     """Every node's state; ``redact`` hides secret values in the metrics (a program may print them)."""
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
@@ -477,27 +511,38 @@ def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
             for n, r in res.items()}
 
 
+def _status_table(inv, states):
+    return view.table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
+
+
 def _print_status(inv, states) -> None:
-    table = Table("node", "state", "ranks", "last metrics", title=f"job {inv.job.name}")
-    for n, s in states.items():
-        color = {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
-        table.add_row(n, f"[{color}]{s.state}[/]", str(inv.node(n).nprocs), s.metrics)
-    out.print(table)
+    out.print(_status_table(inv, states))
 
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("-f", "--follow", is_flag=True, help="Keep showing it until the job ends (exit code as launch --wait).")
 @pass_state
-def status(st: _State, as_json: bool) -> None:
-    """State of the job on every node."""
+def status(st: _State, as_json: bool, follow: bool) -> None:
+    """Every node's state (restarts, exit code) and progress: epoch, step, loss, accuracy,
+    samples/s and ETA, from the program's last METRICS line."""
     inv = st.inv
+    if follow and as_json:
+        raise InputError("status: --follow and --json do not go together", hint="poll `status --json` instead")
     with Remote(inv) as remote:
+        if follow:
+            _verdict(inv, _follow(inv, remote, None, st.redact), remote, st.redact)
+            return
         states = _states(inv, remote, st.redact)
+        first = _first_failure(inv, remote, [n for n, s in states.items() if s.failed], st.redact)
     if as_json:
-        click.echo(json.dumps([{"node": n, "state": s.state, "ranks": inv.node(n).nprocs, "metrics": s.metrics}
+        click.echo(json.dumps([{**view.as_data(n, inv.node(n).nprocs, s),
+                                "first_failure": asdict(first) if first and first.node == n else None}
                                for n, s in states.items()]))
     else:
         _print_status(inv, states)
+        if first:
+            click.echo(f"first failure: {first.describe()}")
 
 
 @cli.command()

@@ -215,8 +215,12 @@ def python_check_argv(inv: Inventory) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NodeState:
     state: str
-    """running | exited(CODE) | absent | unreachable | unknown (the node answered, its engine did not)"""
+    """running | restarting | exited(CODE) | absent | unreachable | unknown (the node answered,
+    its engine did not)"""
     metrics: str = ""
+    """The last METRICS line (an unreachable node's: why)."""
+    restarts: int = 0
+    """How often the node's torchrun was started again (Docker's policy, the host supervisor)."""
 
     @property
     def exists(self) -> bool:
@@ -224,7 +228,7 @@ class NodeState:
 
     @property
     def running(self) -> bool:
-        return self.state == "running"
+        return self.state in ("running", "restarting")
 
     @property
     def failed(self) -> bool:
@@ -244,11 +248,18 @@ def json_line(stdout: str, prefix: str) -> dict | None:
 
 
 def parse_status(stdout: str) -> NodeState:
-    """Parse the two-line output of HOST_STATUS / DOCKER_STATUS."""
+    """Parse the output of HOST_STATUS / DOCKER_STATUS: the state (``exited CODE`` for an end),
+    then ``restarts N`` and the last METRICS line, each if any."""
     lines = stdout.splitlines()
     head = lines[0].strip() if lines else "absent"
-    metrics = lines[1].strip() if len(lines) > 1 else ""
     if head.startswith("exited"):
         code = head.split(" ", 1)[1] if " " in head else "?"
         head = f"exited({code})"
-    return NodeState(head, metrics)
+    restarts, metrics = 0, ""
+    for line in lines[1:]:
+        word, _, value = line.strip().partition(" ")
+        if word == "restarts" and value.isdigit():
+            restarts = int(value)
+        elif line.strip():
+            metrics = line.strip()
+    return NodeState(head, metrics, restarts)

@@ -225,9 +225,19 @@ class Remote:
         if not commands:
             return {}
         workers = min(self.max_workers, len(commands))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="remote") as pool:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="remote")
+        try:
             futures = {node: pool.submit(self._guard, fn, node, argv) for node, argv in commands.items()}
-            return {node: f.result() for node, f in futures.items()}
+            results = {node: f.result() for node, f in futures.items()}
+        except BaseException:
+            # Ctrl-C (or any end) while threads wait on nodes (a follow, a dead node): waiting
+            # for them would take a second Ctrl-C. Closing the connections and processes they
+            # read from ends them now.
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.close()
+            raise
+        pool.shutdown()
+        return results
 
     @staticmethod
     def _guard(fn, node, argv) -> Result:

@@ -63,13 +63,15 @@ fi
 cat "$run/pid"
 """
 
-# $1 = run dir. Line 1: absent | running | exited CODE; line 2: last METRICS line, if any.
+# $1 = run dir. Line 1: absent | running | exited CODE; then "restarts N" (the supervisor's count)
+# and the last METRICS line, if any.
 HOST_STATUS = r"""run=$1
 if [ ! -e "$run/pid" ]; then echo absent; exit 0
 elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
 elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
 else echo "exited ?"
 fi
+echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 [ -e "$run/log" ] && grep '^METRICS ' "$run/log" | tail -n 1
 exit 0
 """
@@ -96,14 +98,18 @@ fi
 rm -f "$run/pid" "$run/exit"
 """
 
-# $1 = container. Same two-line output as HOST_STATUS. Only "No such container" is absent: any
-# other failure of the engine (busy, restarting) fails the command, so it reads as a node that
-# did not answer this time, never as a job that ended.
-DOCKER_STATUS = r"""s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}}' "$1" 2>&1) || {
+# $1 = container. The same lines as HOST_STATUS (restarts: Docker's RestartCount), and
+# "restarting" while Docker starts it again. Only "No such container" is absent: any other failure
+# of the engine (busy) fails the command, so it reads as a node that did not answer this time,
+# never as a job that ended.
+DOCKER_STATUS = r"""c=$1
+s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
   case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
   echo "$s" >&2; exit 1; }
-case "$s" in running*|restarting*) echo running ;; *) echo "exited ${s#* }" ;; esac
-docker logs "$1" 2>&1 | grep '^METRICS ' | tail -n 1
+set -- $s
+case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
+echo "restarts ${3:-0}"
+docker logs "$c" 2>&1 | grep '^METRICS ' | tail -n 1
 exit 0
 """
 

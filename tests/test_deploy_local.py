@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,8 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     r = ddp(hosts, "launch", "--wait", "--timeout", "240")
     assert r.exit_code == 0, r.output + str(r.exception)
     assert "all nodes finished with exit code 0" in r.stdout
+    # not a terminal: plain lines as the state changes (the live table is for terminals)
+    assert any(line.startswith("here  exited(0)") for line in r.stdout.splitlines()), r.stdout
 
     st = _state(ddp, hosts)
     assert st["state"] == "exited(0)" and st["ranks"] == 2
@@ -90,6 +93,22 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     assert ddp(hosts, "stop").exit_code == 0  # idempotent
 
 
+def test_a_failing_trainer_fails_launch_wait_and_status_with_one_line_naming_the_cause(ddp, tmp_path):
+    # valid flags (hosts.yaml's validation passes them), but the data is not there
+    hosts = _inventory(tmp_path, ["--dataset", "cifar10", "--no-download", "--epochs", "1"])
+    r = ddp(hosts, "launch", "--wait", "--timeout", "120")
+    assert r.exit_code == 1, r.output
+    said = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith("error: the job failed on here: here rank "), r.stderr
+    assert re.search(r"here rank \d failed first \(exit 1\): trainer: error: dataset cifar10 is not under ", said[0])
+    assert said[0].endswith("and --no-download is set; copy it there or allow the download (`ddp-deploy logs --tail 400` shows the rest)")
+    r = ddp(hosts, "status")
+    assert r.exit_code == 0 and "first failure: here rank " in r.stdout and "dataset cifar10 is not" in r.stdout
+    shown = _state(ddp, hosts)
+    assert shown["state"] == "exited(1)" and shown["first_failure"]["exit_code"] == "1"
+    assert ddp(hosts, "stop").exit_code == 0
+
+
 def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
                                   "--batch-size", "32"], procs=1)
@@ -98,6 +117,9 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
     pgid = int((run_dir / "pid").read_text())
     assert _state(ddp, hosts)["state"] == "running"
+    # status shows how far it is, from the trainer's METRICS lines
+    shown = _wait_for(lambda: (lambda s: s if s.get("step") else None)(_state(ddp, hosts)), "a step in status")
+    assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
 
     r = ddp(hosts, "check")
     assert r.exit_code == 1 and "still running" in r.stdout

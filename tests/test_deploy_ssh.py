@@ -9,7 +9,9 @@ import json
 import os
 import shutil
 import socket
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,7 +60,12 @@ def sshd(tmp_path_factory):
     proc.wait()
 
 
-def _inv(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None, nodes=1):
+def _inv(sshd, tmp_path, **kw):
+    text, kh = _inventory_text(sshd, tmp_path, **kw)
+    return loads(text), kh
+
+
+def _inventory_text(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None, nodes=1):
     d = sshd["dir"]
     kh = tmp_path / "known_hosts"
     p = port or sshd["port"]
@@ -76,7 +83,7 @@ def _inv(sshd, tmp_path, *, key="client_key", known="good", policy="strict", por
         "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
                     "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
     })
-    return loads(text), kh
+    return text, kh
 
 
 def _run(inv, argv):
@@ -156,3 +163,24 @@ def test_accept_new_records_every_node_met_for_the_first_time_at_once(sshd, tmp_
     strict, _ = _inv(sshd, tmp_path, known="keep", policy="strict", nodes=3)
     with Remote(strict) as r:
         assert all(res.ok for res in r.run_all(["true"], check=False).values())
+
+
+def test_logs_follow_ends_on_one_ctrl_c(sshd, tmp_path):
+    """The follow's threads wait on SSH reads that never end: one Ctrl-C closes them and exits."""
+    text, _ = _inventory_text(sshd, tmp_path)
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(text)
+    run = tmp_path / "ckpt/.ddp-deploy/sshtest/n1"
+    run.mkdir(parents=True)
+    (run / "log").write_text("epoch 0 started\n")
+    env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
+    follow = subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), "logs", "--follow"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert follow.stdout.readline() == "n1 | epoch 0 started\n"
+        follow.send_signal(signal.SIGINT)
+        rc = follow.wait(timeout=15)
+    finally:
+        follow.kill()
+    assert rc == 130

@@ -228,10 +228,18 @@ def _optimizer_step(cfg: TrainConfig, b: Built) -> None:
     b.scheduler.step()
 
 
+def steps_left(ctx: Context, pos: Position) -> int:
+    """Optimizer steps to the end of training at this world size (what `status` turns into an ETA)."""
+    cfg = ctx.cfg
+    per_epoch = steps_per_epoch(cfg, ctx.env, len(ctx.train))
+    left = max(0, (cfg.epochs - pos.epoch) * per_epoch - pos.micro // cfg.grad_accum)
+    return min(left, max(0, cfg.max_steps - pos.global_step)) if cfg.max_steps else left
+
+
 def _log_train(ctx: Context, pos: Position, stats: RunningStats, timer: IntervalTimer) -> None:
     totals = stats.reduce(ctx.env)
-    record = {"kind": "train", "epoch": pos.epoch, "step": pos.global_step,
-              "loss": totals["loss"], "acc": totals["acc"],
+    record = {"kind": "train", "epoch": pos.epoch, "epochs": ctx.cfg.epochs, "step": pos.global_step,
+              "steps_left": steps_left(ctx, pos), "loss": totals["loss"], "acc": totals["acc"],
               "lr": ctx.built.optimizer.param_groups[0]["lr"],
               **timer.rates(totals["samples"]), "peak_mem_mb": peak_memory_mb(ctx.env.device)}
     ctx.metrics.write(record)

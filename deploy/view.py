@@ -1,0 +1,140 @@
+"""What an operator sees of a running job: each node's state and progress, as data and as text.
+
+A node's status (plan.NodeState: its state, restarts, last ``METRICS`` line) becomes a
+:class:`Progress` (the fields of that line that say how far the job is), then a table row
+(``status``), a dict (``status --json``) or one plain line (``--wait`` / ``--follow`` where the
+output is not a terminal: CI logs, pipes). Nothing here connects anywhere.
+
+The fields read from the program's METRICS line (README, "Your own training code"); any may be
+missing and shows as ``-``: ``epoch`` (with ``epochs``, the total), ``step``, ``loss``, ``acc``,
+``samples_per_s``, and for the ETA ``eta_s``, or ``steps_left`` with ``step_time_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from rich.table import Table
+
+from .plan import NodeState
+
+METRICS_PREFIX = "METRICS "
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far one node's job is, from its last METRICS line."""
+
+    kind: str | None = None
+    epoch: int | None = None
+    epochs: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    acc: float | None = None
+    samples_per_s: float | None = None
+    eta_s: float | None = None
+
+    @classmethod
+    def from_line(cls, line: str) -> "Progress":
+        if not line.startswith(METRICS_PREFIX):
+            return cls()
+        try:
+            m = json.loads(line[len(METRICS_PREFIX):])
+        except ValueError:
+            return cls()
+        if not isinstance(m, dict):
+            return cls()
+        num = {k: _number(m.get(k)) for k in ("epoch", "epochs", "step", "loss", "acc", "eval_loss", "eval_acc",
+                                               "samples_per_s", "eta_s", "steps_left", "step_time_s")}
+        eta = num["eta_s"]
+        if eta is None and num["steps_left"] is not None and num["step_time_s"] is not None:
+            eta = num["steps_left"] * num["step_time_s"]
+        whole = lambda v: None if v is None else int(v)  # noqa: E731
+        return cls(kind=m["kind"] if isinstance(m.get("kind"), str) else None, epoch=whole(num["epoch"]),
+                   epochs=whole(num["epochs"]), step=whole(num["step"]),
+                   loss=num["loss"] if num["loss"] is not None else num["eval_loss"],
+                   acc=num["acc"] if num["acc"] is not None else num["eval_acc"],
+                   samples_per_s=num["samples_per_s"], eta_s=eta)
+
+    def cells(self) -> dict[str, str]:
+        """The columns of ``status``, formatted."""
+        epoch = "-" if self.epoch is None else f"{self.epoch}" + ("" if self.epochs is None else f"/{self.epochs}")
+        return {"epoch": epoch, "step": _fmt(self.step, "d"), "loss": _fmt(self.loss, ".4g"),
+                "acc": "-" if self.acc is None else f"{self.acc:.1%}",
+                "samples/s": _fmt(self.samples_per_s, ",.0f"),
+                "ETA": "-" if self.eta_s is None or self.kind != "train" else duration(self.eta_s)}
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def duration(seconds: float) -> str:
+    """12s, 4m05s, 2h03m."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def state_text(s: NodeState) -> str:
+    """running | running (2 restarts) | restarting (3 restarts) | exited(1) | unreachable ..."""
+    if s.restarts and (s.running or s.state.startswith("exited")):
+        return f"{s.state} ({s.restarts} restart{'s' * (s.restarts != 1)})"
+    return s.state
+
+
+COLUMNS = ("node", "state", "ranks", "epoch", "step", "loss", "acc", "samples/s", "ETA")
+
+
+def table(job: str, ranks: dict[str, int], states: dict[str, NodeState]) -> Table:
+    t = Table(*COLUMNS, title=f"job {job}")
+    for n, s in states.items():
+        color = {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
+        cells = Progress.from_line(s.metrics).cells()
+        t.add_row(n, f"[{color}]{state_text(s)}[/]", str(ranks[n]), *(cells[c] for c in COLUMNS[3:]))
+    return t
+
+
+def as_data(node: str, ranks: int, s: NodeState) -> dict:
+    """One node of ``status --json``: its state, restarts, progress fields, and the raw METRICS
+    line (``metrics``; an unreachable node's: why)."""
+    return {"node": node, "state": s.state, "restarts": s.restarts, "ranks": ranks,
+            **asdict(Progress.from_line(s.metrics)), "metrics": s.metrics}
+
+
+def line(node: str, s: NodeState, width: int = 0) -> str:
+    """One plain line for a node: ``node1  running  epoch 1/8  step 37  loss 0.12 ...``."""
+    cells = Progress.from_line(s.metrics).cells()
+    shown = "  ".join(f"{k} {v}" for k, v in cells.items() if v != "-")
+    return f"{node:<{width}}  {state_text(s)}" + (f"  {shown}" if shown else "")
+
+
+class PlainFollower:
+    """Plain lines for a log (not a terminal): a node's line when its state changes, else at most
+    every ``every`` seconds while its progress moves."""
+
+    def __init__(self, echo, every: float = 10.0, clock=time.monotonic) -> None:
+        self.echo, self.every, self.clock = echo, every, clock
+        self._shown: dict[str, tuple[str, str, float]] = {}
+
+    def update(self, states: dict[str, NodeState]) -> None:
+        width = max((len(n) for n in states), default=0)
+        now = self.clock()
+        for n, s in states.items():
+            text = state_text(s)
+            last = self._shown.get(n)
+            if last is None or last[0] != text or (last[1] != s.metrics and now - last[2] >= self.every):
+                self.echo(line(n, s, width))
+                self._shown[n] = (text, s.metrics, now)
