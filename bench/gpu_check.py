@@ -37,6 +37,7 @@ TAIL = 20                                      # output lines kept from a failed
 TARGETS = {"a_over_b": 10.0, "a_over_c": 0.9}  # bench/RESULTS.md: the targets on a GPU
 LAUNCHER_REPORT = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 MARKER = re.compile(r"ckpt-(\d+)\.pt\.ok$")
+RANKED = re.compile(r"^(?:\[rank\d+\]: ?)+")
 
 COMMON = ("--dataset", "synthetic", "--dist-timeout", "120")
 SHORT = ("--synthetic-size", "2048", "--batch-size", "64", "--epochs", "1", "--log-every", "8")
@@ -169,8 +170,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def printed_metrics(stdout: str) -> list[dict]:
-    """The records rank 0 printed, in order (lines starting with ``METRICS ``)."""
-    return [json.loads(line[len("METRICS "):]) for line in stdout.splitlines() if line.startswith("METRICS ")]
+    """The records rank 0 printed, in order (``METRICS`` lines; trainer.launch has torchrun echo
+    them with the rank in front, ``[rank0]: ``)."""
+    lines = (RANKED.sub("", line, count=1) for line in stdout.splitlines())
+    return [json.loads(line[len("METRICS "):]) for line in lines if line.startswith("METRICS ")]
 
 
 def command_output(cmd: list[str], timeout: float = 30) -> str | None:

@@ -546,20 +546,28 @@ def status(st: _State, as_json: bool, follow: bool) -> None:
 
 
 @cli.command()
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to end).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (one Ctrl-C ends it).")
 @click.option("-n", "--tail", type=click.IntRange(min=0), default=None, help="Last N lines per node.")
+@click.option("--node", "only_nodes", metavar="NAME", multiple=True, help="Only this node's lines (repeatable).")
+@click.option("--rank", "only_ranks", metavar="N", type=click.IntRange(min=0), multiple=True,
+              help="Only this global rank's lines (repeatable); torchrun's own lines carry no rank.")
 @pass_state
-def logs(st: _State, follow: bool, tail: int | None) -> None:
-    """Every node's output, each line prefixed with the node name."""
+def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...]) -> None:
+    """Every node's output, each line prefixed with the node and the rank that printed it."""
     inv = st.inv
-    width = max(len(n.name) for n in inv.nodes)
+    inv.check_names("--node", set(only_nodes))
+    nodes = [n for n in inv.nodes if not only_nodes or n.name in only_nodes]
+    width = max(len(view.log_label(n.name, sum(m.nprocs for m in inv.nodes) - 1)) for n in nodes)
     lock = threading.Lock()
 
     def emit(node: str, line: str) -> None:
+        rank, text = view.split_rank(line)
+        if only_ranks and rank not in only_ranks:
+            return
         with lock:
-            click.echo(st.redact(f"{node:<{width}} | {line}"))
+            click.echo(st.redact(f"{view.log_label(node, rank):<{width}} | {text}"))
 
-    cmds = {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in inv.nodes}
+    cmds = {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in nodes}
     with Remote(inv) as remote:
         if follow:
             results = remote.stream(cmds, emit)

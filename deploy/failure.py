@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .view import split_rank
+
 ROOT_CAUSE = "Root Cause (first observed failure):"
 _FIELD = re.compile(r"^\s+(time|rank|exitcode)\s*:\s*(.*?)\s*$")
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")
 _ERROR_LINE = re.compile(r"(^|\s|:)error:\s+\S", re.IGNORECASE)
 _TORCH_FRAMES = ("torch.distributed.elastic", "ChildFailedError", "W1", "E1", "I1")
 
@@ -43,7 +44,7 @@ def _root_cause(log: str) -> dict[str, str] | None:
         if ROOT_CAUSE in line:
             fields = {}
             for follow in lines[i + 1:i + 10]:
-                m = _FIELD.match(_RANK_PREFIX.sub("", follow))
+                m = _FIELD.match(split_rank(follow)[1])
                 if m:
                     fields[m[1]] = m[2]
             return fields
@@ -57,9 +58,7 @@ def program_error(log: str) -> tuple[str | None, int | None]:
     for raw in log.splitlines():
         if ROOT_CAUSE in raw or "ChildFailedError" in raw:
             break
-        prefix = _RANK_PREFIX.match(raw)
-        rank = int(prefix[1]) if prefix else None
-        line = raw[prefix.end():] if prefix else raw
+        rank, line = split_rank(raw)
         if line.startswith("Traceback (most recent call last)"):
             in_traceback = True
             continue

@@ -30,6 +30,13 @@ KILL_RUN = r"""kill_run() {
 }
 """
 
+# Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
+# torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
+# The last METRICS line, without the prefix:
+LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*//'"""
+# What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
+STOPPED_LINE = r"""grep -h ': stopped by ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*/: /'"""
+
 # $1 = run dir, $2 = max restarts, $3... = the command. Refuses when a previous run is recorded.
 # Starts the command in its own session (setsid), so `stop` can signal the whole process group,
 # under a supervisor loop that does for the host runtime what Docker's restart policy does for
@@ -72,7 +79,7 @@ elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
 else echo "exited ?"
 fi
 echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
-[ -e "$run/log" ] && grep '^METRICS ' "$run/log" | tail -n 1
+[ -e "$run/log" ] && cat "$run/log" | """ + LAST_METRICS + r"""
 exit 0
 """
 
@@ -91,7 +98,7 @@ if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   fi
   kill -KILL "-$pid" 2>/dev/null
   kill_run "$run" ""
-  echo "stopped$(grep -h ': stopped by ' "$run/log" 2>/dev/null | tail -n 1 | sed 's/^/: /')"
+  echo "stopped$(cat "$run/log" 2>/dev/null | """ + STOPPED_LINE + r""")"
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
 fi
@@ -109,7 +116,7 @@ s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCod
 set -- $s
 case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
 echo "restarts ${3:-0}"
-docker logs "$c" 2>&1 | grep '^METRICS ' | tail -n 1
+docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
 exit 0
 """
 
@@ -120,7 +127,7 @@ DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then
   said=""
   if [ "$2" -gt 0 ]; then
     docker stop --time "$2" "$1" > /dev/null 2>&1
-    said=$(docker logs --tail 200 "$1" 2>&1 | grep -h ': stopped by ' | tail -n 1 | sed 's/^/: /')
+    said=$(docker logs --tail 200 "$1" 2>&1 | """ + STOPPED_LINE + r""")
   fi
   docker rm -f "$1" > /dev/null && echo "stopped$said"
 else echo absent; fi

@@ -19,9 +19,23 @@ from dataclasses import asdict, dataclass
 
 from rich.table import Table
 
+from trainer.metrics import RANK_PREFIXES
+
 from .plan import NodeState
 
 METRICS_PREFIX = "METRICS "
+_RANK = RANK_PREFIXES  # a worker's line starts with its global rank, once or more
+
+
+def split_rank(line: str) -> tuple[int | None, str]:
+    """``"[rank3]: text"`` -> (3, "text"); a line of torchrun's own -> (None, line)."""
+    m = _RANK.match(line)
+    return (int(m[1]), line[m.end():]) if m else (None, line)
+
+
+def log_label(node: str, rank: int | None) -> str:
+    """What `logs` puts in front of a line: ``node1 rank3``, or the node alone (torchrun's lines)."""
+    return node if rank is None else f"{node} rank{rank}"
 
 
 def _number(value) -> float | None:

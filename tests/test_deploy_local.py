@@ -76,7 +76,14 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     r = ddp(hosts, "logs", "--tail", "3")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert len(lines) == 3 and all(line.startswith("here | ") for line in lines)
+    assert len(lines) == 3 and all(line.startswith("here ") and " | " in line for line in lines)
+    everything = ddp(hosts, "logs").stdout.splitlines()
+    labels = {line.split(" | ", 1)[0].rstrip() for line in everything}
+    assert {"here rank0", "here rank1"} <= labels  # each worker's lines carry its rank
+    assert "here rank0 | METRICS {" in "\n".join(everything)  # rank 0 alone prints metrics
+    one = ddp(hosts, "logs", "--rank", "1").stdout.splitlines()
+    assert one and all(line.startswith("here rank1 | ") for line in one)
+    assert ddp(hosts, "logs", "--node", "elsewhere").exit_code == 2
 
     r = ddp(hosts, "check")  # a finished run does not block: check notes it
     assert r.exit_code == 0 and "finished (exited(0))" in r.stdout
@@ -277,7 +284,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
     assert not (tmp_path / "nas").exists()
 
 
-def test_logs_follow_streams_new_lines_prefixed_with_the_node_until_interrupted(ddp, tmp_path):
+def test_logs_follow_streams_new_lines_prefixed_with_node_and_rank_until_interrupted(ddp, tmp_path):
     import subprocess
 
     hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
@@ -291,7 +298,7 @@ def test_logs_follow_streams_new_lines_prefixed_with_the_node_until_interrupted(
         while len([s for s in seen if "METRICS" in s]) < 3 and time.time() < deadline:
             seen.append(follower.stdout.readline())
         metrics_lines = [s for s in seen if "METRICS" in s]
-        assert len(metrics_lines) >= 3 and all(s.startswith("here | ") for s in metrics_lines)
+        assert len(metrics_lines) >= 3 and all(s.startswith("here rank0 | ") for s in metrics_lines)
         steps = [json.loads(s.split("METRICS ", 1)[1])["step"] for s in metrics_lines]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)  # new lines as they come
         assert follower.poll() is None  # still following

@@ -310,7 +310,7 @@ def test_a_training_step_whose_run_fails_records_the_trainer_s_error(tmp_path):
     result = gpu_check.run_step(gpu_check.STEPS[STEP_NAMES.index("nccl-init")], check)
     assert result["ok"] is False and result["summary"] == "run nccl-init: exit code 1"  # torchrun: a worker failed
     said = result["detail"]["last_lines"]
-    assert said[0] == "trainer: error: epochs: must be >= 1, got 0"  # the worker's own words, first
+    assert said[0] == "[rank0]: trainer: error: epochs: must be >= 1, got 0"  # the worker's own words, first, with its rank
     assert not any("ChildFailedError" in line for line in said)      # not torchrun's report after them
 
 
@@ -318,3 +318,8 @@ def test_the_two_process_step_is_skipped_with_the_reason_on_one_device(tmp_path)
     result = gpu_check.run_step(gpu_check.STEPS[STEP_NAMES.index("nccl-2proc")], cpu_check(tmp_path))
     assert result["ok"] is None and "1 GPU visible" in result["summary"]
     assert not (tmp_path / "work").exists()
+
+
+def test_printed_metrics_reads_lines_as_torchrun_echoes_them_with_the_rank():
+    out = '[rank0]: METRICS {"kind": "resumed"}\n[rank1]: noise\n[rank0]: [rank0]: METRICS {"kind": "final"}\n'
+    assert [r["kind"] for r in gpu_check.printed_metrics(out)] == ["resumed", "final"]

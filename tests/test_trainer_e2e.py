@@ -3,7 +3,6 @@
 Every test runs once on each end of the supported torch range (the ``torch_python`` fixture).
 """
 
-import json
 import math
 import os
 import re
@@ -17,6 +16,7 @@ import torch
 
 from trainer import data
 from trainer.compat import binds_stores
+from trainer.metrics import printed
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port
@@ -40,8 +40,7 @@ def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_fi
     train = [r for r in records if r["kind"] == "train"]
     assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_mem_mb"] > 0 for r in train)
     assert train[-1]["loss"] < train[0]["loss"]
-    printed = [line for line in proc.stdout.splitlines() if line.startswith("METRICS ")]
-    assert len(printed) == len(records)  # rank 0 alone prints, one line per record
+    assert printed(proc.stdout) == records  # rank 0 alone prints, one line per record
     assert (ckpt / "final_model.pt").exists()
     assert (tmp_path / "data" / "synthetic" / "synthetic-1024.pt").exists()
 
@@ -108,8 +107,7 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
     restarted = run_torchrun(torch_python.python, resumed, *flags)
     assert_ok(restarted)
     assert "resumed from" in restarted.stderr
-    said = [json.loads(line[len("METRICS "):]) for line in restarted.stdout.splitlines()
-            if line.startswith("METRICS ")]
+    said = printed(restarted.stdout)
     assert said[0]["kind"] == "resumed" and said[0]["step"] >= kill_at_step
     # the restarted job continued from there, it did not start again from zero
     assert all(r["step"] > said[0]["step"] for r in said[1:] if r["kind"] == "train")
@@ -129,8 +127,7 @@ def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_determ
     for run in ("a", "b"):
         resized = run_torchrun(torch_python.python, tmp_path / run, *flags, nproc=1)
         assert_ok(resized)
-        said = [json.loads(line[len("METRICS "):]) for line in resized.stdout.splitlines()
-                if line.startswith("METRICS ")]
+        said = printed(resized.stdout)
         assert said[0]["kind"] == "resumed" and said[0]["from_world_size"] == 2 and said[0]["world_size"] == 1
         assert said[0]["epoch"] < 2 and said[0]["micro"] == 0  # the epoch again, laid out for one rank
         assert said[-1]["kind"] == "final" and said[-1]["world_size"] == 1
@@ -164,7 +161,7 @@ def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_no
 
     again = run_torchrun(torch_python.python, stopped, *flags)
     assert_ok(again)
-    said = [json.loads(line[len("METRICS "):]) for line in again.stdout.splitlines() if line.startswith("METRICS ")]
+    said = printed(again.stdout)
     assert said[0]["kind"] == "resumed" and said[0]["step"] == stop["step"]  # zero steps redone
     assert min(r["step"] for r in said if r["kind"] == "train") == stop["step"] + 1
     a, b = final_weights(straight / "ckpt"), final_weights(stopped / "ckpt")

@@ -11,8 +11,14 @@ from fakes import free_port
 def test_arguments_after_the_separator_go_to_the_trainer_and_before_it_to_torchrun():
     args = torchrun_args(["--nnodes", "3", "--rdzv-backend", "c10d", "--", "--epochs", "1"], {})
     cut = args.index("-m")
-    assert args[:cut] == ["--nnodes", "3", "--rdzv-backend", "c10d"]
+    assert args[:cut] == ["--tee", "3", "--nnodes", "3", "--rdzv-backend", "c10d"]  # teed, rank in front
     assert args[cut:] == ["-m", "trainer", "--epochs", "1"]
+
+
+def test_the_options_own_tee_or_redirects_are_kept_as_given():
+    for own in (["--tee", "1"], ["--redirects=3"], ["-r", "2"]):
+        args = torchrun_args([*own, "--nnodes", "1", "--", "--epochs", "1"], {})
+        assert args[:len(own)] == own and args.count("--tee") == (own[0] == "--tee")
 
 
 def test_without_separator_it_runs_standalone_with_every_argument_for_the_trainer():

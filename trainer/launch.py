@@ -35,11 +35,21 @@ def default_nproc() -> str:
 DEFAULT_ENTRY = "trainer"
 
 
+# Each worker's lines, echoed by torchrun (--tee), start with its global rank: `logs` shows and
+# filters them by rank. torch prints an uncaught exception's lines with the same prefix.
+RANK_PREFIX = "[rank${rank}]: "
+
+
 def torchrun_args(args: list[str], environ: dict[str, str]) -> list[str]:
-    """The arguments torchrun receives (its options, then ``-m MODULE`` and that module's flags)."""
+    """The arguments torchrun receives (its options, then ``-m MODULE`` and that module's flags).
+    On a fleet (options before ``--``) every worker's output is teed with its rank in front,
+    unless the options choose their own ``--tee`` or ``--redirects``."""
     if "--" in args:
         cut = args.index("--")
         launcher, trainer = args[:cut], args[cut + 1:]
+        if not any(option(launcher, name) for name in ("--tee", "--redirects")) and not any(
+                a.split("=")[0] in ("-t", "-r") for a in launcher):
+            launcher = ["--tee", "3", *launcher]
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
@@ -183,6 +193,7 @@ def main() -> None:
     # round times out and the job dies. Unshared, every round publishes it; the workers' own
     # store is then made by the trainer (trainer.dist), bound to the node's address.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX)
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     address = option(args, "--local-addr")
     if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)

@@ -50,7 +50,8 @@ def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(clust
     assert any(s["metrics"].startswith("METRICS ") for s in status)
 
     logs = ok(ddp(cluster, hosts, "logs")).stdout.splitlines()
-    assert {line.split(" | ", 1)[0] for line in logs} == set(nodes)
+    assert {line.split(" | ", 1)[0].split()[0] for line in logs} == set(nodes)
+    assert {line.split(" | ", 1)[0].split()[-1] for line in logs} >= {f"rank{r}" for r in range(6)}
     said = [line for line in logs if "dataset synthetic" in line]
     assert sum("fetched" in line for line in said) == 1  # downloaded once for the whole cluster
     assert sum("found" in line for line in said) == 2

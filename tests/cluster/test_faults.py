@@ -252,7 +252,8 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_
                  left_running="nothing (all exited 0)", bit_identical="n/a (resized: deterministic)")
 
 
-def test_join_adds_a_node_left_out_to_the_running_elastic_job(cluster, fresh_nas, hosts, tmp_path, record_fault):
+def test_join_adds_a_node_left_out_and_once_it_is_lost_for_good_the_others_finish_without_it(
+        cluster, fresh_nas, hosts, tmp_path, record_fault):
     elastic = _elastic_hosts(cluster, tmp_path / "elastic.yaml")
     try:
         ok(ddp(cluster, elastic, "--without", "node3", "launch"))  # node3: a spare
@@ -263,18 +264,39 @@ def test_join_adds_a_node_left_out_to_the_running_elastic_job(cluster, fresh_nas
         assert "node3 started: the job's nodes (node1, node2) take it in at their next rendezvous round" in joined.stdout
         taken = wait_until(lambda: _resumed_with(fresh_nas, asked, 3 * PROCS), 240, "node3 to be taken in",
                            interval=1)
-        training = _training_after(fresh_nas, taken["time"])
+        on_three = _training_after(fresh_nas, taken["time"])
         again = ddp(cluster, elastic, "join", "node3")
         assert again.returncode == 1 and "join refused: node3 runs the job already" in again.stderr
         assert node_states(cluster, elastic) == {h.name: "running" for h in cluster.hosts}
+
+        cluster.take_link_down("node3")  # now lost for good: the others finish without it
+        lost = time.time()
+        try:
+            followed = ddp(cluster, elastic, "status", "--follow", timeout=900)
+            assert followed.returncode == 0, followed.stdout[-3000:] + followed.stderr[-3000:]
+            assert "finished without node3 (lost; job.min_nodes 2): the other nodes exited with code 0" in followed.stdout
+            assert any(line.startswith("node1  running  epoch ") for line in followed.stdout.splitlines())
+            resized = _resumed_with(fresh_nas, lost, 2 * PROCS)
+            assert resized is not None and resized["from_world_size"] == 3 * PROCS
+            on_two = _training_after(fresh_nas, resized["time"])
+            final = records(fresh_nas)[-1]
+            assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
+        finally:
+            cluster.bring_link_up("node3")
     finally:
         _keep_node_logs(cluster, tmp_path)
         ddp(cluster, elastic, "stop", "--now")
     record_fault(fault="elastic job (min_nodes 2): `join` adds a node left out at launch",
-                 finished="n/a (stopped once training on 3 nodes)", redone_steps=None, ckpt_every=CKPT_EVERY,
-                 detect_s=round(training["time"] - asked, 1),
+                 finished="yes (below)", redone_steps=None, ckpt_every=CKPT_EVERY,
+                 detect_s=round(on_three["time"] - asked, 1),
                  detect_what="`ddp-deploy join node3` to training on 3 nodes",
                  left_running="nothing", bit_identical="n/a (resized: deterministic)")
+    record_fault(fault="elastic job (min_nodes 2): a node lost for good", finished="yes, on the 2 other nodes "
+                 "(`status --follow`: exit 0, node3 lost)", redone_steps=None, ckpt_every=CKPT_EVERY,
+                 detect_s=round(on_two["time"] - lost, 1),
+                 detect_what="link down to training again on 2 nodes (resumed at the epoch start)",
+                 left_running="node3's container, unreachable; removed by stop once it was back",
+                 bit_identical="n/a (resized: deterministic)")
 
 
 def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_resumes_without_it(
