@@ -8,6 +8,7 @@ as one JSON line: tests/FAULTS.md is written from those.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,8 +55,18 @@ def _hosts(cluster, path: Path, train=TRAIN, **overrides) -> Path:
 ELASTIC_TRAIN = [*TRAIN[:TRAIN.index("--epochs")], "--epochs", "8", *TRAIN[TRAIN.index("--epochs") + 2:]]
 
 
-def _elastic_hosts(cluster, path: Path) -> Path:
-    return _hosts(cluster, path, train=ELASTIC_TRAIN, job={"max_restarts": 3, "min_nodes": 2})
+@contextlib.contextmanager
+def _elastic_job(cluster, tmp_path: Path):
+    """An elastic job's hosts.yaml (min_nodes 2); after the test, each node's log is kept beside
+    it for a failure's post-mortem, and the job is stopped."""
+    elastic = _hosts(cluster, tmp_path / "elastic.yaml", train=ELASTIC_TRAIN, job={"max_restarts": 3, "min_nodes": 2})
+    try:
+        yield elastic
+    finally:
+        for h in cluster.hosts:
+            got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
+            (tmp_path / f"{h.name}.log").write_text(got.stdout + got.stderr)
+        ddp(cluster, elastic, "stop", "--now")
 
 
 def _weights(nas: Path) -> dict:
@@ -205,13 +216,6 @@ def _resumed_with(nas: Path, after: float, world_size: int):
     return found[0] if found else None
 
 
-def _keep_node_logs(cluster, where: Path) -> None:
-    """Each node's container log beside the test's hosts.yaml, for a failure's post-mortem."""
-    for h in cluster.hosts:
-        got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
-        (where / f"{h.name}.log").write_text(got.stdout + got.stderr)
-
-
 def _training_after(nas: Path, moment: float) -> dict:
     return wait_until(lambda: [r for r in records(nas) if r["kind"] == "train" and r["time"] > moment], 120,
                       "a training step", interval=0.2)[0]
@@ -219,8 +223,7 @@ def _training_after(nas: Path, moment: float) -> dict:
 
 def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_returns(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
-    elastic = _elastic_hosts(cluster, tmp_path / "elastic.yaml")
-    try:
+    with _elastic_job(cluster, tmp_path) as elastic:
         ok(ddp(cluster, elastic, "launch"))
         _run_past_a_checkpoint(fresh_nas)
         cluster.take_link_down("node3")
@@ -241,9 +244,6 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_
         assert states == {h.name: "exited(0)" for h in cluster.hosts}
         final = records(fresh_nas)[-1]
         assert final["kind"] == "final" and final["world_size"] == 3 * PROCS
-    finally:
-        _keep_node_logs(cluster, tmp_path)
-        ddp(cluster, elastic, "stop", "--now")
     record_fault(fault="elastic job (min_nodes 2): a node lost, then back",
                  finished="yes, on 2 nodes, then on 3 again", redone_steps=None, ckpt_every=CKPT_EVERY,
                  detect_s=round(training["time"] - lost, 1),
@@ -254,8 +254,7 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_
 
 def test_join_adds_a_node_left_out_and_once_it_is_lost_for_good_the_others_finish_without_it(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
-    elastic = _elastic_hosts(cluster, tmp_path / "elastic.yaml")
-    try:
+    with _elastic_job(cluster, tmp_path) as elastic:
         ok(ddp(cluster, elastic, "--without", "node3", "launch"))  # node3: a spare
         _run_past_a_checkpoint(fresh_nas)
         assert node_states(cluster, elastic)["node3"] != "running"
@@ -283,9 +282,6 @@ def test_join_adds_a_node_left_out_and_once_it_is_lost_for_good_the_others_finis
             assert final["kind"] == "final" and final["world_size"] == 2 * PROCS
         finally:
             cluster.bring_link_up("node3")
-    finally:
-        _keep_node_logs(cluster, tmp_path)
-        ddp(cluster, elastic, "stop", "--now")
     record_fault(fault="elastic job (min_nodes 2): `join` adds a node left out at launch",
                  finished="yes (below)", redone_steps=None, ckpt_every=CKPT_EVERY,
                  detect_s=round(on_three["time"] - asked, 1),
