@@ -116,6 +116,25 @@ def test_a_failing_trainer_fails_launch_wait_and_status_with_one_line_naming_the
     assert ddp(hosts, "stop").exit_code == 0
 
 
+def test_on_a_terminal_status_follow_redraws_a_table_and_ends_with_the_verdict(ddp, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import deploy.cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(deploy.cli, "out", Console(file=screen, force_terminal=True, width=160))
+    hosts = _inventory(tmp_path, [*TRAIN_ARGS, "--epochs", "2"], procs=1)
+    assert ddp(hosts, "launch").exit_code == 0
+    r = ddp(hosts, "status", "--follow")
+    assert r.exit_code == 0 and "all nodes finished with exit code 0" in r.stdout
+    drawn = screen.getvalue()
+    assert "\x1b[" in drawn and "job localtest" in drawn  # redrawn in place (ANSI), then the final table
+    assert "exited(0)" in drawn and "here" in drawn
+    assert ddp(hosts, "stop").exit_code == 0
+
+
 def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
                                   "--batch-size", "32"], procs=1)
