@@ -315,11 +315,16 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
             remote.run(finished, check=True, timeout=120)
         stdin = {s.node: secretenv.stdin_lines(secrets) for s in specs} if secrets else None
-        results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120, stdin=stdin)
+        try:
+            results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120, stdin=stdin)
+        except KeyboardInterrupt:  # half-way: some nodes may run, none must be left running
+            stuck = _undo_start(inv, remote, [s.node for s in specs])
+            click.echo("interrupted: " + (f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop`" if stuck
+                                           else "stopped every node it had started"), err=True)
+            raise
         if not all(r.ok for r in results.values()):
             started = [n for n, r in results.items() if r.ok]
-            undo = remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in results}, check=False, timeout=120)
-            stuck = [n for n, r in undo.items() if not r.ok]
+            stuck = _undo_start(inv, remote, list(results))
             hint = f"stopped the nodes that had started ({', '.join(started) or 'none'})"
             if stuck:
                 hint = f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop` once they are reachable"
@@ -338,6 +343,13 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             return
         final = _follow(inv, remote, timeout, st.redact)
         _verdict(inv, final, remote, st.redact)
+
+
+def _undo_start(inv, remote, nodes) -> list[str]:
+    """Stops the job on ``nodes`` at once (a launch that did not start everywhere); the nodes it
+    could not stop."""
+    undo = remote.run({n: plan.stop_argv(inv, inv.node(n)) for n in nodes}, check=False, timeout=120)
+    return [n for n, r in undo.items() if not r.ok]
 
 
 def _follow(inv, remote, timeout, redact):

@@ -135,6 +135,29 @@ def test_on_a_terminal_status_follow_redraws_a_table_and_ends_with_the_verdict(d
     assert ddp(hosts, "stop").exit_code == 0
 
 
+def test_one_ctrl_c_while_launch_starts_the_nodes_stops_what_it_started(tmp_path):
+    import signal
+    import subprocess
+
+    hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
+                                  "--batch-size", "32"], procs=1)
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
+    launch = subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), "launch"], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    try:
+        # the node's supervisor is up (its pid file), its start command still waits a second
+        _wait_for(lambda: (run_dir / "pid").exists() or launch.poll() is not None, "the node to start", 120)
+        launch.send_signal(signal.SIGINT)
+        out, err = launch.communicate(timeout=120)
+    finally:
+        launch.kill()
+    assert launch.returncode == 130, out + err
+    assert "interrupted: stopped every node it had started" in err and "started localtest" not in out
+    assert not (run_dir / "pid").exists()
+    _wait_for(lambda: not _tagged(run_dir), "the run's processes to end", 10)
+
+
 def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     hosts = _inventory(tmp_path, ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
                                   "--batch-size", "32"], procs=1)
