@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from trainer.output import RANK_PREFIXES
+
 from .inventory import Inventory, Node
 from .payload import payload
 from .runtime import CodeDir, NodeFacts, runtime
@@ -236,8 +238,10 @@ class NodeState:
 
 
 def json_line(stdout: str, prefix: str) -> dict | None:
-    """The JSON object on the first line starting with ``prefix`` (``PROBE ``, ``NETCHECK ``), or None."""
+    """The JSON object on the first line starting with ``prefix`` (``PROBE ``, ``NETCHECK ``), or None.
+    A line a worker printed under torchrun (``NETCHECK``) has its rank in front: ``[rank0]: ``."""
     for line in stdout.splitlines():
+        line = RANK_PREFIXES.sub("", line, count=1)
         if line.startswith(prefix):
             try:
                 value = json.loads(line[len(prefix):])

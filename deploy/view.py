@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from rich.table import Table
 
-from trainer.metrics import RANK_PREFIXES
+from trainer.output import RANK_PREFIXES
 
 from .plan import NodeState
 

@@ -1,12 +1,12 @@
 """trainer.netcheck: the pair schedule, the slow-node judgment, the NCCL log parser, the report;
 and three loopback "nodes" under the real launcher."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from deploy import plan
 from trainer import netcheck
 from trainer.netcheck import nccl_transport, pair_rounds, report, slow_nodes, unique_names
 from trainer_helpers import trainer_env
@@ -201,9 +201,10 @@ def test_three_nodes_report_each_nodes_bandwidth_interface_and_transport_in_one_
     outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err[-3000:]
-    lines = [line for out, _ in outputs for line in out.splitlines() if line.startswith("NETCHECK ")]
-    assert len(lines) == 1, outputs
-    result = json.loads(lines[0][len("NETCHECK "):])
+    # global rank 0 alone reports; torchrun echoes its line with the rank in front ("[rank0]: ")
+    lines = [line for out, _ in outputs for line in out.splitlines() if "NETCHECK " in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank0]: NETCHECK "), outputs
+    result = plan.json_line(lines[0], "NETCHECK ")
     assert set(result) == {"backend", "device", "size_bytes", "iters", "nodes_total", "allreduce_busbw",
                            "nodes", "slow", "note"}
     assert (result["backend"], result["device"], result["size_bytes"], result["iters"]) == ("gloo", "cpu", MB, 2)

@@ -16,7 +16,7 @@ import torch
 
 from trainer import data
 from trainer.compat import binds_stores
-from trainer.metrics import printed
+from trainer.output import printed
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import resource
 import sys
 import time
@@ -19,21 +18,8 @@ from pathlib import Path
 import torch
 
 from .dist import DistEnv, all_reduce_sum
+from .output import PREFIX
 
-PREFIX = "METRICS "
-# How torchrun echoes a worker's line on a fleet (trainer.launch tees them): "[rank3]: ...",
-# twice on an uncaught exception's lines, which torch prefixes as well.
-RANK_PREFIXES = re.compile(r"^(?:\[rank(\d+)\]: ?)+")
-
-
-def printed(text: str) -> list[dict]:
-    """The records in printed output, in order: ``METRICS`` lines, with or without the rank in front."""
-    out = []
-    for line in text.splitlines():
-        line = RANK_PREFIXES.sub("", line, count=1)
-        if line.startswith(PREFIX):
-            out.append(json.loads(line[len(PREFIX):]))
-    return out
 log = logging.getLogger(__name__)
 
 
