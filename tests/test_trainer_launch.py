@@ -87,14 +87,14 @@ def test_a_master_addr_that_is_not_this_node_is_a_clear_setup_error(monkeypatch)
 
 def test_entry_runs_another_module_through_the_same_launcher_and_is_not_passed_to_torchrun():
     args = torchrun_args(["--nnodes", "2", "--entry", "trainer.netcheck", "--", "--size-mb", "1"], {})
-    assert args == ["--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
-    assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["-m", "trainer.netcheck"]
+    assert args == ["--tee", "3", "--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
+    assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["--tee", "3", "-m", "trainer.netcheck"]
 
 
 def test_script_runs_a_script_path_through_the_same_launcher():
     args = torchrun_args(["--nnodes", "2", "--script", "train.py", "--", "--epochs", "1"], {})
-    assert args == ["--nnodes", "2", "train.py", "--epochs", "1"]
-    assert torchrun_args(["--script=sub/t.py", "--"], {}) == ["sub/t.py"]
+    assert args == ["--tee", "3", "--nnodes", "2", "train.py", "--epochs", "1"]
+    assert torchrun_args(["--script=sub/t.py", "--"], {}) == ["--tee", "3", "sub/t.py"]
 
 
 def test_a_program_option_without_a_value_is_a_usage_error():
