@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict
 import logging
 import os
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -434,7 +434,7 @@ def join(st: _State, node: str, dry_run: bool) -> None:
         stdin = {node: secretenv.stdin_lines(secrets)} if secrets else None
         started = remote.run({node: spec.argv}, check=False, timeout=120, stdin=stdin)
         if not started[node].ok:
-            remote.run({node: plan.stop_argv(at, at.node(node))}, check=False, timeout=120)
+            _undo_start(at, remote, [node])
             raise RemoteFailure("join", started, hint="nothing else changed: the job runs on as it was")
     click.echo(f"{node} started: the job's nodes ({', '.join(joined)}) take it in at their next rendezvous round "
                f"({at.rdzv_node.name}, {plan.endpoint(at)}); `ddp-deploy status` shows it training")

@@ -19,7 +19,9 @@ from .view import split_rank
 ROOT_CAUSE = "Root Cause (first observed failure):"
 _FIELD = re.compile(r"^\s+(time|rank|exitcode)\s*:\s*(.*?)\s*$")
 _ERROR_LINE = re.compile(r"(^|\s|:)error:\s+\S", re.IGNORECASE)
-_TORCH_FRAMES = ("torch.distributed.elastic", "ChildFailedError", "W1", "E1", "I1")
+# torchrun's own lines, never the program's words: its elastic package and its logging's header
+# ("W0523 06:51:16.655000 ...", glog style: level, month, day, time).
+_TORCHRUN_LINE = re.compile(r"^(torch\.distributed\.elastic|ChildFailedError|[IWEF]\d{4} \d{2}:\d{2}:\d{2})")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def program_error(log: str) -> tuple[str | None, int | None]:
             if line.strip() and not line.startswith((" ", "\t")) and not line.startswith("The above exception"):
                 return line.strip(), rank
             continue
-        if _ERROR_LINE.search(line) and not line.startswith(_TORCH_FRAMES):
+        if _ERROR_LINE.search(line) and not _TORCHRUN_LINE.match(line):
             return line.strip(), rank
     return None, None
 

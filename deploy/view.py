@@ -24,12 +24,11 @@ from trainer.output import RANK_PREFIXES
 from .plan import NodeState
 
 METRICS_PREFIX = "METRICS "
-_RANK = RANK_PREFIXES  # a worker's line starts with its global rank, once or more
 
 
 def split_rank(line: str) -> tuple[int | None, str]:
     """``"[rank3]: text"`` -> (3, "text"); a line of torchrun's own -> (None, line)."""
-    m = _RANK.match(line)
+    m = RANK_PREFIXES.match(line)  # a worker's line starts with its global rank, once or more
     return (int(m[1]), line[m.end():]) if m else (None, line)
 
 

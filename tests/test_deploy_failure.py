@@ -69,3 +69,10 @@ def test_a_node_without_torchrun_s_summary_still_says_what_its_program_said():
     assert first_failure({"n": "all fine\n"}) is None
     assert first_failure({"n": "trainer.launch: error: --entry needs a value\n"}).describe() == (
         "n failed first: trainer.launch: error: --entry needs a value")
+
+
+def test_torchrun_s_own_log_lines_are_never_taken_for_the_program_s_error_whatever_the_date():
+    for month_day in ("0523", "1123"):
+        log = (f"W{month_day} 06:51:16.655000 14689 torch/distributed/run.py:982] error: not the program\n"
+               "trainer: error: the program's words\n")
+        assert program_error(log) == ("trainer: error: the program's words", None)
