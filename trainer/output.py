@@ -11,6 +11,9 @@ import json
 import re
 
 PREFIX = "METRICS "
+RUN_ID_ENV = "DDP_RUN_ID"
+"""Set by ``ddp-deploy launch`` on every node: the run's id (``ddp-deploy runs``). The trainer tags
+each metrics record with it (``"run"``) and names the run's TensorBoard directory after it."""
 RANK_PREFIXES = re.compile(r"^(?:\[rank(\d+)\]: ?)+")
 
 
