@@ -11,9 +11,11 @@ import json
 import re
 
 PREFIX = "METRICS "
-RUN_ID_ENV = "DDP_RUN_ID"
-"""Set by ``ddp-deploy launch`` on every node: the run's id (``ddp-deploy runs``). The trainer tags
-each metrics record with it (``"run"``) and names the run's TensorBoard directory after it."""
+RUN_ID_ENV = "DDP_LAUNCH_ID"
+"""Set by ``ddp-deploy launch`` on every node: this launch's run id, new at every launch
+(``ddp-deploy runs`` lists them; ``DDP_RUN_ID``, the rendezvous id, stays the same across
+relaunches). The trainer tags each metrics record with it (``"run"``) and names the run's
+TensorBoard directory after it."""
 RANK_PREFIXES = re.compile(r"^(?:\[rank(\d+)\]: ?)+")
 
 
