@@ -21,9 +21,9 @@ import click
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
-from . import codesync, failure, image, lock, netcheck, plan, preflight, prepare, record, runtime, secretenv, view
+from . import codesync, failure, image, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -279,6 +279,8 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                        "command's stdin")
         click.echo(f"[all] {lock.describe()}, held until the job has started")
         click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
+        click.echo(f"[all] a new run id (RUN_ID below); its record, logs and exit codes kept in {runs.runs_dir(inv)}"
+                   f"/RUN_ID, the newest {inv.job.keep_runs} runs (job.keep_runs)")
         for s in plan.launch_plan(inv, code=codesync.code_dir(inv, snap)):
             node = inv.node(s.node)
             _show(s.node, s.argv)
@@ -310,10 +312,13 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             _print_checks(pre.failed)
         _refuse_failed_checks(pre.failed, "launch refused, nothing started: ")
         _warn_without_interface(inv, pre.facts)
-        specs = plan.launch_plan(inv, pre.facts, code)
+        image_id = _one_image(inv, remote)
+        run = runs.new_id()
+        specs = plan.launch_plan(inv, pre.facts, code, run)
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
-        if finished:  # a finished run's container or pid files; its checkpoints stay and are resumed
+        if finished:  # a finished run's container or pid files; its checkpoints and kept logs stay
             remote.run(finished, check=True, timeout=120)
+        _start_run(inv, remote, run, record.launch_record(inv, code, run, image_id, st.redact))
         stdin = {s.node: secretenv.stdin_lines(secrets) for s in specs} if secrets else None
         try:
             results = remote.run({s.node: s.argv for s in specs}, check=False, timeout=120, stdin=stdin)
@@ -329,20 +334,45 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
             if stuck:
                 hint = f"could NOT stop {', '.join(stuck)}: run `ddp-deploy stop` once they are reachable"
             raise RemoteFailure("launch", results, hint=hint)
-        first = inv.nodes[0].name  # the record of what ran, on the shared volume (deploy/record.py)
-        kept = remote.run({first: record.write_argv(inv)}, stdin={first: record.encode(record.launch_record(inv, code))},
-                          check=False, timeout=60)[first]
-        if not kept.ok:
-            click.echo(f"warning: {first}: the launch record {record.path(inv)} was not written: {kept.summary()}",
-                       err=True)
         fleet.close()  # the job has started: following it (--wait) only reads, and can last hours
-        click.echo(f"started {inv.job.name} on {len(specs)} nodes "
+        click.echo(f"started {inv.job.name} run {run} on {len(specs)} nodes "
                    f"({sum(n.nprocs for n in inv.nodes)} processes): {payload(inv).describe()}"
                    + (f", code snapshot {code.snapshot[:12]}" if code else ""))
         if not wait:
             return
         final = _follow(inv, remote, timeout, st.redact)
         _verdict(inv, final, remote, st.redact)
+
+
+def _one_image(inv, remote) -> str | None:
+    """The id of the image every node holds (None: the job runs in no image); refuses a launch
+    across nodes whose images differ (one left behind by an earlier deploy)."""
+    argv = runtime.runtime(inv).image_id_argv()
+    if argv is None:
+        return None
+    got = remote.run({n.name: argv for n in inv.nodes}, check=False, timeout=60)
+    ids = {n: r.stdout.strip() for n, r in got.items() if r.ok}
+    if len(set(ids.values())) > 1 or len(ids) < len(got):
+        held = ", ".join(f"{n} {ids[n][:19] if n in ids else got[n].summary()}" for n in got)
+        raise RuntimeFailure(f"launch refused, nothing started: the nodes do not hold the same {inv.image.name} "
+                             f"({held})", hint="run `ddp-deploy deploy`: it ships the image to the nodes that lack it")
+    return next(iter(ids.values()), None)
+
+
+def _start_run(inv, remote, run: str, kept: dict) -> None:
+    """The run's record on the shared volume, as the job's current one too; the oldest runs
+    beyond job.keep_runs removed. Not fatal: the job runs without it, and says so."""
+    first = inv.nodes[0].name
+    done = remote.run({first: runs.start_argv(inv, run)}, stdin={first: record.encode(kept)}, check=False,
+                      timeout=60)[first]
+    if not done.ok:
+        click.echo(f"warning: {first}: the record of run {run} was not written in {runs.runs_dir(inv)}: "
+                   f"{done.summary()}", err=True)
+        return
+    pruned = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("pruned ")]
+    if pruned:
+        click.echo(f"removed the oldest run{'s' * (len(pruned) > 1)} ({', '.join(pruned)}): job.keep_runs is "
+                   f"{inv.job.keep_runs}")
 
 
 def _undo_start(inv, remote, nodes) -> list[str]:
@@ -417,7 +447,7 @@ def join(st: _State, node: str, dry_run: bool) -> None:
         if not running:
             raise RuntimeFailure(f"join refused, nothing started: {inv.job.name} runs on no node",
                                  hint="`ddp-deploy launch` starts it (it resumes from the newest checkpoint)")
-        at, text, joined = _running_job(inv, remote, running[0], node)
+        at, text, joined, run = _running_job(inv, remote, running[0], node)
         if not states[at.rdzv_node.name].running:
             raise RuntimeFailure(f"join refused, nothing started: {at.rdzv_node.name}, which hosts the running "
                                  f"job's rendezvous, does not run it ({states[at.rdzv_node.name].state})",
@@ -428,7 +458,7 @@ def join(st: _State, node: str, dry_run: bool) -> None:
         if pre.failed:
             _print_checks(pre.failed)
         _refuse_failed_checks(pre.failed, "join refused, nothing started: ")
-        spec = plan.launch_spec(at, _index(at, node), pre.facts.get(node, plan.NodeFacts()), code)
+        spec = plan.launch_spec(at, _index(at, node), pre.facts.get(node, plan.NodeFacts()), code, run)
         if mine.exists:  # its finished run (restarts run out): its checkpoints stay on the shared volume
             remote.run({node: plan.stop_argv(at, at.node(node))}, check=True, timeout=120)
         stdin = {node: secretenv.stdin_lines(secrets)} if secrets else None
@@ -444,9 +474,10 @@ def _index(inv: Inventory, node: str) -> int:
     return [n.name for n in inv.nodes].index(node)
 
 
-def _running_job(inv: Inventory, remote: Remote, reader: str, node: str) -> tuple[Inventory, str, list[str]]:
+def _running_job(inv: Inventory, remote: Remote, reader: str, node: str) -> tuple[Inventory, str, list[str], str]:
     """The inventory of the job running now (its rendezvous node from its launch record, read on
-    ``reader``), the record's text, and the nodes it was launched on."""
+    ``reader``), the record's text, the nodes it was launched on, and its run id (the joining
+    node's output is kept with that run)."""
     where = record.path(inv)
     got = remote.run({reader: ("cat", where)}, check=False, timeout=60)[reader]
     found = record.decode(got.stdout) if got.ok else None
@@ -466,7 +497,9 @@ def _running_job(inv: Inventory, remote: Remote, reader: str, node: str) -> tupl
         changed = "; ".join(f"{k} {then[k]} then, {now[k]} now" for k in now if now[k] != then[k])
         raise RuntimeFailure(f"join refused, nothing started: hosts.yaml changed since the launch ({changed})",
                              hint="undo the change, or `ddp-deploy stop` and `ddp-deploy launch` with it")
-    return at, got.stdout, [n["name"] for n in found.get("nodes", []) if isinstance(n, dict) and "name" in n]
+    run = found.get("run") if isinstance(found.get("run"), str) and runs.RUN_ID.fullmatch(found["run"]) else None
+    return (at, got.stdout, [n["name"] for n in found.get("nodes", []) if isinstance(n, dict) and "name" in n],
+            run or runs.new_id())
 
 
 def _warn_without_interface(inv, facts) -> None:
@@ -534,14 +567,20 @@ def _print_status(inv, states) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("-f", "--follow", is_flag=True, help="Keep showing it until the job ends (exit code as launch --wait).")
+@click.option("--run", "run_id", metavar="ID", help="A kept run instead (`ddp-deploy runs`; the start of its id is "
+                                                   "enough): how each node ended, its last metrics, the first failure.")
 @pass_state
-def status(st: _State, as_json: bool, follow: bool) -> None:
+def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
     """Every node's state (restarts, exit code) and progress: epoch, step, loss, accuracy,
     samples/s and ETA, from the program's last METRICS line."""
     inv = st.inv
-    if follow and as_json:
-        raise InputError("status: --follow and --json do not go together", hint="poll `status --json` instead")
+    if follow and (as_json or run_id):
+        raise InputError(f"status: --follow and {'--json' if as_json else '--run'} do not go together",
+                         hint="poll `status --json` instead" if as_json else "a kept run has ended: drop --follow")
     with Remote(inv) as remote:
+        if run_id is not None:
+            _kept_status(inv, remote, run_id, as_json, st.redact)
+            return
         if follow:
             _verdict(inv, _follow(inv, remote, None, st.redact), remote, st.redact)
             return
@@ -563,12 +602,25 @@ def status(st: _State, as_json: bool, follow: bool) -> None:
 @click.option("--node", "only_nodes", metavar="NAME", multiple=True, help="Only this node's lines (repeatable).")
 @click.option("--rank", "only_ranks", metavar="N", type=click.IntRange(min=0), multiple=True,
               help="Only this global rank's lines (repeatable); torchrun's own lines carry no rank.")
+@click.option("--run", "run_id", metavar="ID", help="A kept run's logs (`ddp-deploy runs`; the start of its id is "
+                                                   "enough), read from the shared volume.")
 @pass_state
-def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...]) -> None:
+def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...],
+         run_id: str | None) -> None:
     """Every node's output, each line prefixed with the node and the rank that printed it."""
     inv = st.inv
     inv.check_names("--node", set(only_nodes))
     nodes = [n for n in inv.nodes if not only_nodes or n.name in only_nodes]
+    read = lambda n: plan.logs_argv(inv, n, tail=tail, follow=follow)  # noqa: E731
+    if run_id is not None:
+        with Remote(inv) as remote:
+            run = _kept_run(inv, remote, run_id, st.redact, "logs --run")[1]
+        gone = [n for n in run.nodes if n not in {m.name for m in inv.nodes}]
+        if gone:
+            click.echo(f"note: {', '.join(gone)} ran in {run.id} but not in hosts.yaml now: their logs are in "
+                       f"{runs.runs_dir(inv)}/{run.id}", err=True)
+        nodes = [n for n in nodes if n.name in run.nodes]
+        read = lambda n: runs.log_argv(inv, run.id, n.name, tail=tail, follow=follow)  # noqa: E731
     width = max(len(view.log_label(n.name, sum(m.nprocs for m in inv.nodes) - 1)) for n in nodes)
     lock = threading.Lock()
 
@@ -579,7 +631,7 @@ def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...]
         with lock:
             click.echo(st.redact(f"{view.log_label(node, rank):<{width}} | {text}"))
 
-    cmds = {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in nodes}
+    cmds = {n.name: read(n) for n in nodes}
     with Remote(inv) as remote:
         if follow:
             results = remote.stream(cmds, emit)
@@ -592,6 +644,98 @@ def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...]
     bad = {n: r for n, r in results.items() if not r.ok}
     if bad:
         raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
+
+
+@cli.command(name="runs")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output, with each run's whole record.")
+@pass_state
+def runs_(st: _State, as_json: bool) -> None:
+    """The job's kept runs, oldest first: id, start, duration, nodes, program, code snapshot,
+    image and how they ended (`logs --run ID`, `status --run ID` read one; job.keep_runs
+    says how many are kept)."""
+    inv = st.inv
+    with Remote(inv) as remote:
+        kept = _kept_runs(inv, remote, "", st.redact)[1]
+        running = bool(kept) and kept[-1].end is None and any(
+            s.running for s in _states(inv, remote, st.redact).values())
+    if as_json:
+        click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
+                                "outcome": "running" if running and r is kept[-1] else r.outcome(),
+                                "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics}
+                                          for n, nr in r.nodes.items()},
+                                "record": r.record} for r in kept]))
+        return
+    if not kept:
+        click.echo(f"no run of {inv.job.name} is kept in {runs.runs_dir(inv)}")
+        return
+    table = Table(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code", "image",
+                  Column("outcome", no_wrap=True), title=f"runs of {inv.job.name} (the newest {inv.job.keep_runs} "
+                                                           "are kept; the id starts with the UTC start time)")
+    for r in kept:
+        rec = r.record
+        image_id = (rec.get("image") or {}).get("id") if isinstance(rec.get("image"), dict) else None
+        outcome = "[green]running[/]" if running and r is kept[-1] else r.outcome()
+        table.add_row(r.id, _when(r)[1] or "-", str(len(r.nodes)), str(rec.get("program", "?")),
+                      (rec.get("code_snapshot") or "-")[:8], (image_id or "-").removeprefix("sha256:")[:8], outcome)
+    out.print(table)
+
+
+def _when(run: runs.Run) -> tuple[str, str | None]:
+    """When a run started (local time) and how long it took (None: not every node has ended)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.start)) if run.start else "?"
+    return started, view.duration(run.end - run.start) if run.start and run.end else None
+
+
+def _kept_runs(inv, remote, prefix: str, redact) -> tuple[str, list[runs.Run]]:
+    """The kept runs whose id starts with ``prefix``, read on the first node that answers (the
+    shared volume is the same on all), and that node."""
+    tried = []
+    for n in inv.nodes:
+        got = remote.run({n.name: runs.list_argv(inv, prefix)}, check=False, timeout=60)[n.name]
+        if got.ok:
+            return n.name, runs.parse(redact(got.stdout))
+        tried.append(f"{n.name}: {got.summary()}")
+        if got.connected:
+            break
+    raise RuntimeFailure(f"cannot read the kept runs in {runs.runs_dir(inv)} ({'; '.join(tried)})",
+                         hint="`ddp-deploy check` names the cause")
+
+
+def _kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run]:
+    reader, kept = _kept_runs(inv, remote, wanted, redact)
+    try:
+        return reader, runs.pick(kept, wanted)
+    except ValueError as e:
+        raise InputError(f"{verb}: {e}", hint="`ddp-deploy runs` lists the kept runs") from None
+
+
+def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
+    """``status --run``: how each node of a kept run ended, its last metrics, the first failure."""
+    reader, run = _kept_run(inv, remote, wanted, redact, "status --run")
+    states = {n: r.state() for n, r in run.nodes.items()}
+    ranks = {n: 0 for n in states}
+    ranks.update({n["name"]: n.get("procs", 0) for n in run.record.get("nodes", [])
+                  if isinstance(n, dict) and n.get("name") in ranks})
+    logs = {}
+    for n in (n for n, s in states.items() if s.failed):
+        got = remote.run({reader: runs.log_argv(inv, run.id, n, tail=FAILURE_TAIL, follow=False)}, check=False,
+                         timeout=60)[reader]
+        if got.ok:
+            logs[n] = redact(got.stdout)
+    first = failure.first_failure(logs) if logs else None
+    if as_json:
+        click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
+                               "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
+                                          "first_failure": asdict(first) if first and first.node == n else None}
+                                         for n, s in states.items()],
+                               "record": run.record}))
+        return
+    started, took = _when(run)
+    click.echo(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
+               f"{run.record.get('program', '?')}: {run.outcome()}")
+    out.print(view.table(inv.job.name, ranks, states))
+    if first:
+        click.echo(f"first failure: {first.describe()}")
 
 
 @cli.command()

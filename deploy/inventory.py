@@ -103,7 +103,7 @@ def _no_nul(v: str) -> str:
 # and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
-                "DDP_CODE_SNAPSHOT")
+                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR")
 
 
 def _identifier(v: str) -> str:
@@ -171,6 +171,9 @@ class Job(_Model):
     then costs a rendezvous round, not the job: the others go on without it from the newest
     checkpoint, and take it in again when it is back (or ``ddp-deploy join`` starts it). The
     most is every node listed, those left out with --without too. None: every node."""
+    keep_runs: int = Field(default=20, ge=1)
+    """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
+    TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""
 
 
 class Rendezvous(_Model):
@@ -191,6 +194,9 @@ class Rendezvous(_Model):
 
 
 class SshOverrides(_Model):
+    host: Address | None = None
+    """Where SSH connects for this node, if not ``address`` (which stays the node's address for
+    the rendezvous and the NIC): a DNS name, an IP, or a Host alias of ``ssh.config``."""
     user: SafeName | None = None
     port: Port | None = None
     key: LocalPath | None = None
@@ -210,11 +216,16 @@ class Ssh(_Model):
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     """strict: unknown or changed host keys are refused; accept-new: record unknown ones."""
     connect_timeout: int = Field(default=10, ge=1)
+    """Seconds a node may stay silent: to connect, and once connected, to answer a keepalive."""
+    config: LocalPath | None = "~/.ssh/config"
+    """OpenSSH client config read for each node's ssh host (Host aliases: HostName, User, Port,
+    IdentityFile, ProxyJump, ProxyCommand, ConnectTimeout, ServerAlive*); user, port, key and
+    connect_timeout written in hosts.yaml win over it; a missing file is none; null: not read."""
 
     def merged(self, over: SshOverrides | None) -> "Ssh":
         if over is None:
             return self
-        return self.model_copy(update=over.model_dump(exclude_none=True))
+        return self.model_copy(update=over.model_dump(exclude_none=True, exclude={"host"}))
 
 
 Env = dict[EnvName, EnvValue]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from trainer.output import RANK_PREFIXES
+from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from .inventory import Inventory, Node
 from .payload import payload
@@ -115,15 +115,17 @@ def interface_holding(address: str, ip_output: str) -> str | None:
 
 
 def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
-             code: CodeDir | None = None) -> tuple[tuple[str, str], ...]:
+             code: CodeDir | None = None, run: str | None = None) -> tuple[tuple[str, str], ...]:
     """The environment of the node's processes: the contract with the program (README, "Your own
-    training code": node name, directories, run id, device and backend, code snapshot), the NIC
+    training code": node name, directories, rendezvous id, launch id, device and backend, code snapshot), the NIC
     for gloo and NCCL (the inventory's, else the one detected on the node), then train.env and
     nodes[].env, which win (they cannot name the contract's variables: inventory.RESERVED_ENV)."""
     data, ckpt = runtime(inv).job_dirs()
     device, backend = device_flags(inv)[1::2]
     env = {"DDP_NODE_NAME": node.name, "DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id,
            "DDP_DEVICE": device, "DDP_BACKEND": backend}
+    if run is not None:
+        env[RUN_ID_ENV] = run
     if code is not None:
         env["DDP_CODE_SNAPSHOT"] = code.snapshot
     interface = node.interface or facts.interface
@@ -148,23 +150,25 @@ def program_args(inv: Inventory) -> tuple[str, ...]:
     return payload(inv).program_args(data, ckpt, device_flags(inv))
 
 
-def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code: CodeDir | None = None) -> LaunchSpec:
+def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code: CodeDir | None = None,
+                run: str = "RUN_ID") -> LaunchSpec:
+    """nodes[index]'s start command; ``run``: the run's id (runs.py), new at each launch."""
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
     program = program_args(inv)
-    env = node_env(inv, node, facts, code)
-    rt = runtime(inv, code)
+    env = node_env(inv, node, facts, code, run)
+    rt = runtime(inv, code, run)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,
                       env=env, mounts=rt.mounts(), argv=tuple(argv))
 
 
 def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None,
-                code: CodeDir | None = None) -> list[LaunchSpec]:
+                code: CodeDir | None = None, run: str = "RUN_ID") -> list[LaunchSpec]:
     """Every node's launch; ``facts`` holds what the preflight found on each node (NIC, InfiniBand),
-    ``code`` the code snapshot the job runs in (train.code)."""
+    ``code`` the code snapshot the job runs in (train.code), ``run`` the run's id."""
     facts = facts or {}
-    return [launch_spec(inv, i, facts.get(n.name, NodeFacts()), code) for i, n in enumerate(inv.nodes)]
+    return [launch_spec(inv, i, facts.get(n.name, NodeFacts()), code, run) for i, n in enumerate(inv.nodes)]
 
 
 NETCHECK_ENTRY = "trainer.netcheck"

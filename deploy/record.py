@@ -1,6 +1,7 @@
-"""The record of a launch, kept on the shared volume beside the job's run directories:
-``<checkpoints.host>/.ddp-deploy/<job>/launch.json``. What ran (program, arguments, code snapshot,
-image), where, when; secrets by name and source only, never their values."""
+"""The record of a launch, kept on the shared volume with the run (deploy/runs.py: ``run.json``)
+and as the job's current one (``<checkpoints.host>/.ddp-deploy/<job>/launch.json``): what ran
+(program, arguments, code snapshot, image id), where, when, and the resolved hosts.yaml; secrets
+by name and source only, never their values."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from .payload import payload
 from .plan import endpoint, nnodes
 from .runtime import RUN_SUBDIR, CodeDir, runtime
 
-# $1 = file. Writes stdin to it atomically (the directory is created).
-WRITE_FILE = 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"'
-
-
 def path(inv: Inventory) -> str:
     return f"{inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}/launch.json"
 
 
-def launch_record(inv: Inventory, code: CodeDir | None) -> dict:
+def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, image_id: str | None = None,
+                  redact=str) -> dict:
+    """``redact`` hides every secret value this shell can read in the resolved hosts.yaml (an
+    environment value that happens to hold one)."""
     return {
+        "run": run,
         "time": round(time.time(), 3),
         "job": inv.job.name,
         "runtime": inv.job.runtime,
@@ -35,11 +36,20 @@ def launch_record(inv: Inventory, code: CodeDir | None) -> dict:
         "nodes": [{"name": n.name, "address": n.address, "procs": n.nprocs, "gpus": list(n.devices)} for n in inv.nodes],
         "env": sorted({*inv.train.env, *(k for n in inv.nodes for k in n.env)}),
         "secrets": {name: secretenv.source(inv, name) for name in inv.train.secrets},
+        "image": {"name": inv.image.name, "id": image_id} if image_id else None,  # None: no image (host)
+        "hosts_yaml": redacted(inv.model_dump(mode="json"), redact),
     }
 
 
-def write_argv(inv: Inventory) -> tuple[str, ...]:
-    return ("sh", "-c", WRITE_FILE, "sh", path(inv))
+def redacted(value, redact):
+    """``value`` (JSON data) with every string passed through ``redact``."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redacted(v, redact) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v, redact) for v in value]
+    return value
 
 
 def encode(record: dict) -> bytes:

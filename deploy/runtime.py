@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.output import LOG_DIR_ENV
+
 from .inventory import Inventory, Node
 
 # Host runtime: per-node run directory (under the checkpoint dir, so logs sit with the run)
@@ -37,7 +39,10 @@ LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E '
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
 STOPPED_LINE = r"""grep -h ': stopped by ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*/: /'"""
 
-# $1 = run dir, $2 = max restarts, $3... = the command. Refuses when a previous run is recorded.
+# $1 = the node's state dir, $2 = its directory of this run (runs.py), $3 = max restarts, $4... =
+# the command. Refuses when a previous run is recorded. The command's output goes to the run's
+# log (STATE/log links to it: status, logs and stop read the running one there), and each end
+# of it adds "TIME CODE" to the run's exits.
 # Starts the command in its own session (setsid), so `stop` can signal the whole process group,
 # under a supervisor loop that does for the host runtime what Docker's restart policy does for
 # containers: a command that exits non-zero (its torchrun killed, the OOM killer) is started
@@ -46,21 +51,23 @@ STOPPED_LINE = r"""grep -h ': stopped by ' | tail -n 1 | sed -E 's/^(\[rank[0-9]
 # container's end takes every process in it. A signal to the
 # group (stop) ends the supervisor too, so a stopped job is never started again. Waits for the
 # pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
-HOST_START = r"""run=$1; shift
+HOST_START = r"""run=$1; kept=$2; shift 2
 if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
-mkdir -p "$run" || exit 1
-rm -f "$run/exit" "$run/log" "$run/restarts"
+mkdir -p "$run" "$kept" || exit 1
+rm -f "$run/exit" "$run/restarts"
+ln -sfn "$kept/log" "$run/log" || exit 1
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
 setsid sh -c '""" + KILL_RUN + r"""
-run=$0; max=$1; shift; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
+run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
-  "$@" >> "$run/log" 2>&1 < /dev/null; rc=$?
+  "$@" >> "$kept/log" 2>&1 < /dev/null; rc=$?
+  echo "$(date +%s) $rc" >> "$kept/exits"
   kill_run "$run" $$
   { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
   n=$((n+1)); echo $n > "$run/restarts"
-  echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$run/log"; sleep 1
+  echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$kept/log"; sleep 1
 done
-echo $rc > "$run/exit"' "$run" "$@" < /dev/null > /dev/null 2>&1 &
+echo $rc > "$run/exit"' "$run" "$kept" "$@" < /dev/null > /dev/null 2>&1 &
 i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 [ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
 sleep 1
@@ -150,12 +157,23 @@ IN_DIR = 'cd "$1" || exit 1; shift; exec "$@"'
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only, the working directory)."""
 
+# $1 = "chown" or "nochown" (plan.MAKE_DIRS), $2 = a directory, then a command: makes the
+# directory (the run's, where a container's launcher copies its output), then runs the command.
+IN_NEW_DIR = ('mode=$1; dir=$2; shift 2; mkdir -p "$dir" || exit 1; '
+              'if [ "$mode" = chown ] && [ "$(id -u)" = 0 ]; then chown 1000:1000 "$dir" || exit 1; fi; exec "$@"')
+
 # $1 = container, then the command that runs it: a leftover of an interrupted run goes first.
 REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
 
 # What NCCL needs to use InfiniBand/RoCE from a container: the verbs devices, pinned memory
 # without limit (IPC_LOCK, memlock). Shared memory comes with --ipc host, which every job has.
 INFINIBAND_DOCKER_ARGS = ("--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
+
+
+def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> str:
+    """A node's directory of a run on the shared volume (deploy/runs.py); ``base``: the
+    checkpoint directory as the job sees it (default: as the nodes do)."""
+    return f"{base or inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}/runs/{run}/{node}"
 
 
 @dataclass(frozen=True)
@@ -190,9 +208,21 @@ class Runtime:
     dirs_mode = "nochown"
     """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
 
-    def __init__(self, inv: Inventory, code: CodeDir | None = None) -> None:
+    def __init__(self, inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> None:
         self.inv = inv
         self.code = code
+        self.run = run
+        """The run's id (runs.py): where the started job's output and exit codes are kept."""
+
+    def kept_dir(self, node: Node, base: str | None = None) -> str:
+        """The node's directory of this run on the shared volume (``base``: as the job sees it)."""
+        if self.run is None:
+            raise ValueError("a started job needs a run id")
+        return kept_dir(self.inv, self.run, node.name, base)
+
+    def image_id_argv(self) -> tuple[str, ...] | None:
+        """Prints the id of the image the job runs in, on a node; None when it runs in none."""
+        return None
 
     def secrets_prefix(self) -> list[str]:
         """Before a start command: read the secrets' NAME=VALUE lines from stdin (none: nothing)."""
@@ -294,6 +324,9 @@ class DockerRuntime(Runtime):
     def engine_argv(self) -> tuple[str, ...]:
         return ("docker", "version", "--format", "{{.Server.Version}}")
 
+    def image_id_argv(self) -> tuple[str, ...]:
+        return ("docker", "image", "inspect", "--format", "{{.Id}}", self.inv.image.name)
+
     def container(self, node: Node) -> str:
         return f"{self.inv.job.name}-{node.name}"
 
@@ -326,7 +359,10 @@ class DockerRuntime(Runtime):
         argv += ["--stop-timeout", str(STOP_GRACE_S)]  # also when the daemon stops it (reboot, reclaim)
         for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
             argv += ["-e", name]
-        return [*self.secrets_prefix(), *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]
+        # The launcher keeps a copy of its output and its exit codes with the run (trainer.launch.run_teed).
+        argv += ["-e", f"{LOG_DIR_ENV}={self.kept_dir(node, self.inv.storage.checkpoints.container)}"]
+        return [*self.secrets_prefix(), "sh", "-c", IN_NEW_DIR, "sh", self.dirs_mode, self.kept_dir(node),
+                *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]
 
     def run_argv(self, node, launcher, env, facts):
         name = f"{self.container(node)}-check"
@@ -388,7 +424,7 @@ class HostRuntime(Runtime):
         return ["sh", "-c", IN_DIR, "sh", self.code.host, *cmd] if self.code else cmd
 
     def start_argv(self, node, launcher, env, facts):
-        return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node),
+        return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node), self.kept_dir(node),
                 str(self.inv.job.max_restarts), *self._command(node, env, ["-m", "trainer.launch", *launcher])]
 
     def run_argv(self, node, launcher, env, facts):
@@ -413,5 +449,5 @@ class HostRuntime(Runtime):
 RUNTIMES = {r.name: r for r in (DockerRuntime, HostRuntime)}
 
 
-def runtime(inv: Inventory, code: CodeDir | None = None) -> Runtime:
-    return RUNTIMES[inv.job.runtime](inv, code)
+def runtime(inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> Runtime:
+    return RUNTIMES[inv.job.runtime](inv, code, run)

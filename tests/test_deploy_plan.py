@@ -31,7 +31,19 @@ train:
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
     """The environment every program gets (README, "Your own training code")."""
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
-            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}"]
+            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_LAUNCH_ID=RUN_ID"]
+
+
+def kept_log(node, ckpt="/ckpt"):
+    """The variable that makes a container's launcher copy its output to the run's directory."""
+    return f"DDP_DEPLOY_LOG_DIR={ckpt}/.ddp-deploy/demo/runs/RUN_ID/{node}"
+
+
+def _docker(argv):
+    """A docker node's start command after the step that makes the run's directory for it."""
+    argv = list(argv)
+    assert argv[:2] == ["sh", "-c"] and argv[4:6] == ["chown", f"/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/{argv[5][-1]}"]
+    return argv[6:]
 
 
 def _inv(text=THREE_NODES, **replace):
@@ -70,13 +82,13 @@ def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():
 
 def test_docker_command_for_a_gpu_node():
     spec = plan.launch_plan(_inv())[0]
-    argv = list(spec.argv)
+    argv = _docker(spec.argv)
     assert argv[:5] == ["docker", "run", "-d", "--name", "demo-a"]
     assert _opt(argv, "--label") == "ddp.job=demo"
     assert _opt(argv, "--network") == "host" and _opt(argv, "--ipc") == "host"
     assert _opt(argv, "--gpus") == '"device=0,1"'  # which GPUs is explicit: the first `procs` by default
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [*contract("a"), "GLOO_SOCKET_IFNAME=eth0",
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("a"), *contract("a"), "GLOO_SOCKET_IFNAME=eth0",
                                                                      "NCCL_SOCKET_IFNAME=eth0"]
     image_at = argv.index("ddp-trainer:latest")
     sep = argv.index("--")
@@ -99,7 +111,8 @@ CPU_NODES = {"gpus: 2, ": "", "gpus: 2}": "}", ", gpus: 1}": "}"}
 def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
     argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
     assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == contract("c", device="cpu", backend="gloo")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("c"), *contract("c", device="cpu",
+                                                                                              backend="gloo")]
     assert argv[argv.index("--", argv.index("ddp-trainer:latest")) + 5:][:4] == ["--device", "cpu", "--backend", "gloo"]
 
 
@@ -162,13 +175,14 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     spec = plan.launch_plan(inv)[0]
     argv = list(spec.argv)
     assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
-    assert argv[4:6] == ["/nas/ckpt/.ddp-deploy/demo/a", str(inv.job.max_restarts)]  # the supervisor's budget
-    cmd = argv[6:]
-    assert cmd[:11] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+    assert argv[4:7] == ["/nas/ckpt/.ddp-deploy/demo/a", "/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/a",
+                         str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
+    cmd = argv[7:]
+    assert cmd[:12] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[11:14] == ["python3", "-m", "trainer.launch"]
+    assert cmd[12:15] == ["python3", "-m", "trainer.launch"]
     t = cmd.index("--")
-    assert tuple(cmd[14:t]) == spec.torchrun
+    assert tuple(cmd[15:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 

@@ -180,3 +180,47 @@ def test_an_elastic_agent_that_fails_leaves_the_rendezvous_open_and_one_that_fin
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["after a failed agent: joined", "after a finished agent: closed"], proc.stderr[-3000:]
+
+
+def _teed(tmp_path, script: str, *, signal_after: float | None = None):
+    """trainer.launch's run_teed around ``python -c script``, in a process of its own."""
+    code = ("import sys; from trainer.launch import run_teed; "
+            f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_after is not None:
+        import signal
+        import time
+
+        time.sleep(signal_after)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+def test_the_launchers_output_is_kept_in_the_run_log_as_printed_and_its_exit_code_recorded(tmp_path):
+    rc, out = _teed(tmp_path, "import sys; print('one', flush=True); print('two', file=sys.stderr, flush=True); "
+                              "print('three'); sys.exit(3)")
+    assert rc == 3 and out.splitlines() == ["one", "two", "three"]
+    assert (tmp_path / "log").read_text().splitlines() == ["one", "two", "three"]
+    when, code = (tmp_path / "exits").read_text().split()
+    assert code == "3" and abs(float(when) - __import__("time").time()) < 60
+
+
+def test_a_restarted_launcher_appends_to_the_same_log_and_exits(tmp_path):
+    _teed(tmp_path, "print('first')")
+    _teed(tmp_path, "print('second'); raise SystemExit(1)")
+    assert (tmp_path / "log").read_text().splitlines() == ["first", "second"]
+    assert [line.split()[1] for line in (tmp_path / "exits").read_text().splitlines()] == ["0", "1"]
+
+
+def test_sigterm_reaches_the_job_through_the_tee_and_its_planned_stop_is_logged(tmp_path):
+    script = ("import signal, sys, time\n"
+              "def stop(n, f):\n    print('stopped by SIGTERM', flush=True); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop); print('ready', flush=True); time.sleep(60)")
+    rc, out = _teed(tmp_path, script, signal_after=2)
+    assert rc == 0 and "stopped by SIGTERM" in (tmp_path / "log").read_text()
+
+
+def test_a_run_log_that_cannot_be_written_costs_the_copy_not_the_job(tmp_path):
+    rc, out = _teed(tmp_path / "missing", "print('still runs')")
+    assert rc == 0 and "still runs" in out and "warning: cannot write" in out

@@ -18,12 +18,15 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 
 from .compat import binds_stores
+from .output import LOG_DIR_ENV
 
 
 def default_nproc() -> str:
@@ -186,7 +189,66 @@ def keep_rendezvous_open_on_failure() -> None:
     DynamicRendezvousHandler.shutdown = shutdown
 
 
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_teed(directory: str, argv: list[str]) -> int:
+    """Runs ``argv`` with its output (stdout and stderr, in order) printed here and appended to
+    ``directory/log``; then appends ``TIME CODE`` to ``directory/exits``. Its exit code (128+N
+    after signal N), as a shell reports it.
+
+    A container's own log goes with the container (a relaunch removes it); this copy stays with
+    the run on the shared volume, and a node lost mid-run keeps its lines up to the loss. Signals
+    to this process (``docker stop``'s SIGTERM) are passed on. A log that cannot be written (disk
+    full) costs the copy, never the job.
+    """
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda number, frame: child.send_signal(number))
+    copy = _append(os.path.join(directory, "log"))
+    out = sys.stdout.buffer
+    while True:
+        chunk = os.read(child.stdout.fileno(), 1 << 16)
+        if not chunk:
+            break
+        out.write(chunk)
+        out.flush()
+        if copy is not None:
+            try:
+                copy.write(chunk)
+                copy.flush()
+            except OSError as exc:
+                _warn(f"stopped copying the output to {copy.name}: {exc.strerror or exc}")
+                copy = None
+    code = child.wait()
+    code = code if code >= 0 else 128 - code
+    ended = _append(os.path.join(directory, "exits"))
+    if ended is not None:
+        try:
+            with ended:
+                ended.write(f"{time.time():.3f} {code}\n".encode())
+        except OSError as exc:
+            _warn(f"exit code not recorded in {ended.name}: {exc.strerror or exc}")
+    return code
+
+
+def _append(path: str):
+    try:
+        return open(path, "ab")
+    except OSError as exc:
+        _warn(f"cannot write {path}: {exc.strerror or exc}")
+        return None
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"trainer.launch: warning: {message}\n")
+    sys.stderr.flush()
+
+
 def main() -> None:
+    directory = os.environ.pop(LOG_DIR_ENV, None)
+    if directory:  # the job is this process's child, and its output goes to the run's log too
+        sys.exit(run_teed(directory, [sys.executable, "-m", "trainer.launch", *sys.argv[1:]]))
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
     # MASTER_ADDR in that round, which group rank 0 only publishes in its first round: the

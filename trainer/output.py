@@ -16,6 +16,9 @@ RUN_ID_ENV = "DDP_LAUNCH_ID"
 (``ddp-deploy runs`` lists them; ``DDP_RUN_ID``, the rendezvous id, stays the same across
 relaunches). The trainer tags each metrics record with it (``"run"``) and names the run's
 TensorBoard directory after it."""
+LOG_DIR_ENV = "DDP_DEPLOY_LOG_DIR"
+"""Set by ``ddp-deploy launch`` for a container: the node's directory of the run on the shared
+volume, where the launcher keeps a copy of its output (``log``) and its exit codes (``exits``)."""
 RANK_PREFIXES = re.compile(r"^(?:\[rank(\d+)\]: ?)+")
 
 
