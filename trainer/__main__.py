@@ -44,6 +44,15 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
     stop = stop or StopSignal()
     stop.join(env)
     ctx = make_context(cfg, env, stop)
+    try:
+        return resume_and_train(ctx)
+    finally:
+        ctx.metrics.close()  # the TensorBoard files' last events, after a stop or a failure too
+
+
+def resume_and_train(ctx: Context) -> dict:
+    """Resumes from the newest complete checkpoint (if any), trains, evaluates, saves the final model."""
+    cfg, env = ctx.cfg, ctx.env
     torch_seed_per_rank(cfg, env)
     if not cfg.resume and env.is_main and ctx.checkpoints.complete():
         raise ResumeMismatch(f"resume: --no-resume, but {cfg.ckpt_dir} holds checkpoints of an earlier run; "

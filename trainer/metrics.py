@@ -2,14 +2,17 @@
 
 Loss and accuracy are summed on the device during training (no host synchronisation per step)
 and all-reduced in a single collective per logging interval. Rank 0 alone prints one
-``METRICS {json}`` line per interval and appends the same object to ``metrics.jsonl`` on the
-shared volume.
+``METRICS {json}`` line per interval, appends the same object to ``metrics.jsonl`` on the
+shared volume and writes its measurements as TensorBoard scalars beside it, in
+``tensorboard/<run id>/``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import resource
 import sys
 import time
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .dist import DistEnv, all_reduce_sum
-from .output import PREFIX
+from .output import PREFIX, RUN_ID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +52,93 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+TENSORBOARD_DIR = "tensorboard"
+SCALARS = {
+    "train": {"loss": "loss/train", "acc": "accuracy/train", "samples_per_s": "throughput/samples_per_s",
+              "step_time_s": "throughput/step_time_s", "lr": "lr", "peak_mem_mb": "memory/peak_mb"},
+    "eval": {"eval_loss": "loss/eval", "eval_acc": "accuracy/eval"},
+}
+"""Record kind -> {record key: TensorBoard tag}, at the record's ``step``. ``final`` repeats the
+last ``eval`` at the same step; ``resumed`` and ``stopped`` measure nothing."""
+
+
+def tensorboard_name(run: str | None, started: float) -> str:
+    """The run's TensorBoard directory name: its run id, else the UTC start time (which never looks
+    like a run id, so ``launch`` never prunes it with old runs)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run or "")
+    return name if name.strip(".") else time.strftime("%Y%m%d-%H%M%S", time.gmtime(started))
+
+
+class TensorBoardScalars:
+    """Rank 0's TensorBoard event files of one run, written by torch's ``SummaryWriter`` (imported
+    at the first measurement: rank 0 alone pays for it). Any failure, the package missing or the
+    volume full, is logged once and ends these files only: rank 0 must not die while the other
+    ranks wait for it in a collective."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._writer = None
+        self._failed = False
+        self._purge_step: int | None = None
+
+    def add(self, record: dict) -> None:
+        if self._failed:
+            return
+        if record.get("kind") == "resumed" and self._writer is None:
+            # a restarted attempt of the same run: TensorBoard hides what the earlier attempt
+            # logged after the checkpoint, which this one logs again
+            self._purge_step = record["step"] + 1
+            return
+        tags = SCALARS.get(record.get("kind"), {})
+        scalars = {tag: record[key] for key, tag in tags.items() if isinstance(record.get(key), (int, float))}
+        if not scalars or not isinstance(record.get("step"), int):
+            return
+        try:
+            if self._writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+                self._writer = SummaryWriter(str(self.directory), purge_step=self._purge_step)
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, record["step"], walltime=record.get("time"))
+            self._writer.flush()  # `tensorboard --logdir` on the shared volume follows the running job
+        except Exception as exc:  # noqa: BLE001 -- whatever tensorboard raises, training goes on
+            self._fail(exc)
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        if not self._failed:
+            self._failed = True
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            log.warning("TensorBoard files in %s are no longer written (training goes on; metrics.jsonl "
+                        "keeps every record): %s: %s", self.directory, type(exc).__name__, reason)
+
+
 class MetricsWriter:
-    """Rank 0's printed lines and JSON-lines file; other ranks write nothing."""
+    """Rank 0's printed lines, JSON-lines file and TensorBoard files; other ranks write nothing.
+    With ``$DDP_LAUNCH_ID`` (trainer.output.RUN_ID_ENV) set, every record carries it as ``run``."""
 
     def __init__(self, env: DistEnv, directory: str) -> None:
         self.enabled = env.is_main
         self.path = Path(directory) / "metrics.jsonl"
+        self.run = os.environ.get(RUN_ID_ENV) or None
+        self.tensorboard = TensorBoardScalars(Path(directory) / TENSORBOARD_DIR / tensorboard_name(self.run, time.time()))
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        record = {"time": round(time.time(), 3), **record}
+        head = {"time": round(time.time(), 3)}
+        if self.run is not None:
+            head["run"] = self.run
+        record = {**head, **record}
         line = json.dumps(record, sort_keys=False)
         print(PREFIX + line, file=sys.stdout, flush=True)
         try:
@@ -69,6 +146,11 @@ class MetricsWriter:
                 handle.write(line + "\n")
         except OSError as exc:  # rank 0 alone must not die here while the others wait in a collective
             log.warning("metrics line not appended to %s: %s", self.path, exc.strerror or exc)
+        self.tensorboard.add(record)
+
+    def close(self) -> None:
+        """Flushes and closes the TensorBoard files (the end of training, a stop or a failure)."""
+        self.tensorboard.close()
 
 
 class IntervalTimer:
