@@ -686,19 +686,24 @@ def _when(run: runs.Run) -> tuple[str, str | None]:
     return started, view.duration(run.end - run.start) if run.start and run.end else None
 
 
-def _kept_runs(inv, remote, prefix: str, redact) -> tuple[str, list[runs.Run]]:
-    """The kept runs whose id starts with ``prefix``, read on the first node that answers (the
-    shared volume is the same on all), and that node."""
+def _on_any_node(inv, remote, argv, what: str):
+    """``argv`` run on the first node that answers (the shared volume is the same on all): that
+    node and its result; a failure naming each node tried."""
     tried = []
     for n in inv.nodes:
-        got = remote.run({n.name: runs.list_argv(inv, prefix)}, check=False, timeout=60)[n.name]
+        got = remote.run({n.name: argv}, check=False, timeout=60)[n.name]
         if got.ok:
-            return n.name, runs.parse(redact(got.stdout))
+            return n.name, got
         tried.append(f"{n.name}: {got.summary()}")
         if got.connected:
             break
-    raise RuntimeFailure(f"cannot read the kept runs in {runs.runs_dir(inv)} ({'; '.join(tried)})",
-                         hint="`ddp-deploy check` names the cause")
+    raise RuntimeFailure(f"cannot read {what} ({'; '.join(tried)})", hint="`ddp-deploy check` names the cause")
+
+
+def _kept_runs(inv, remote, prefix: str, redact) -> tuple[str, list[runs.Run]]:
+    """The kept runs whose id starts with ``prefix``, and the node that read them."""
+    reader, got = _on_any_node(inv, remote, runs.list_argv(inv, prefix), f"the kept runs in {runs.runs_dir(inv)}")
+    return reader, runs.parse(redact(got.stdout))
 
 
 def _kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run]:
@@ -736,6 +741,28 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     out.print(view.table(inv.job.name, ranks, states))
     if first:
         click.echo(f"first failure: {first.describe()}")
+
+
+@cli.command()
+@click.option("--run", "run_ids", metavar="ID", multiple=True,
+              help="Only this run (repeatable: overlaid; the start of its id is enough). Default: every run.")
+@click.option("-o", "--output", metavar="FILE", default=None, help="The PNG to write [default: JOB-metrics.png].")
+@pass_state
+def plot(st: _State, run_ids: tuple[str, ...], output: str | None) -> None:
+    """A PNG of the job's loss, accuracy and samples/s against the step, one colour per run, from
+    the built-in trainer's metrics.jsonl on the shared volume (TensorBoard reads the event files
+    beside it: tensorboard --logdir CHECKPOINTS/tensorboard)."""
+    from . import plot as plotting  # matplotlib: only for this verb
+
+    inv = st.inv
+    path = output or f"{inv.job.name}-metrics.png"
+    where = f"{inv.storage.checkpoints.host}/metrics.jsonl"
+    with Remote(inv) as remote:
+        _, got = _on_any_node(inv, remote, ("cat", where), where)
+    by_run = plotting.records_by_run(st.redact(got.stdout))
+    plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
+    shown = plotting.select(by_run, run_ids)
+    click.echo(f"wrote {path}: {len(shown)} run{'s' * (len(shown) != 1)} ({', '.join(shown)})")
 
 
 @cli.command()

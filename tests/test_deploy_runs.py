@@ -164,10 +164,27 @@ def test_relaunches_keep_every_run_s_logs_and_outcome_until_pruned_by_count(ddp,
     node = json.loads(failed.stdout)["nodes"][0]
     assert node["state"] == "exited(1)" and "dataset cifar10 is not" in node["first_failure"]["says"]
 
+    more = [*TRAIN_ARGS[:TRAIN_ARGS.index("--epochs")], "--epochs", "2", *TRAIN_ARGS[TRAIN_ARGS.index("--epochs") + 2:]]
+    good = _hosts(tmp_path, more, keep=2)  # resumes the first run's checkpoint, trains one epoch more
     third = _launched(ddp(good, "launch", "--wait", "--timeout", "240"))
     assert [r["id"] for r in json.loads(ddp(good, "runs", "--json").stdout)] == [second, third]
     gone = ddp(good, "logs", "--run", first)
     assert gone.exit_code == 2 and f"no run '{first}' is kept" in gone.stderr
+    boards = tmp_path / "nas/ckpt/tensorboard"
+    assert sorted(p.name for p in boards.iterdir()) == [third]  # pruned with its run; the failed one wrote none
+
+    # Every record carries its run's id: the metrics of runs compared side by side.
+    by_run = {}
+    for line in (tmp_path / "nas/ckpt/metrics.jsonl").read_text().splitlines():
+        by_run.setdefault(json.loads(line).get("run"), []).append(line)
+    assert set(by_run) == {first, third}
+    png = tmp_path / "both.png"
+    made = ddp(good, "plot", "--run", first, "--run", third[:-3], "-o", str(png))
+    assert made.exit_code == 0 and made.stdout.strip() == f"wrote {png}: 2 runs ({first}, {third})", made.output
+    from matplotlib.image import imread
+    assert imread(str(png)).shape[:2] == (800, 800)
+    none = ddp(good, "plot", "--run", second)
+    assert none.exit_code == 2 and f"run '{second}' has no metrics records" in none.stderr
     assert ddp(good, "stop").exit_code == 0
 
 

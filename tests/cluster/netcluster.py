@@ -4,7 +4,7 @@ Each node is a network namespace ``ddpnI`` on the bridge ``ddpbr0`` (198.18.0.0/
 operator side is 198.18.0.1, node I is 198.18.0.(10+I)) with its own sshd on port 22 and its
 own dockerd, whose socket every SSH session of that node gets as ``DOCKER_HOST``. An operator
 dockerd in the root namespace builds images; the base image ``ddp-base:cpu`` (Debian bookworm,
-python3.11, a venv /opt/venv with torch, numpy and pyyaml) is built once without any registry,
+python3.11, a venv /opt/venv with torch, numpy, pyyaml and tensorboard) is built once without any registry,
 cached as a tar under /var/cache/ddp-bundle/ and loaded into the operator daemon only: getting
 images onto the nodes is the deploy tool's job, and what the tests check.
 
@@ -57,7 +57,9 @@ OPERATOR_STORE_PREFIX = "operator-docker-"  # + base image key: the operator's k
 BASE_IMAGE = "ddp-base:cpu"
 BASE_SUITE = "bookworm"
 BASE_INCLUDE = "python3,python3-venv,python3-pip,ca-certificates"
-BASE_REQUIREMENTS = ("torch==2.13.0", "numpy", "pyyaml")
+# What the Dockerfile's docker/requirements.txt asks for is in the base already: the build has no
+# index to install from (tensorboard: trainer/metrics.py's event files).
+BASE_REQUIREMENTS = ("torch==2.13.0", "numpy", "pyyaml", "tensorboard")
 BASE_PYTHON_TAG = "311"  # bookworm's python3 is 3.11: the wheels must be cp311
 BASE_PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_RECIPE_VERSION = 1  # bump when the recipe below changes in a way the key does not see

@@ -60,6 +60,16 @@ def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(clust
     for node in nodes:
         assert containers_on(cluster, node) == []
 
+    # The containers are gone; the run stays on the NAS: its record, every node's log and exit code.
+    kept = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]
+    assert kept["record"]["image"] == {"name": "ddp-trainer:test", "id": built}
+    assert {n: [code for _, code in v["exits"]] for n, v in kept["nodes"].items()} == {node: [0] for node in nodes}
+    assert kept["outcome"] == "exit 0" and kept["record"]["hosts_yaml"]["train"]["args"] == TRAIN
+    again = ok(ddp(cluster, hosts, "logs", "--run", kept["id"])).stdout.splitlines()
+    assert sorted(again) == sorted(logs)  # the container's launcher copied every line it printed
+    on_nas = fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-test" / "runs" / kept["id"]
+    assert sorted(p.name for p in on_nas.iterdir()) == sorted([*nodes, "run.json"])
+
 
 def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, tmp_path, torch_python):
     # No interface in the inventory: every hostname here resolves to loopback, so this run
