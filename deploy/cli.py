@@ -234,8 +234,13 @@ def deploy(st: _State, dry_run: bool, build: bool) -> None:
             click.echo(line)
         return
     with Remote(inv) as remote, lock.held(inv, remote, "deploy", st.hosts, warn=_warn):
-        steps.run(remote, click.echo, build=build,
-                  ship=lambda image_id, held: _ship_with_progress(inv, remote, image_id, held))
+        try:
+            steps.run(remote, click.echo, build=build,
+                      ship=lambda image_id, held: _ship_with_progress(inv, remote, image_id, held))
+        except KeyboardInterrupt:  # a partial `docker load` registers no image: the ID check sees none
+            click.echo("interrupted: a node whose load had not finished keeps the image it had; "
+                       "`ddp-deploy deploy` ships the image to it again", err=True)
+            raise
 
 
 cli.add_command(deploy, name="sync")

@@ -296,6 +296,8 @@ class _Saver:
         self.done = threading.Event()
         self.error: str | None = None
         self.saved: SavedImage | None = None
+        self.proc = None
+        self.cancelled = False
         self.thread = threading.Thread(target=self._run, args=(inv, image_id), daemon=True, name="docker-save")
         self.thread.start()
 
@@ -304,11 +306,16 @@ class _Saver:
 
         try:
             with open(self.temp, "wb") as out:
-                p = subprocess.run(save_argv(inv), stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                self.proc = subprocess.Popen(save_argv(inv), stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                if self.cancelled:
+                    self.proc.kill()
+                _, err = self.proc.communicate()
                 out.flush()
                 os.fsync(out.fileno())
-            if p.returncode != 0:
-                raise RuntimeError(f"docker save failed: {p.stderr.decode(errors='replace').strip()}")
+            if self.cancelled:
+                raise RuntimeError("docker save interrupted")
+            if self.proc.returncode != 0:
+                raise RuntimeError(f"docker save failed: {err.decode(errors='replace').strip()}")
             saved = index_saved(self.temp)
             if saved.image_id != image_id:
                 raise RuntimeError(f"{inv.image.name} changed while it was saved (now {saved.image_id}, "
@@ -335,6 +342,13 @@ class _Saver:
                     self.done.wait(0.05)
         if self.error:
             raise RuntimeError(self.error)
+
+    def cancel(self) -> None:
+        """Ends ``docker save`` now (an interrupted deploy) and waits until its file is gone."""
+        self.cancelled = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.done.wait()
 
     def wait(self) -> SavedImage:
         self.done.wait()
@@ -460,6 +474,10 @@ def ship(
 
     try:
         results = remote.parallel(todo, one)
+    except BaseException:  # Ctrl-C: no docker save left running, no partial file left in the cache
+        if saver is not None:
+            saver.cancel()
+        raise
     finally:
         if saver is not None:
             saver.done.wait()

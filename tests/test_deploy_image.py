@@ -28,7 +28,12 @@ a = sys.argv[1:]
 def read(name, default=None):
     p = os.path.join(d, name)
     return open(p).read() if os.path.exists(p) else default
-if a[:1] == ["save"]:
+if a[:1] == ["save"] and read("save_stalls"):  # half the image, then nothing: a slow save of a big one
+    open(os.path.join(d, "save.pid"), "w").write(str(os.getpid()))
+    data = open(os.path.join(d, "saved.tar"), "rb").read()
+    sys.stdout.buffer.write(data[:len(data) // 2]); sys.stdout.flush()
+    import time; time.sleep(120)
+elif a[:1] == ["save"]:
     open(os.path.join(d, "saves.log"), "a").write(a[1] + "\n")
     sys.stdout.buffer.write(open(os.path.join(d, "saved.tar"), "rb").read())
 elif a[:2] == ["image", "ls"]:
@@ -221,3 +226,31 @@ def test_the_directories_and_the_survey_share_one_command_and_a_failed_mkdir_nam
     with Remote(_inv()) as remote:
         held = image.survey(_inv(), remote, ["true"])
     assert held["n1"] == image.NodeImages("n1", "sha256:abc", (("sha256:l1", "sha256:l2"),))
+
+
+def test_one_ctrl_c_during_shipping_ends_docker_save_and_counts_no_half_loaded_image(fake_docker, tmp_path):
+    import signal
+    import threading
+
+    image_id, _ = _image(fake_docker, [BASE, DEPS, CODE])
+    (fake_docker / "save_stalls").write_text("1")
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with Remote(_inv()) as remote, pytest.raises(KeyboardInterrupt):
+        image.ship(_inv(), remote, image_id)
+    assert time.monotonic() - start < 10  # not the 120 s the stalled save would take
+    save = int((fake_docker / "save.pid").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(save) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(save), "docker save still runs after Ctrl-C"
+    assert list((tmp_path / "cache").iterdir()) == []  # no partial file that a later deploy could take for the image
+    assert not (fake_docker / "node_id").exists()  # the node's load never completed: nothing counts as loaded
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except FileNotFoundError:
+        return False
