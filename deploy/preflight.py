@@ -7,7 +7,7 @@ every value a positional argument, and prints tagged lines (``TAG o LINE``, ``TA
 ``TAG rc CODE``) that :func:`parse_tagged` turns back into one :class:`Result` per check.
 
 Two checks need the nodes to meet, and the session has two phases for them
-(:meth:`Remote.converse`):
+(:func:`converse`):
 
 - shared storage: in phase 1 every node writes its own token file under the checkpoint
   directory; once all have, the first reachable node is the reference and every other node
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainer.compat import TORCH_SUPPORTED
@@ -296,10 +296,61 @@ def _run(inv: Inventory, remote: Remote, nodes: Sequence[Node], meeting, *, for_
         first.update(phase1)
         return meeting.waves(phase1)
 
-    final = remote.converse(commands, marker=MARKER, reply=reply,
-                            timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
+    final = converse(remote, commands, marker=MARKER, reply=reply, timeout=PROBE_SECONDS + LISTEN_SECONDS + 30)
     return Preflight(checks_from(inv, first, final, meeting, for_launch=for_launch, code=code, nodes=nodes),
                      facts_from(inv, first, final, nodes))
+
+
+def converse(
+    remote: Remote,
+    commands: Mapping[str, Sequence[str]],
+    *,
+    marker: str,
+    reply: Callable[[dict[str, Result]], Sequence[Mapping[str, str]]],
+    timeout: float | None = None,
+) -> dict[str, Result]:
+    """Run commands whose stdin stays open, in two phases with one barrier between them.
+
+    Once every node has printed the line ``marker`` (or ended, or failed to start),
+    ``reply`` gets each node's output so far (``exit_code`` None while it still runs) and
+    returns waves of ``{node: text}``: each wave's nodes get their text on stdin, then EOF,
+    and are read to the end before the next wave starts; nodes in no wave get EOF last.
+    Each node's final :class:`Result` holds its whole output except the marker line. One
+    command per node however many phases: a login shell that is slow to start starts once.
+    ``timeout`` bounds each wait for output.
+    """
+    sessions = {}
+    first: dict[str, Result] = {}
+
+    def start(node: str) -> Result:
+        s = sessions[node] = remote.start(node, commands[node], timeout)
+        lines = []
+        try:
+            while raw := s.readline():
+                line = raw.decode(errors="replace")
+                if line.rstrip("\n") == marker:
+                    return Result(node, None, "".join(lines))
+                lines.append(line)
+        except BaseException:
+            sessions.pop(node).close()
+            raise
+        code, _, err = sessions.pop(node).finish(b"")
+        return Result(node, code, "".join(lines), err.decode(errors="replace"))
+
+    def finish(node: str, text: str) -> Result:
+        code, rest, err = sessions.pop(node).finish(text.encode())
+        return Result(node, code, first[node].stdout + rest.decode(errors="replace"), err.decode(errors="replace"))
+
+    try:
+        first.update(remote.parallel(list(commands), start))
+        final = {n: r for n, r in first.items() if n not in sessions}
+        for wave in [*reply(dict(first)), {n: "" for n in commands}]:
+            todo = {n: text for n, text in wave.items() if n in sessions}
+            final.update(remote.parallel(list(todo), lambda n: finish(n, todo[n])))
+    finally:
+        for s in sessions.values():
+            s.close()
+    return {n: final[n] for n in commands}
 
 
 def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],

@@ -57,9 +57,9 @@ class CountingRemote(Remote):
         self.commands += list(commands)
         return super().run(commands, **kw)
 
-    def converse(self, commands, **kw):
-        self.commands += list(commands)
-        return super().converse(commands, **kw)
+    def start(self, node, *a, **kw):
+        self.commands.append(node)
+        return super().start(node, *a, **kw)
 
     def send(self, node, *a, **kw):
         self.commands.append(node)
