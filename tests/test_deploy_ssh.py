@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import signal
 import subprocess
 import sys
@@ -22,40 +21,18 @@ from deploy.cli import cli
 from deploy.inventory import loads
 from deploy.remote import Remote
 from fakes import free_port
+from procs import children_of
+from sshd import SSHD, start_sshd
 
-SSHD = "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(
     not (os.path.exists(SSHD) and shutil.which("ssh-keygen") and os.geteuid() == 0),
     reason="needs root, sshd and ssh-keygen")
 
 
-def _keygen(path: Path) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-
-
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sshd")
-    _keygen(d / "host_key")
-    _keygen(d / "client_key")
-    _keygen(d / "other_key")
-    (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
-    os.chmod(d, 0o755)
-    port = free_port()
-    (d / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.1:{port}\nListenAddress 127.0.0.2:{port}\nListenAddress 127.0.0.3:{port}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
-        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nStrictModes no\nPidFile none\n")
-    Path("/run/sshd").mkdir(exist_ok=True)
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.DEVNULL)
-    for _ in range(50):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    host_pub = (d / "host_key.pub").read_text().split()
-    yield {"dir": d, "port": port, "host_key": f"{host_pub[0]} {host_pub[1]}"}
+    proc, info = start_sshd(tmp_path_factory.mktemp("sshd"), free_port())
+    yield info
     proc.terminate()
     proc.wait()
 
@@ -65,7 +42,8 @@ def _inv(sshd, tmp_path, **kw):
     return loads(text), kh
 
 
-def _inventory_text(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None, nodes=1):
+def _inventory_text(sshd, tmp_path, *, key="client_key", known="good", policy="strict", port=None, nodes=1,
+                    ssh=None, node_ssh=None):
     d = sshd["dir"]
     kh = tmp_path / "known_hosts"
     p = port or sshd["port"]
@@ -77,9 +55,10 @@ def _inventory_text(sshd, tmp_path, *, key="client_key", known="good", policy="s
     text = json.dumps({
         "job": {"name": "sshtest", "runtime": "host"},
         "rendezvous": {"node": "n1"},
-        "ssh": {"user": "root", "port": p, "key": str(d / key), "known_hosts": str(kh),
-                "host_key_policy": policy, "connect_timeout": 3},
-        "nodes": [{"name": f"n{i}", "address": f"127.0.0.{i}"} for i in range(1, nodes + 1)],
+        "ssh": ssh or {"user": "root", "port": p, "key": str(d / key), "known_hosts": str(kh),
+                       "host_key_policy": policy, "connect_timeout": 3},
+        "nodes": [{"name": f"n{i}", "address": f"127.0.0.{i}", **({"ssh": node_ssh} if node_ssh else {})}
+                  for i in range(1, nodes + 1)],
         "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
                     "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
     })
@@ -185,3 +164,95 @@ def test_logs_follow_ends_on_one_ctrl_c(sshd, tmp_path):
     finally:
         follow.kill()
     assert rc == 130
+
+
+def _aliased(sshd, tmp_path, config_text: str, **ssh):
+    """One node, 127.0.0.1, that hosts.yaml names only by the alias ``n1-alias`` of ``config``."""
+    (tmp_path / "ssh_config").write_text(config_text)
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[127.0.0.1]:{sshd['port']} {sshd['host_key']}\n")
+    settings = {"known_hosts": str(kh), "config": str(tmp_path / "ssh_config"), "connect_timeout": 3, **ssh}
+    text, _ = _inventory_text(sshd, tmp_path, ssh=settings, node_ssh={"host": "n1-alias"}, known="keep")
+    return loads(text)
+
+
+def test_a_host_alias_of_the_ssh_config_gives_hostname_user_port_and_key(sshd, tmp_path):
+    d = sshd["dir"]
+    inv = _aliased(sshd, tmp_path, f"Host n1-alias\n  HostName 127.0.0.1\n  User root\n  Port {sshd['port']}\n"
+                                    f"  IdentityFile {d}/client_key\n")
+    res = _run(inv, ["sh", "-c", 'echo "$USER ${SSH_CONNECTION##* }"'])
+    assert res.ok, res.summary()
+    assert res.stdout.split() == ["root", str(sshd["port"])]
+
+
+def test_user_port_and_key_written_in_hosts_yaml_win_over_the_ssh_config(sshd, tmp_path):
+    d = sshd["dir"]
+    config = f"Host n1-alias\n  HostName 127.0.0.1\n  User nobody\n  Port {free_port()}\n  IdentityFile {d}/other_key\n"
+    assert _run(_aliased(sshd, tmp_path, config), ["true"]).error.startswith("unreachable")  # the config's port
+    inv = _aliased(sshd, tmp_path, config, user="root", port=sshd["port"], key=str(d / "client_key"))
+    assert _run(inv, ["true"]).ok
+
+
+def test_without_the_ssh_config_an_alias_is_an_unreachable_name(sshd, tmp_path):
+    inv = _aliased(sshd, tmp_path, f"Host n1-alias\n  HostName 127.0.0.1\n  Port {sshd['port']}\n",
+                   config=None, port=sshd["port"], key=str(sshd["dir"] / "client_key"))
+    res = _run(inv, ["true"])
+    assert res.error.startswith("unreachable: root@n1-alias:"), res.error
+
+
+def test_a_jump_host_that_cannot_be_reached_is_named_as_the_jump_host(sshd, tmp_path):
+    """ProxyJump is taken: the node itself is up, only the jump host's port is closed."""
+    closed = free_port()
+    inv = _aliased(sshd, tmp_path, f"Host n1-alias\n  HostName 127.0.0.1\n  ProxyJump root@127.0.0.2:{closed}\n",
+                   port=sshd["port"], key=str(sshd["dir"] / "client_key"))
+    res = _run(inv, ["true"])
+    assert res.error.startswith(f"unreachable: root@127.0.0.2:{closed}"), res.error
+    assert res.error.endswith(f"(the jump host to root@127.0.0.1:{sshd['port']})")
+
+
+def test_a_jump_host_is_checked_against_known_hosts_like_a_node(sshd, tmp_path):
+    """Fabric's own ProxyJump would accept any key of the jump host: here an unknown one is refused."""
+    inv = _aliased(sshd, tmp_path, "Host n1-alias\n  HostName 127.0.0.1\n  ProxyJump 127.0.0.2\n",
+                   port=sshd["port"], key=str(sshd["dir"] / "client_key"))
+    res = _run(inv, ["true"])
+    assert res.error.startswith(f"host key unknown for root@127.0.0.2:{sshd['port']}"), res.error
+    (tmp_path / "known_hosts").write_text(
+        "".join(f"[127.0.0.{i}]:{sshd['port']} {sshd['host_key']}\n" for i in (1, 2)))
+    assert _run(inv, ["true"]).ok
+
+
+def _tree(pid: int) -> list[int]:
+    return [pid, *(p for c in children_of(pid) for p in _tree(c))]
+
+
+def test_a_node_that_stops_answering_costs_seconds_not_the_commands_timeout(tmp_path):
+    """sshd and its sessions stopped (SIGSTOP): the kernel still acknowledges every packet, only
+    the SSH server is silent. The open connection is given up on its keepalives, a new one on
+    the banner; each within connect_timeout, not the command's 60 s (before: the open connection
+    waited for its channel for paramiko's hour, a new one 15 s for the banner)."""
+    (tmp_path / "own-sshd").mkdir()
+    (tmp_path / "run").mkdir()
+    proc, info = start_sshd(tmp_path / "own-sshd", free_port())
+    try:
+        inv, _ = _inv(info, tmp_path / "run")  # connect_timeout: 3
+        with Remote(inv) as r:
+            assert r.run_all(["true"], timeout=60)["n1"].ok
+            stopped = _tree(proc.pid)
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                took, errors = [], []
+                for _ in range(2):
+                    t0 = time.monotonic()
+                    errors.append(r.run_all(["true"], timeout=60, check=False)["n1"].error)
+                    took.append(time.monotonic() - t0)
+            finally:
+                for pid in stopped:
+                    os.kill(pid, signal.SIGCONT)
+    finally:
+        proc.terminate()
+        proc.wait()
+    print("a silent node cost", [f"{t:.1f} s" for t in took])
+    assert errors[0].startswith(f"connection lost: root@127.0.0.1:{info['port']} "), errors  # keepalive or channel
+    assert errors[1] == f"unreachable: root@127.0.0.1:{info['port']} did not answer within 3 s", errors
+    assert took[0] < 3 * 4 / 3 + 1.5 and took[1] < 3 + 1.5, took
