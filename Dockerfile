@@ -11,7 +11,7 @@ ENV PYTHONUNBUFFERED=1 \
 # Dependencies first: a code-only change reuses every layer up to the COPY of trainer/.
 COPY docker/requirements.txt /tmp/requirements.txt
 RUN python -m pip install --no-cache-dir -r /tmp/requirements.txt \
- && python -c "import torch, yaml"
+ && python -c "import torch, yaml, tensorboard"
 
 # An unprivileged user (uid/gid 1000) owns the volumes; the deploy tool creates the shared
 # directories with this owner.
