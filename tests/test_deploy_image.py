@@ -54,6 +54,14 @@ elif a[:1] == ["load"]:
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
     open(os.path.join(d, "loaded.tar"), "wb").write(data)
+    import io, tarfile  # as docker load: a cut stream (a tar that does not read to its end) loads nothing
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            names = [m.name for m in tf if not m.isreg() or tf.extractfile(m).read() is not None]
+    except (tarfile.TarError, EOFError) as e:
+        sys.exit(f"unexpected EOF: {e}")
+    if "manifest.json" not in names:
+        sys.exit("unexpected EOF: no manifest.json")
     if read("load_fails"):
         sys.exit(read("load_fails"))
     open(os.path.join(d, "node_id"), "w").write(read("load_gives"))

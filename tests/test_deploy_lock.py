@@ -333,7 +333,7 @@ def test_launch_releases_the_lock_once_the_job_has_started_and_wait_follows_with
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         said = [launch.stdout.readline()]
-        while said[-1] and not said[-1].startswith("started locktest on 1 nodes"):
+        while said[-1] and not said[-1].startswith("started locktest run "):
             said.append(launch.stdout.readline())
         assert said[-1], "".join(said)
         assert launch.poll() is None and not fleet_lock_path.exists()  # following, without the lock

@@ -38,7 +38,7 @@ def test_two_launches_at_the_same_moment_one_starts_the_job_the_other_is_refused
         codes = [p.returncode for p in launches]
         assert sorted(codes) == [0, 1], outputs
         winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
-        assert "started ddp-test on 3 nodes (3 processes)" in outputs[winner][0]
+        assert re.search(r"started ddp-test run [0-9]{8}-[0-9]{6}-[0-9a-f]{4} on 3 nodes \(3 processes\)", outputs[winner][0])
         refusal = outputs[loser][1].strip().splitlines()
         assert len(refusal) == 1, refusal
         who = f"{getpass.getuser()}@{socket.gethostname()} (pid {launches[winner].pid})"

@@ -6,6 +6,7 @@ stopped and launched again and resumes from its checkpoint; a one-file edit send
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -50,7 +51,7 @@ def _metrics(cluster, hosts) -> dict:
 def _train_then_resume(cluster, tmp_path, name, fresh_nas, **sections):
     hosts = _hosts(cluster, tmp_path, name, 1, **sections)
     first = ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "600", timeout=660))
-    assert "started ddp-test on 3 nodes (3 processes)" in first.stdout
+    assert re.search(r"started ddp-test run [0-9]{8}-[0-9]{6}-[0-9a-f]{4} on 3 nodes \(3 processes\)", first.stdout)
     assert _metrics(cluster, hosts)["kind"] == "eval"
     ok(ddp(cluster, hosts, "stop"))
 
