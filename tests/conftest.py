@@ -1,3 +1,4 @@
+import signal
 import sys
 from pathlib import Path
 
@@ -6,6 +7,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_ends import torch_python  # noqa: E402,F401  (the fixture: both ends of the torch range)
+
+# The Ctrl-C tests press Ctrl-C for real (SIGINT to this process or to a CLI it starts). A suite
+# started in the background of a non-interactive shell (`./.ci/run &`, nohup) inherits SIGINT
+# ignored, and Python then installs no KeyboardInterrupt handler here or in any child: those
+# tests would wait out their timeouts. A handled signal is reset to the default on exec, so
+# restoring Python's handler here restores it in every process the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -242,11 +242,19 @@ def test_one_ctrl_c_during_shipping_ends_docker_save_and_counts_no_half_loaded_i
 
     image_id, _ = _image(fake_docker, [BASE, DEPS, CODE])
     (fake_docker / "save_stalls").write_text("1")
-    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    start = time.monotonic()
+    pressed = []
+
+    def ctrl_c_once_the_save_stalls():
+        while not (fake_docker / "save.pid").exists():
+            time.sleep(0.05)
+        time.sleep(0.5)  # the node reads what the save wrote so far
+        pressed.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_the_save_stalls, daemon=True).start()
     with Remote(_inv()) as remote, pytest.raises(KeyboardInterrupt):
         image.ship(_inv(), remote, image_id)
-    assert time.monotonic() - start < 10  # not the 120 s the stalled save would take
+    assert pressed and time.monotonic() - pressed[0] < 10  # not the 120 s the stalled save would take
     save = int((fake_docker / "save.pid").read_text())
     deadline = time.monotonic() + 5
     while _alive(save) and time.monotonic() < deadline:
