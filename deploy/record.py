@@ -12,10 +12,10 @@ from . import secretenv
 from .inventory import Inventory
 from .payload import payload
 from .plan import endpoint, nnodes
-from .runtime import RUN_SUBDIR, CodeDir, runtime
+from .runtime import CodeDir, job_dir, runtime
 
 def path(inv: Inventory) -> str:
-    return f"{inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}/launch.json"
+    return f"{job_dir(inv)}/launch.json"
 
 
 def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, image_id: str | None = None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .inventory import Inventory
 from .plan import NodeState
-from .runtime import LAST_METRICS, RUN_SUBDIR, kept_dir
+from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
 
 RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 """UTC start time and 4 random hex digits: sorted by name, runs are sorted by start."""
@@ -34,10 +34,6 @@ RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 
 def new_id(now: float | None = None) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + "-" + secrets.token_hex(2)
-
-
-def job_dir(inv: Inventory) -> str:
-    return f"{inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}"
 
 
 def runs_dir(inv: Inventory) -> str:
@@ -90,10 +86,7 @@ def list_argv(inv: Inventory, prefix: str = "") -> tuple[str, ...]:
 
 def log_argv(inv: Inventory, run: str, node: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     """A node's log of a kept run, as ``logs`` reads the running one."""
-    argv = ["tail", "-n", "+1" if tail is None else str(tail)]
-    if follow:
-        argv.append("-F")
-    return ("sh", "-c", 'exec "$@" 2>&1', "sh", *argv, f"{kept_dir(inv, run, node)}/log")
+    return tail_argv(f"{kept_dir(inv, run, node)}/log", tail=tail, follow=follow)
 
 
 @dataclass(frozen=True)

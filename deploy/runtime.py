@@ -170,10 +170,24 @@ REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
 INFINIBAND_DOCKER_ARGS = ("--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
 
 
+def job_dir(inv: Inventory, base: str | None = None) -> str:
+    """The tool's directory of the job on the shared volume: its launch record, the host runtime's
+    per-node state, the kept runs; ``base``: the checkpoint directory as the job sees it (default:
+    as the nodes do)."""
+    return f"{base or inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}"
+
+
 def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> str:
-    """A node's directory of a run on the shared volume (deploy/runs.py); ``base``: the
-    checkpoint directory as the job sees it (default: as the nodes do)."""
-    return f"{base or inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}/runs/{run}/{node}"
+    """A node's directory of a run on the shared volume (deploy/runs.py)."""
+    return f"{job_dir(inv, base)}/runs/{run}/{node}"
+
+
+def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
+    """A log file's last ``tail`` lines (None: all), then its new ones with ``follow``."""
+    argv = ["tail", "-n", "+1" if tail is None else str(tail)]
+    if follow:
+        argv.append("-F")
+    return ("sh", "-c", MERGE_STDERR, "sh", *argv, path)
 
 
 @dataclass(frozen=True)
@@ -407,7 +421,7 @@ class HostRuntime(Runtime):
         return self.inv.python_path()
 
     def run_dir(self, node: Node) -> str:
-        return f"{self.inv.storage.checkpoints.host}/{RUN_SUBDIR}/{self.inv.job.name}/{node.name}"
+        return f"{job_dir(self.inv)}/{node.name}"
 
     @staticmethod
     def gpu_env(node: Node) -> tuple[tuple[str, str], ...]:
@@ -440,10 +454,7 @@ class HostRuntime(Runtime):
         return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace))
 
     def logs_argv(self, node, *, tail, follow):
-        argv = ["tail", "-n", "+1" if tail is None else str(tail)]
-        if follow:
-            argv.append("-F")
-        return ("sh", "-c", MERGE_STDERR, "sh", *argv, f"{self.run_dir(node)}/log")
+        return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)
 
 
 RUNTIMES = {r.name: r for r in (DockerRuntime, HostRuntime)}
