@@ -177,8 +177,9 @@ class Job(_Model):
 
 
 class Rendezvous(_Model):
-    node: SafeName
-    """Name of the node that hosts the c10d store (must be in nodes)."""
+    node: SafeName | None = None
+    """Name of the node that hosts the c10d store (must be in nodes; required with nodes). On
+    Slurm: none, the allocation's first node hosts it."""
     port: Port = 29400
     id: SafeName | None = None
     """Rendezvous id; defaults to job.name."""
@@ -263,6 +264,69 @@ class Node(_Model):
         if self.gpus == 0:
             return ()
         return self.gpu_ids if self.gpu_ids else tuple(range(self.nprocs))
+
+
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+
+
+def _slurm_time(v: str) -> str:
+    if not _SLURM_TIME.fullmatch(v):
+        raise ValueError("a Slurm time limit: MINUTES, HH:MM:SS or DAYS-HH:MM:SS")
+    return v
+
+
+def _sbatch_option(v: str) -> str:
+    if not v.startswith("--") or any(ord(c) < 32 for c in v):
+        raise ValueError("an sbatch long option on one line, like --constraint=a100")
+    return v
+
+
+class SlurmLogin(_Model):
+    """Where the tool runs sbatch, squeue, scancel: a login node, reached as nodes are (SSH or local)."""
+
+    name: SafeName = "login"
+    address: Address
+    connection: Literal["ssh", "local"] = "ssh"
+    ssh: SshOverrides | None = None
+
+
+class SlurmContainer(_Model):
+    """The container route of Slurm sites, for job.runtime docker (rendered; README, "Running on Slurm")."""
+
+    kind: Literal["pyxis", "apptainer"]
+    """pyxis: ``srun --container-image`` (enroot); apptainer: ``apptainer exec`` on each node."""
+    image: Annotated[str, AfterValidator(_local_path)]
+    """What the site's runtime opens: for pyxis an image reference or a .sqsh file, for apptainer
+    a .sif file or a ``docker://`` reference."""
+
+
+class Slurm(_Model):
+    """Run the job on a Slurm cluster (instead of nodes): sbatch on the login node, one torchrun per
+    allocated node started by srun, the rendezvous on the allocation's first node."""
+
+    login: SlurmLogin
+    nodes: int = Field(ge=1)
+    """How many nodes to allocate (sbatch --nodes)."""
+    procs_per_node: int | None = Field(default=None, ge=1)
+    """Processes per node; default: gpus_per_node, or 1 without GPUs."""
+    gpus_per_node: int = Field(default=0, ge=0)
+    """GPUs per node (sbatch --gpus-per-node); 0: a CPU job (gloo)."""
+    partition: SafeName | None = None
+    account: SafeName | None = None
+    qos: SafeName | None = None
+    time: Annotated[str, AfterValidator(_slurm_time)] | None = None
+    """The job's time limit (sbatch --time)."""
+    requeue: bool = True
+    """Slurm may requeue the job when it is preempted or its node fails; it resumes from the newest
+    checkpoint like any restart."""
+    sbatch_args: tuple[Annotated[str, AfterValidator(_sbatch_option)], ...] = ()
+    """More sbatch options, each one ``--name=value`` (``--constraint=a100``, ``--exclusive``)."""
+    container: SlurmContainer | None = None
+    """job.runtime docker: the site's container runtime and the image it opens."""
+
+    @property
+    def nprocs(self) -> int:
+        return self.procs_per_node or self.gpus_per_node or 1
 
 
 class Image(_Model):
@@ -372,9 +436,11 @@ class Train(_Model):
 
 class Inventory(_Model):
     job: Job
-    rendezvous: Rendezvous
+    rendezvous: Rendezvous = Field(default_factory=Rendezvous)
     ssh: Ssh = Field(default_factory=Ssh)
-    nodes: tuple[Node, ...] = Field(min_length=1)
+    nodes: tuple[Node, ...] = ()
+    """The SSH fleet; or slurm: instead."""
+    slurm: Slurm | None = None
     image: Image = Field(default_factory=Image)
     storage: Storage
     train: Train = Field(default_factory=Train)
@@ -403,7 +469,25 @@ class Inventory(_Model):
         return next(n for n in self.nodes if n.name == self.rendezvous.node)
 
     def node(self, name: str) -> Node:
+        """A node by name; on Slurm, the login node is the one the tool talks to."""
+        if self.slurm is not None and name == self.slurm.login.name:
+            return self.slurm.login  # type: ignore[return-value]  (the fields a transport reads)
         return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def gpu_job(self) -> bool:
+        """The job trains on GPUs (CUDA + NCCL); validation refuses a fleet that mixes GPU and CPU nodes."""
+        if self.slurm is not None:
+            return self.slurm.gpus_per_node > 0
+        return any(n.gpus > 0 for n in self.nodes)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(nodes, processes per node, GPUs per node) of the job; on a fleet, its first node's."""
+        if self.slurm is not None:
+            return self.slurm.nodes, self.slurm.nprocs, self.slurm.gpus_per_node
+        first = self.nodes[0]
+        return len(self.nodes), first.nprocs, len(first.devices)
 
     @property
     def listed(self) -> int:
@@ -499,14 +583,41 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
                                 "ranks would pick different backends (nccl, gloo) and hang; give every node "
                                 "gpus > 0, or every node gpus: 0"))
     out += _train_problems(inv.train, [n.env for n in inv.nodes])
+    if inv.slurm is not None:
+        return out + _slurm_problems(inv)
+    if not inv.nodes:
+        out.append((("nodes",), "required: the nodes to run on (or slurm: to run on a Slurm cluster)"))
+        return out
+    if inv.rendezvous.node is None:
+        out.append((("rendezvous", "node"), "required: the name of the node that hosts the rendezvous"))
+    elif inv.rendezvous.node not in names:
+        out.append((("rendezvous", "node"),
+                    f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
     if inv.job.min_nodes is not None and inv.job.min_nodes > len(inv.nodes):
         out.append((("job", "min_nodes"), f"{inv.job.min_nodes} is more than the {len(inv.nodes)} nodes listed"))
     if inv.rendezvous.last_call() >= inv.rendezvous.join_timeout:
         out.append((("rendezvous", "last_call_timeout"), f"{inv.rendezvous.last_call()} must be less than "
                     f"join_timeout ({inv.rendezvous.join_timeout}): a round of fewer nodes would time out first"))
-    if inv.rendezvous.node not in names:
-        out.append((("rendezvous", "node"),
-                    f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
+    return out
+
+
+def _slurm_problems(inv: Inventory) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    s = inv.slurm
+    if inv.nodes:
+        out.append((("nodes",), "give nodes (an SSH fleet) or slurm (a Slurm cluster), not both"))
+    if inv.rendezvous.node is not None:
+        out.append((("rendezvous", "node"), "not on Slurm: the allocation's first node hosts the rendezvous"))
+    if s.gpus_per_node and s.procs_per_node and s.procs_per_node > s.gpus_per_node:
+        out.append((("slurm", "procs_per_node"), f"{s.procs_per_node} must be <= gpus_per_node ({s.gpus_per_node})"))
+    if inv.job.min_nodes is not None:
+        out.append((("job", "min_nodes"), "not on Slurm: the allocation is the job's nodes (Slurm requeues "
+                                          "a job whose node fails)"))
+    if inv.job.runtime == "docker" and s.container is None:
+        out.append((("job", "runtime"), "docker on Slurm needs slurm.container (pyxis or apptainer: what the site "
+                                        "runs images with); or runtime: host with a shared venv as train.python"))
+    if inv.job.runtime == "host" and s.container is not None:
+        out.append((("slurm", "container"), "only with job.runtime: docker (the job runs in that image)"))
     return out
 
 

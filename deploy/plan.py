@@ -139,7 +139,7 @@ def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
 def device_flags(inv: Inventory) -> tuple[str, ...]:
     """A GPU job trains on CUDA with NCCL and refuses to start without them (never on the CPU);
     a CPU job uses gloo. (Validation refuses a job that mixes the two.)"""
-    if any(n.gpus > 0 for n in inv.nodes):
+    if inv.gpu_job:
         return ("--device", "cuda", "--backend", "nccl")
     return ("--device", "cpu", "--backend", "gloo")
 
