@@ -8,6 +8,7 @@ default ``~/.cache/ddp-deploy/debug.log``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -115,6 +116,23 @@ class _State:
 
 
 pass_state = click.make_pass_decorator(_State)
+
+
+def slurm_variant(refused: str | None = None):
+    """On a Slurm inventory (hosts.yaml's ``slurm:``) the verb is slurm_verbs' function of the same
+    name, with the same options; ``refused``: why the verb does not apply there (exit 2)."""
+    def wrap(verb):
+        @functools.wraps(verb)
+        def chosen(st: _State, **options):
+            if st.inv.slurm is None:
+                return verb(st, **options)
+            if refused is not None:
+                raise InputError(f"{verb.__name__.rstrip('_')}: not on Slurm: {refused}")
+            from . import slurm_verbs
+
+            return getattr(slurm_verbs, verb.__name__)(st, **options)
+        return chosen
+    return wrap
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the per-node commands; touch nothing.")
 
 
@@ -134,6 +152,7 @@ def cli(ctx: click.Context, hosts: str, without: tuple[str, ...], verbose: bool)
 
 @cli.command()
 @pass_state
+@slurm_variant()
 def validate(st: _State) -> None:
     """Parse and validate hosts.yaml only (no connection)."""
     inv = st.inv
@@ -148,6 +167,7 @@ def validate(st: _State) -> None:
 @click.option("--network-mb", type=click.FloatRange(min=0.001), default=32, show_default=True,
               help="With --network: the all-reduce buffer, in MiB.")
 @pass_state
+@slurm_variant()
 def check(st: _State, network: bool, network_mb: float) -> None:
     """Preflight checks on every node, in parallel (with train.code: the code is synced first, so
     that the program's import is checked where it will run)."""
@@ -224,6 +244,7 @@ def _refuse_failed_checks(checks, doing: str) -> None:
 @dry_run_option
 @click.option("--build/--no-build", default=True, help="Build the image here first (docker runtime).")
 @pass_state
+@slurm_variant()
 def deploy(st: _State, dry_run: bool, build: bool) -> None:
     """Create the shared directories; get the image (docker) or check the interpreter (host)."""
     inv = st.inv
@@ -269,6 +290,7 @@ def _ship_with_progress(inv, remote, image_id, held):
 @click.option("--wait", is_flag=True, help="Follow until torchrun exits on every node.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
 @pass_state
+@slurm_variant()
 def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
     """Start the job on every node (all or nothing)."""
     inv = st.inv
@@ -364,10 +386,10 @@ def _one_image(inv, remote) -> str | None:
     return next(iter(ids.values()), None)
 
 
-def _start_run(inv, remote, run: str, kept: dict) -> None:
+def _start_run(inv, remote, run: str, kept: dict, reader: str | None = None) -> None:
     """The run's record on the shared volume, as the job's current one too; the oldest runs
     beyond job.keep_runs removed. Not fatal: the job runs without it, and says so."""
-    first = inv.nodes[0].name
+    first = reader or inv.nodes[0].name
     done = remote.run({first: runs.start_argv(inv, run)}, stdin={first: record.encode(kept)}, check=False,
                       timeout=60)[first]
     if not done.ok:
@@ -420,6 +442,7 @@ def _verdict(inv, final, remote, redact) -> None:
 @click.argument("node")
 @dry_run_option
 @pass_state
+@slurm_variant("Slurm allocates the nodes; a requeued job comes back on its own")
 def join(st: _State, node: str, dry_run: bool) -> None:
     """Start NODE in the elastic job running on the other nodes (job.min_nodes): a node back after
     a loss, one whose restarts ran out, or a spare left out with --without. The running nodes take
@@ -575,6 +598,7 @@ def _print_status(inv, states) -> None:
 @click.option("--run", "run_id", metavar="ID", help="A kept run instead (`ddp-deploy runs`; the start of its id is "
                                                    "enough): how each node ended, its last metrics, the first failure.")
 @pass_state
+@slurm_variant()
 def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
     """Every node's state (restarts, exit code) and progress: epoch, step, loss, accuracy,
     samples/s and ETA, from the program's last METRICS line."""
@@ -610,6 +634,7 @@ def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
 @click.option("--run", "run_id", metavar="ID", help="A kept run's logs (`ddp-deploy runs`; the start of its id is "
                                                    "enough), read from the shared volume.")
 @pass_state
+@slurm_variant()
 def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...],
          run_id: str | None) -> None:
     """Every node's output, each line prefixed with the node and the rank that printed it."""
@@ -661,8 +686,7 @@ def runs_(st: _State, as_json: bool) -> None:
     inv = st.inv
     with Remote(inv) as remote:
         kept = _kept_runs(inv, remote, "", st.redact)[1]
-        running = bool(kept) and kept[-1].end is None and any(
-            s.running for s in _states(inv, remote, st.redact).values())
+        running = bool(kept) and kept[-1].end is None and _job_running(inv, remote, st.redact)
     if as_json:
         click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
                                 "outcome": "running" if running and r is kept[-1] else r.outcome(),
@@ -685,6 +709,14 @@ def runs_(st: _State, as_json: bool) -> None:
     out.print(table)
 
 
+def _job_running(inv, remote, redact) -> bool:
+    if inv.slurm is not None:
+        from . import slurm_verbs
+
+        return slurm_verbs.running(inv, remote)
+    return any(s.running for s in _states(inv, remote, redact).values())
+
+
 def _when(run: runs.Run) -> tuple[str, str | None]:
     """When a run started (local time) and how long it took (None: not every node has ended)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.start)) if run.start else "?"
@@ -695,7 +727,7 @@ def _on_any_node(inv, remote, argv, what: str):
     """``argv`` run on the first node that answers (the shared volume is the same on all): that
     node and its result; a failure naming each node tried."""
     tried = []
-    for n in inv.nodes:
+    for n in (inv.slurm.login,) if inv.slurm else inv.nodes:
         got = remote.run({n.name: argv}, check=False, timeout=60)[n.name]
         if got.ok:
             return n.name, got
@@ -774,6 +806,7 @@ def plot(st: _State, run_ids: tuple[str, ...], output: str | None) -> None:
 @dry_run_option
 @click.option("--now", is_flag=True, help="Kill at once: no checkpoint, the work since the last one is redone.")
 @pass_state
+@slurm_variant()
 def stop(st: _State, dry_run: bool, now: bool) -> None:
     """End the job on every reachable node (idempotent). The job first gets SIGTERM and up to
     45 s to finish its step and write a checkpoint, so a later launch redoes nothing."""
@@ -792,6 +825,40 @@ def stop(st: _State, dry_run: bool, now: bool) -> None:
         raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
 
 
+@cli.command()
+@click.argument("target", type=click.Choice(["slurm", "k8s"]))
+@click.option("--kind", type=click.Choice(["job", "pytorchjob"]), default="job", show_default=True,
+              help="k8s: an indexed Job with a headless Service, or Kubeflow's PyTorchJob.")
+@click.option("--namespace", default=None, help="k8s: the namespace of every object.")
+@click.option("--pvc", metavar="CLAIM", default=None,
+              help="k8s: a PersistentVolumeClaim holding data/ and checkpoints/ (default: the storage host paths).")
+@click.option("--image", "image_ref", metavar="REF", default=None,
+              help="k8s: the image the cluster pulls (default: image.name).")
+@click.option("-o", "--output", metavar="FILE", default=None, help="Write it to FILE instead of stdout.")
+@pass_state
+def export(st: _State, target: str, kind: str, namespace: str | None, pvc: str | None, image_ref: str | None,
+           output: str | None) -> None:
+    """Print the job for another engine: the exact Slurm batch script `launch` submits (hosts.yaml
+    with slurm:), or Kubernetes manifests (any hosts.yaml). Secrets are named, never included."""
+    inv = st.inv
+    if target == "slurm":
+        if inv.slurm is None:
+            raise InputError("export slurm: hosts.yaml has no slurm: section",
+                             hint="add slurm: (login, nodes, ...) in place of nodes: (README, \"Running on Slurm\")")
+        from . import slurm_verbs
+
+        text = slurm_verbs.export(inv)
+    else:
+        from . import k8s
+
+        text = k8s.render(inv, k8s.manifests(inv, kind=kind, namespace=namespace, pvc=pvc, image=image_ref))
+    if output is None:
+        click.echo(text, nl=not text.endswith("\n"))
+        return
+    Path(output).write_text(text)
+    click.echo(f"wrote {output}", err=True)
+
+
 def _show(node: str, argv) -> None:
     click.echo(f"[{node}] {command_line(argv)}")
 
@@ -800,6 +867,7 @@ def _show(node: str, argv) -> None:
 @click.option("--force", is_flag=True,
               help="Also remove a live lock (fresh heartbeat): only when you know its command no longer runs.")
 @pass_state
+@slurm_variant("there is no fleet lock: Slurm queues the job")
 def unlock(st: _State, force: bool) -> None:
     """Remove the fleet lock that launch and deploy hold, on every reachable node: a stale one
     (its command has ended), or a live one with --force."""

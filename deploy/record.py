@@ -18,6 +18,22 @@ def path(inv: Inventory) -> str:
     return f"{job_dir(inv)}/launch.json"
 
 
+def _fleet(inv: Inventory) -> dict:
+    return {"rendezvous": {"node": inv.rdzv_node.name, "endpoint": endpoint(inv), "id": inv.rdzv_id},
+            "nnodes": nnodes(inv),
+            "nodes": [{"name": n.name, "address": n.address, "procs": n.nprocs, "gpus": list(n.devices)}
+                      for n in inv.nodes]}
+
+
+def _slurm(inv: Inventory) -> dict:
+    """On Slurm the nodes are the allocation's: known once it runs (``runs`` reads them from the run)."""
+    nodes, procs, gpus = inv.shape
+    return {"rendezvous": {"node": None, "endpoint": f"the allocation's first node:{inv.rendezvous.port}",
+                           "id": inv.rdzv_id},
+            "nnodes": str(nodes), "nodes": [], "slurm": {"procs_per_node": procs, "gpus_per_node": gpus,
+                                                         "login": inv.slurm.login.address}}
+
+
 def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, image_id: str | None = None,
                   redact=str) -> dict:
     """``redact`` hides every secret value this shell can read in the resolved hosts.yaml (an
@@ -31,9 +47,7 @@ def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, 
         "args": list(inv.train.args),
         "code_snapshot": code.snapshot if code else None,
         "where": runtime(inv, code).where(),
-        "rendezvous": {"node": inv.rdzv_node.name, "endpoint": endpoint(inv), "id": inv.rdzv_id},
-        "nnodes": nnodes(inv),
-        "nodes": [{"name": n.name, "address": n.address, "procs": n.nprocs, "gpus": list(n.devices)} for n in inv.nodes],
+        **(_fleet(inv) if inv.slurm is None else _slurm(inv)),
         "env": sorted({*inv.train.env, *(k for n in inv.nodes for k in n.env)}),
         "secrets": {name: secretenv.source(inv, name) for name in inv.train.secrets},
         "image": {"name": inv.image.name, "id": image_id} if image_id else None,  # None: no image (host)

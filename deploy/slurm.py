@@ -1,0 +1,322 @@
+"""The job on a Slurm cluster, as data: the batch script and the login node's commands.
+
+hosts.yaml's ``slurm:`` replaces ``nodes:``. ``launch`` writes the batch script into the run's
+directory on the shared volume and submits it with ``sbatch`` on the login node; Slurm
+allocates the nodes, and the script starts one launcher (``python -m trainer.launch``, i.e.
+torchrun) per node with ``srun``, the c10d rendezvous on the allocation's first node. Each
+task finds its own address and its peers' from Slurm (``NodeAddr``, never name resolution,
+as on the SSH fleet: ``--local-addr``, ``is_host=1`` on the first node, the NIC holding the
+address for gloo and NCCL) and keeps its output in the run's directory, as a fleet node does
+(``runs/<id>/<node>/log`` and ``exits``), so ``runs``, ``logs`` and ``status --run`` read both
+alike. ``status``, ``stop`` and ``logs`` go through the login node: ``scontrol``/``squeue``/
+``sacct``, ``scancel``, the output files. A requeued job (preempted, a node failed) runs the
+same script again: same run, its logs appended, resumed from the newest checkpoint.
+
+Nothing here connects anywhere; ``cli.py`` runs these argv lists on the login node.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from trainer.output import LOG_DIR_ENV, RUN_ID_ENV
+
+from .inventory import Inventory
+from .payload import payload
+from .plan import device_flags
+from .runtime import LAST_METRICS, STOP_GRACE_S, STOPPED_LINE, CodeDir, job_dir, runtime
+
+# $1 = "NAME=ADDR ..." of every allocated node, $2 = the first node's name, $3 = the rendezvous
+# port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, then
+# the launcher's other options, --, the program's flags. Runs on each node (srun, one task per
+# node): its address from the map (Slurm's NodeAddr), the NIC holding it for gloo and NCCL unless
+# train.env names one, its output kept in the run's directory (trainer.launch tees it there).
+TASK = r"""addrs=$1; head=$2; port=$3; conf=$4; kept=$5; py=$6; shift 6
+self=""; head_addr=""
+for kv in $addrs; do
+  [ "${kv%%=*}" = "$SLURMD_NODENAME" ] && self=${kv#*=}
+  [ "${kv%%=*}" = "$head" ] && head_addr=${kv#*=}
+done
+[ -n "$self" ] && [ -n "$head_addr" ] || { echo "ddp-deploy: no address for $SLURMD_NODENAME or $head in: $addrs" >&2; exit 1; }
+[ "$SLURMD_NODENAME" = "$head" ] && conf="is_host=1,$conf"
+if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && command -v ip > /dev/null; then
+  nic=$(ip -o addr show | while read -r _ name _ addr _; do [ "${addr%/*}" = "$self" ] && { echo "${name%@*}"; break; }; done)
+  if [ -n "$nic" ]; then GLOO_SOCKET_IFNAME=$nic; NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$nic}; export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; fi
+fi
+case "$head_addr" in *:*) endpoint="[$head_addr]:$port" ;; *) endpoint="$head_addr:$port" ;; esac
+DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME
+export DDP_NODE_NAME """ + LOG_DIR_ENV + r"""
+mkdir -p "$kept/$SLURMD_NODENAME" || exit 1
+exec "$py" -m trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
+"""
+
+# The batch script's body, after its #SBATCH lines and exports: the nodes' addresses from
+# Slurm, then one task per node. Its exit code is the tasks' (srun's).
+BODY = r"""addrs=""
+for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  a=$(scontrol show node -o "$n" | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  addrs="$addrs $n=${a:-$n}"
+done
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+echo "ddp-deploy: Slurm job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)), nodes:$addrs, rendezvous on $head"
+"""
+
+# $1 = the file to write from stdin (atomically).
+WRITE_FILE = 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"'
+
+# $1 = job dir, $2 = the batch script, $3 = the run id; stdin: the secrets' NAME=VALUE lines (none:
+# empty). Submits with them in sbatch's environment (Slurm hands it to the job; never in the
+# script), then records "JOBID RUN" as the job's current Slurm job.
+SUBMIT = r"""job=$1; script=$2; run=$3; shift 3
+while IFS= read -r kv; do export "$kv"; done
+id=$(sbatch --parsable "$script") || exit 1
+id=${id%%;*}
+echo "$id $run" > "$job/slurm-job.tmp" && mv "$job/slurm-job.tmp" "$job/slurm-job" || exit 1
+echo "$id"
+"""
+
+# $1 = job dir. "none" when no job was submitted; else "job ID RUN", then Slurm's line for it
+# (scontrol: key=value; sacct once Slurm has forgotten it: "sacct STATE|EXITCODE|ELAPSED|NODES";
+# "gone" when neither knows it), then per node of the run "@@node NAME", its exits and its last
+# METRICS line.
+STATUS = r"""job=$1
+[ -s "$job/slurm-job" ] || { echo none; exit 0; }
+read -r id run < "$job/slurm-job"
+echo "job $id $run"
+if s=$(scontrol show job -o "$id" 2>/dev/null) && [ -n "$s" ]; then echo "scontrol $s"
+elif s=$(sacct -n -P -X -j "$id" -o State,ExitCode,Elapsed,NodeList 2>/dev/null) && [ -n "$s" ]; then echo "sacct $s"
+else echo gone; fi
+for n in "$job/runs/$run"/*/; do
+  [ -d "$n" ] || continue
+  echo "@@node $(basename "$n")"
+  cat "$n/exits" 2>/dev/null
+  [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
+done
+exit 0
+"""
+
+# $1 = job dir, $2 = grace (s; 0: at once). A job still queued or running: SIGTERM to its tasks
+# (each launcher's workers finish their step and write a checkpoint: trainer/stopping.py), the
+# job ends by itself; past the grace, scancel. Prints what the program said on stopping, if anything.
+STOP = r"""job=$1; grace=$2
+[ -s "$job/slurm-job" ] || { echo absent; exit 0; }
+read -r id run < "$job/slurm-job"
+active() {
+  case "$(squeue -h -j "$1" -o %T 2>/dev/null)" in
+    PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUE*|RESIZING|SUSPENDED|SIGNALING|STAGE_OUT|STOPPED) return 0 ;;
+  esac
+  return 1
+}
+if ! active "$id"; then echo "absent (Slurm job $id has ended)"; exit 0; fi
+if [ "$grace" -gt 0 ] && [ "$(squeue -h -j "$id" -o %T)" = RUNNING ]; then
+  scancel --signal=TERM "$id" || exit 1
+  i=0; while active "$id" && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
+fi
+if active "$id"; then scancel "$id" || exit 1; fi
+i=0; while active "$id" && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+echo "stopped Slurm job $id$(cat "$job/runs/$run"/*/log 2>/dev/null | """ + STOPPED_LINE + r""")"
+"""
+
+# What the login node offers: the Slurm commands, the partition, the shared volume, the interpreter.
+# $1 = partition ("" for the default), $2 = checkpoint dir, $3 = data dir. One tagged line each.
+CHECK = r"""part=$1
+for t in sbatch squeue scontrol scancel srun; do command -v $t > /dev/null || { echo "tools missing: $t"; exit 0; }; done
+echo "tools ok"
+if [ -n "$part" ]; then s=$(sinfo -h -p "$part" -o '%a %D %T' 2>&1); else s=$(sinfo -h -o '%a %D %T' 2>&1); fi
+echo "sinfo ${s:-none}" | tr '\n' ';'; echo
+for d in "$2" "$3"; do
+  mkdir -p "$d" 2>/dev/null && [ -w "$d" ] && echo "dir ok $d" || echo "dir missing $d"
+done
+exit 0
+"""
+
+
+def script_path(inv: Inventory, run: str) -> str:
+    """The batch script of a run, kept in its directory."""
+    return f"{job_dir(inv)}/runs/{run}/job.sbatch"
+
+
+def output_path(inv: Inventory, run: str) -> str:
+    """The batch script's own output (%j: Slurm's job id; a requeue appends)."""
+    return f"{job_dir(inv)}/runs/{run}/slurm-%j.out"
+
+
+def sbatch_options(inv: Inventory, run: str, code: CodeDir | None = None) -> list[str]:
+    s = inv.slurm
+    opts = [f"--job-name={inv.job.name}", f"--nodes={s.nodes}", "--ntasks-per-node=1"]
+    if s.gpus_per_node:
+        opts.append(f"--gpus-per-node={s.gpus_per_node}")
+    opts += [f"--{k}={v}" for k, v in (("partition", s.partition), ("account", s.account), ("qos", s.qos),
+                                        ("time", s.time)) if v]
+    if s.time:  # the program checkpoints before the time limit ends it (trainer/stopping.py)
+        opts.append(f"--signal=TERM@{STOP_GRACE_S * 2}")
+    opts.append("--requeue" if s.requeue else "--no-requeue")
+    opts += ["--open-mode=append", f"--output={output_path(inv, run)}"]
+    if code is not None and s.container is None:
+        opts.append(f"--chdir={code.host}")
+    return opts + list(s.sbatch_args)
+
+
+def job_env(inv: Inventory, run: str, code: CodeDir | None = None) -> list[tuple[str, str]]:
+    """The job's environment (plan.node_env's contract, but DDP_NODE_NAME and the NIC: each task's)."""
+    data, ckpt = runtime(inv).job_dirs()
+    device, backend = device_flags(inv)[1::2]
+    env = {"DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id, "DDP_DEVICE": device,
+           "DDP_BACKEND": backend, RUN_ID_ENV: run}
+    if code is not None:
+        env["DDP_CODE_SNAPSHOT"] = code.snapshot
+    env.update(inv.train.env)
+    return list(env.items())
+
+
+def launcher_args(inv: Inventory) -> list[str]:
+    """trainer.launch's options that are the same on every node (TASK adds the rest), --, the program."""
+    s = inv.slurm
+    data, ckpt = runtime(inv).job_dirs()
+    opts = ["--nnodes", str(s.nodes), "--nproc-per-node", str(s.nprocs), "--rdzv-backend", "c10d",
+            "--rdzv-id", inv.rdzv_id, "--max-restarts", str(inv.job.max_restarts)]
+    return [*opts, *payload(inv).launcher_options(), "--",
+            *payload(inv).program_args(data, ckpt, device_flags(inv))]
+
+
+def rdzv_conf(inv: Inventory) -> str:
+    j = inv.rendezvous.join_timeout
+    return f"join_timeout={j},read_timeout={min(j, 60)}"
+
+
+def srun_argv(inv: Inventory, run: str, code: CodeDir | None = None) -> list[str]:
+    """srun, one task per node, then (in the site's container, if any) TASK and its arguments;
+    "$addrs" and "$head" are the batch script's variables (left unquoted by ``render``)."""
+    s = inv.slurm
+    argv = ["srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    python = inv.python_path()
+    kept = f"{job_dir(inv, runtime(inv).job_dirs()[1])}/runs/{run}"
+    mounts = ",".join(f"{h}:{c}" for h, c in runtime(inv).mounts())
+    if s.container is not None:
+        python = "python"
+        workdir = "/workspace" if code else None
+        if code is not None:
+            mounts += f",{code.host}:/workspace:ro"
+        if s.container.kind == "pyxis":
+            argv += [f"--container-image={s.container.image}", f"--container-mounts={mounts}"]
+            if workdir:
+                argv.append(f"--container-workdir={workdir}")
+        else:
+            argv += ["apptainer", "exec", *(["--nv"] if s.gpus_per_node else []), "--bind", mounts]
+            if workdir:
+                argv += ["--pwd", workdir]
+            argv.append(s.container.image)
+    return [*argv, "sh", "-c", TASK, "sh", "$addrs", "$head", str(inv.rendezvous.port), rdzv_conf(inv), kept,
+            python, *launcher_args(inv)]
+
+
+_SCRIPT_VARS = ("$addrs", "$head")
+
+
+def _word(arg: str) -> str:
+    return f'"{arg}"' if arg in _SCRIPT_VARS else shlex.quote(arg)
+
+
+def batch_script(inv: Inventory, run: str = "RUN_ID", code: CodeDir | None = None) -> str:
+    """The exact script ``launch`` submits (``export slurm`` and ``launch --dry-run`` print it). Secret
+    values are never in it: sbatch's environment carries them (their names are listed)."""
+    lines = ["#!/bin/bash", f"# ddp-deploy: job {inv.job.name}, run {run}: {payload(inv).describe()}"]
+    lines += [f"#SBATCH {o}" for o in sbatch_options(inv, run, code)]
+    if inv.train.secrets:
+        lines.append(f"# secrets from sbatch's environment (ddp-deploy sets them): {' '.join(inv.train.secrets)}")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(inv, run, code)]
+    lines += [BODY.rstrip("\n"), " ".join(_word(a) for a in srun_argv(inv, run, code)), ""]
+    return "\n".join(lines)
+
+
+def write_argv(path: str) -> tuple[str, ...]:
+    return ("sh", "-c", WRITE_FILE, "sh", path)
+
+
+def submit_argv(inv: Inventory, run: str) -> tuple[str, ...]:
+    return ("sh", "-c", SUBMIT, "sh", job_dir(inv), script_path(inv, run), run)
+
+
+def status_argv(inv: Inventory) -> tuple[str, ...]:
+    return ("sh", "-c", STATUS, "sh", job_dir(inv))
+
+
+def stop_argv(inv: Inventory, grace: int = 0) -> tuple[str, ...]:
+    return ("sh", "-c", STOP, "sh", job_dir(inv), str(grace))
+
+
+def check_argv(inv: Inventory) -> tuple[str, ...]:
+    s = inv.storage
+    return ("sh", "-c", CHECK, "sh", inv.slurm.partition or "", s.checkpoints.host, s.data.host)
+
+
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+          "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT")
+
+
+@dataclass(frozen=True)
+class SlurmState:
+    """What STATUS printed: the job's current Slurm job and how its nodes are doing."""
+
+    job_id: str | None = None
+    run: str | None = None
+    state: str = "none"
+    """Slurm's JobState (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...); none: never
+    submitted; gone: Slurm no longer knows the job."""
+    reason: str = ""
+    exit_code: str = ""
+    elapsed: str = ""
+    nodelist: str = ""
+    restarts: int = 0
+    """How often Slurm requeued the job."""
+    nodes: dict = field(default_factory=dict)
+    """node -> runs.NodeRun (exits, last METRICS line)."""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "COMPLETED"
+
+
+def parse_status(stdout: str) -> SlurmState:
+    from .runs import NodeRun
+
+    lines = stdout.splitlines()
+    if not lines or lines[0].strip() == "none":
+        return SlurmState()
+    _, job_id, run = (lines[0].split() + ["", "", ""])[:3]
+    fields: dict[str, str] = {}
+    state = "gone"
+    if len(lines) > 1 and lines[1].startswith("scontrol "):
+        for kv in lines[1][len("scontrol "):].split():
+            k, _, v = kv.partition("=")
+            fields[k] = v
+        state = fields.get("JobState", "?")
+    elif len(lines) > 1 and lines[1].startswith("sacct "):
+        parts = (lines[1][len("sacct "):].split("|") + ["", "", "", ""])[:4]
+        state = parts[0].split()[0] if parts[0] else "?"
+        fields = {"ExitCode": parts[1], "RunTime": parts[2], "NodeList": parts[3]}
+    nodes: dict[str, NodeRun] = {}
+    node, exits, metrics = None, [], ""
+    for line in lines[2:] + ["@@node "]:
+        if line.startswith("@@node "):
+            if node:
+                nodes[node] = NodeRun(tuple(exits), metrics)
+            node, exits, metrics = line[7:].strip(), [], ""
+        elif line.startswith("METRICS "):
+            metrics = line.strip()
+        else:
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+                try:
+                    exits.append((float(parts[0]), int(parts[1])))
+                except ValueError:
+                    pass
+    reason = fields.get("Reason", "")
+    return SlurmState(job_id, run, state, "" if reason in ("None", "(null)") else reason, fields.get("ExitCode", ""),
+                      fields.get("RunTime", ""), fields.get("NodeList", ""),
+                      int(fields.get("Restarts", "0") or 0) if fields.get("Restarts", "0").isdigit() else 0, nodes)
