@@ -56,7 +56,7 @@ def test_docker_on_slurm_needs_the_sites_container_runtime():
 def test_bad_slurm_values_name_their_field():
     assert "slurm.time" in problems(slurm={**BASE["slurm"], "time": "an hour"})
     assert "slurm.sbatch_args[0]" in problems(slurm={**BASE["slurm"], "sbatch_args": ["-w node1"]})
-    assert "slurm.procs_per_node" in problems(slurm={**BASE["slurm"], "gpus_per_node": 2, "procs_per_node": 2})
+    assert "slurm.procs_per_node" in problems(slurm={**BASE["slurm"], "gpus_per_node": 1, "procs_per_node": 2})
     assert "job.min_nodes" in problems(job={"name": "mnist", "runtime": "host", "min_nodes": 1})
 
 
