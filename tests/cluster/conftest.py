@@ -1,6 +1,7 @@
-"""The ``cluster`` fixture: a real 3-node cluster (see netcluster.py), built once per session.
+"""The ``cluster`` fixture: a real 3-node cluster (see netcluster.py), built once per session;
+``slurm``: a real Slurm cluster on its nodes (see slurmcluster.py), also once per session.
 
-Without root or the system tools it needs, every test that uses it is skipped with the reason;
+Without root or the system tools they need, every test that uses them is skipped with the reason;
 with ``DDP_CLUSTER_REQUIRED=1`` (set it in CI) a missing prerequisite fails the tests instead,
 so a CI run can never go green without having run them.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from . import slurmcluster
 from .netcluster import NetCluster, missing_prerequisites
 from .operator_cli import empty_nas
 
@@ -23,14 +25,18 @@ def _raise_system_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _unavailable(reason: str) -> None:
+    """Skip with the reason, or fail where the cluster tests must run (DDP_CLUSTER_REQUIRED=1)."""
+    if os.environ.get("DDP_CLUSTER_REQUIRED") == "1":
+        pytest.fail(reason + " (DDP_CLUSTER_REQUIRED=1)", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     problems = missing_prerequisites()
     if problems:
-        reason = "test cluster unavailable: " + "; ".join(problems)
-        if os.environ.get("DDP_CLUSTER_REQUIRED") == "1":
-            pytest.fail(reason + " (DDP_CLUSTER_REQUIRED=1)", pytrace=False)
-        pytest.skip(reason)
+        _unavailable("test cluster unavailable: " + "; ".join(problems))
     # SIGTERM (a CI timeout) must still run the teardown below, as Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _raise_system_exit)
     c = NetCluster(nodes=CLUSTER_NODES)
@@ -40,6 +46,40 @@ def cluster():
     finally:
         c.down()
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session")
+def slurm(request):
+    """Slurm on the cluster's nodes, every node idle: ``.nodes``, ``.partition``, ``.conf``,
+    ``.login`` (the node tests submit from over SSH), ``.run(argv)``, ``.wait_idle()``,
+    ``.jobs()``, ``.node_states()``, ``.clear()``. No job of a test outlives it (see below)."""
+    problems = slurmcluster.missing_prerequisites()
+    if problems:  # before the cluster is built for nothing
+        _unavailable("Slurm cluster unavailable: " + "; ".join(problems))
+    cluster = request.getfixturevalue("cluster")
+    s = slurmcluster.SlurmCluster(cluster)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    """After a test that used ``slurm``: its jobs cancelled and every node idle again, before any
+    of its fixtures is torn down (fresh_nas would otherwise empty the NAS under a running job)."""
+    s = getattr(item, "funcargs", {}).get("slurm")
+    error = None
+    if s is not None:
+        try:
+            s.clear()
+        except Exception as e:  # reported once the fixtures are torn down all the same
+            error = e
+    result = yield
+    if error is not None:
+        raise error
+    return result
 
 
 @pytest.fixture

@@ -51,6 +51,13 @@ FORWARD_RULE = ["FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
 RUN_ROOT = Path("/run/ddpcluster")          # sockets, pidfiles, exec roots (short paths)
 DATA_ROOT = Path("/var/lib/ddpcluster")     # docker data roots
 CURRENT = RUN_ROOT / "current.json"         # which state dir the running cluster uses
+# The Slurm cluster on top (slurmcluster.py) keeps its config, munge and controller state here;
+# every SSH session gets SLURM_CONF, which points nowhere while Slurm is not up.
+SLURM_ROOT = RUN_ROOT / "slurm"
+SLURM_CONF = SLURM_ROOT / "slurm.conf"
+# In the environment of every daemon slurmcluster.py starts (and so of what they fork: slurmscriptd,
+# slurmstepd), whose command lines do not all name a path of ours: teardown finds them by it.
+DAEMON_MARK = "DDPCLUSTER_DAEMON"
 CACHE_DIR = Path("/var/cache/ddp-bundle")
 OPERATOR_STORE_PREFIX = "operator-docker-"  # + base image key: the operator's kept data root
 
@@ -175,6 +182,31 @@ def _processes_referencing(roots: Sequence[Path]) -> list[int]:
         if any(n in cmdline for n in needles):
             found.append(int(entry.name))
     return found
+
+
+def _marked_processes() -> list[int]:
+    """Pids whose environment carries DAEMON_MARK, and every descendant of theirs."""
+    needle = f"{DAEMON_MARK}=".encode()
+    marked: list[int] = []
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if needle in (entry / "environ").read_bytes():
+                marked.append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(marked), list(marked)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return sorted(found)
 
 
 def _unmount_under(root: Path) -> None:
@@ -555,7 +587,7 @@ class NetCluster:
 
     def _sshd_config(self, h: Host) -> str:
         d = self.state_dir / "nodes" / h.name
-        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path()}
+        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path(), "SLURM_CONF": SLURM_CONF}
         return "\n".join([
             f"ListenAddress {h.address}",
             "Port 22",
@@ -836,6 +868,7 @@ def teardown(state_dir: Path | None, *, remove_state: bool,
         teardown_daemons(procs)
     stores = list(CACHE_DIR.glob(OPERATOR_STORE_PREFIX + "*"))
     pids = set(_processes_referencing([RUN_ROOT, DATA_ROOT, *stores]))
+    pids.update(_marked_processes())  # the Slurm daemons and their jobs' step daemons
     for ns in namespaces:
         r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         pids.update(int(p) for p in r.stdout.split() if p.isdigit())
@@ -881,7 +914,7 @@ def teardown(state_dir: Path | None, *, remove_state: bool,
 
 def cleanup_leftovers() -> None:
     """Remove what a crashed earlier run left behind (same names, same fixed paths)."""
-    if (_our_namespaces() or RUN_ROOT.exists() or DATA_ROOT.exists()
+    if (_our_namespaces() or RUN_ROOT.exists() or DATA_ROOT.exists() or _marked_processes()
             or subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0
             or subprocess.run(["iptables", "-C", *FORWARD_RULE],
                               capture_output=True).returncode == 0):
