@@ -1,0 +1,111 @@
+"""The same job on a real Slurm cluster (tests/cluster/slurmcluster.py: slurmctld on the bridge, a
+slurmd per node's namespace), through ddp-deploy: hosts.yaml's slurm: instead of nodes:, node1's
+sshd as the login node, the host runtime (this test's interpreter, as a shared venv would be).
+
+The assertions read Slurm itself (squeue, scontrol) and the NAS, not the tool's word."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .operator_cli import complete_checkpoint_steps, ddp, ok, records, wait_until
+
+pytestmark = pytest.mark.cluster
+
+PROCS, NODES = 2, 2
+SAMPLES, BATCH = 6144, 16
+STEPS_PER_EPOCH = SAMPLES // (NODES * PROCS * BATCH)
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", "2",
+         "--log-every", "2", "--ckpt-every", "8", "--eval-batch-size", "256"]
+
+
+def _hosts(cluster, slurm, path: Path, train=TRAIN) -> Path:
+    config = cluster.hosts_config(runtime="host", procs=PROCS, train_args=train)
+    config.pop("nodes")
+    config["job"] = {"name": "ddp-slurm", "runtime": "host", "max_restarts": 1}
+    config["rendezvous"] = {"port": 29400, "join_timeout": 120}
+    config["slurm"] = {"login": {"name": "login", "address": cluster.host(slurm.login).address},
+                       "nodes": NODES, "procs_per_node": PROCS, "partition": slurm.partition, "time": "00:30:00"}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _queue(slurm) -> list[str]:
+    """The jobs Slurm still holds (pending, running, completing): id and state."""
+    return slurm.run(["squeue", "-h", "-o", "%i %T"]).stdout.split("\n")[:-1]
+
+
+def _slurm_job(nas: Path) -> tuple[str, str]:
+    job_id, run = (nas / "ckpt" / ".ddp-deploy" / "ddp-slurm" / "slurm-job").read_text().split()
+    return job_id, run
+
+
+def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh_nas, tmp_path):
+    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml")
+    checked = ok(ddp(cluster, hosts, "check")).stdout
+    assert "partition" in checked and "all 5 checks passed" in checked
+    ok(ddp(cluster, hosts, "deploy"))
+    launched = ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "600", timeout=660)).stdout
+    assert "COMPLETED" in launched
+    job_id, run = _slurm_job(fresh_nas)
+    assert f"as Slurm job {job_id}" in launched
+    state = slurm.run(["scontrol", "show", "job", "-o", job_id]).stdout
+    assert "JobState=COMPLETED" in state and "NodeList=node[1-2]" in state
+    final = records(fresh_nas)[-1]
+    assert final["kind"] == "final" and final["world_size"] == NODES * PROCS and final["run"] == run
+
+    status = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)
+    assert (status["slurm_job"], status["state"]) == (job_id, "COMPLETED")
+    assert {n["node"]: n["state"] for n in status["nodes"]} == {"node1": "exited(0)", "node2": "exited(0)"}
+    logs = ok(ddp(cluster, hosts, "logs")).stdout
+    for label in ("node1 rank0", "node1 rank1", "node2 rank2", "node2 rank3"):
+        assert label in logs, logs[-3000:]
+    only = ok(ddp(cluster, hosts, "logs", "--node", "node2", "--rank", "3", "--tail", "50")).stdout.splitlines()
+    assert only and all(line.startswith("node2 rank3") for line in only)
+    kept = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)
+    assert [(r["id"], r["outcome"]) for r in kept] == [(run, "exit 0")]
+    script = (fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-slurm" / "runs" / run / "job.sbatch").read_text()
+    assert script == re.sub(r"\bRUN_ID\b", run, ok(ddp(cluster, hosts, "export", "slurm")).stdout)
+    assert _queue(slurm) == []
+
+
+def test_a_stopped_job_leaves_slurm_and_a_new_launch_resumes_from_its_checkpoint(cluster, slurm, fresh_nas, tmp_path):
+    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml")
+    ok(ddp(cluster, hosts, "launch"))
+    wait_until(lambda: complete_checkpoint_steps(fresh_nas), 300, "a checkpoint", interval=1)
+    job_id, first_run = _slurm_job(fresh_nas)
+    assert "RUNNING" in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)["state"]
+    stopped = ok(ddp(cluster, hosts, "stop", timeout=300)).stdout
+    assert f"stopped Slurm job {job_id}" in stopped
+    assert _queue(slurm) == []
+    saved = complete_checkpoint_steps(fresh_nas)[-1]
+    assert saved < 2 * STEPS_PER_EPOCH
+    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "600", timeout=660))
+    _, second_run = _slurm_job(fresh_nas)
+    assert second_run != first_run
+    later = [r for r in records(fresh_nas) if r.get("run") == second_run and r.get("kind") == "train"]
+    assert later and min(r["step"] for r in later) > saved  # resumed after the checkpoint, not from step 0
+    logs = ok(ddp(cluster, hosts, "logs", "--run", second_run)).stdout
+    assert "resumed from" in logs
+
+
+def test_a_job_slurm_requeues_starts_again_and_resumes_from_its_checkpoint(cluster, slurm, fresh_nas, tmp_path):
+    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml")
+    ok(ddp(cluster, hosts, "launch"))
+    wait_until(lambda: complete_checkpoint_steps(fresh_nas), 300, "a checkpoint", interval=1)
+    job_id, run = _slurm_job(fresh_nas)
+    slurm.run(["scontrol", "requeue", job_id], check=True)
+    followed = ok(ddp(cluster, hosts, "status", "--follow", timeout=900)).stdout
+    assert "COMPLETED" in followed
+    state = slurm.run(["scontrol", "show", "job", "-o", job_id]).stdout
+    assert "Restarts=1" in state and "JobState=COMPLETED" in state
+    out = (fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-slurm" / "runs" / run / f"slurm-{job_id}.out").read_text()
+    assert "start 1," in out and "start 2," in out
+    logs = ok(ddp(cluster, hosts, "logs")).stdout
+    assert "resumed from" in logs
+    assert records(fresh_nas)[-1]["kind"] == "final"
