@@ -58,19 +58,26 @@ done
 exit 0
 """
 
-# $1 = runs dir, $2 = an id or the start of one ("" for all). For every such run, oldest first:
-# "@@run ID", its record, then per node "@@node NAME", its exits and its last METRICS line.
-LIST_RUNS = r"""cd "$1" 2>/dev/null || exit 0
-for d in $(ls -1 | grep -E '^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$' | sort); do
-  case "$d" in "$2"*) ;; *) continue ;; esac
-  echo "@@run $d"
-  cat "$d/run.json" 2>/dev/null; echo
-  for n in "$d"/*/; do
+# A shell function: nodes_of RUNDIR prints, per node of the run, "@@node NAME", its exits and its
+# last METRICS line (what ``parse`` reads; slurm.STATUS uses it too).
+NODES_OF = r"""nodes_of() {
+  for n in "$1"/*/; do
     [ -d "$n" ] || continue
     echo "@@node $(basename "$n")"
     cat "$n/exits" 2>/dev/null
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
   done
+}
+"""
+
+# $1 = runs dir, $2 = an id or the start of one ("" for all). For every such run, oldest first:
+# "@@run ID", its record, then its nodes (NODES_OF).
+LIST_RUNS = NODES_OF + r"""cd "$1" 2>/dev/null || exit 0
+for d in $(ls -1 | grep -E '^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$' | sort); do
+  case "$d" in "$2"*) ;; *) continue ;; esac
+  echo "@@run $d"
+  cat "$d/run.json" 2>/dev/null; echo
+  nodes_of "$d"
 done
 exit 0
 """

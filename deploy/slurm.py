@@ -25,7 +25,8 @@ from trainer.output import LOG_DIR_ENV, RUN_ID_ENV
 from .inventory import Inventory
 from .payload import payload
 from .plan import device_flags
-from .runtime import LAST_METRICS, STOP_GRACE_S, STOPPED_LINE, CodeDir, job_dir, runtime
+from .runs import NODES_OF, parse as parse_runs
+from .runtime import STOP_GRACE_S, STOPPED_LINE, CodeDir, job_dir, runtime
 
 # $1 = "NAME=ADDR ..." of every allocated node, $2 = the first node's name, $3 = the rendezvous
 # port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, then
@@ -78,21 +79,16 @@ echo "$id"
 
 # $1 = job dir. "none" when no job was submitted; else "job ID RUN", then Slurm's line for it
 # (scontrol: key=value; sacct once Slurm has forgotten it: "sacct STATE|EXITCODE|ELAPSED|NODES";
-# "gone" when neither knows it), then per node of the run "@@node NAME", its exits and its last
-# METRICS line.
-STATUS = r"""job=$1
+# "gone" when neither knows it), then "@@run RUN" and its nodes as runs.LIST_RUNS prints them.
+STATUS = NODES_OF + r"""job=$1
 [ -s "$job/slurm-job" ] || { echo none; exit 0; }
 read -r id run < "$job/slurm-job"
 echo "job $id $run"
 if s=$(scontrol show job -o "$id" 2>/dev/null) && [ -n "$s" ]; then echo "scontrol $s"
 elif s=$(sacct -n -P -X -j "$id" -o State,ExitCode,Elapsed,NodeList 2>/dev/null) && [ -n "$s" ]; then echo "sacct $s"
 else echo gone; fi
-for n in "$job/runs/$run"/*/; do
-  [ -d "$n" ] || continue
-  echo "@@node $(basename "$n")"
-  cat "$n/exits" 2>/dev/null
-  [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
-done
+echo "@@run $run"
+nodes_of "$job/runs/$run"
 exit 0
 """
 
@@ -283,8 +279,6 @@ class SlurmState:
 
 
 def parse_status(stdout: str) -> SlurmState:
-    from .runs import NodeRun
-
     lines = stdout.splitlines()
     if not lines or lines[0].strip() == "none":
         return SlurmState()
@@ -300,22 +294,8 @@ def parse_status(stdout: str) -> SlurmState:
         parts = (lines[1][len("sacct "):].split("|") + ["", "", "", ""])[:4]
         state = parts[0].split()[0] if parts[0] else "?"
         fields = {"ExitCode": parts[1], "RunTime": parts[2], "NodeList": parts[3]}
-    nodes: dict[str, NodeRun] = {}
-    node, exits, metrics = None, [], ""
-    for line in lines[2:] + ["@@node "]:
-        if line.startswith("@@node "):
-            if node:
-                nodes[node] = NodeRun(tuple(exits), metrics)
-            node, exits, metrics = line[7:].strip(), [], ""
-        elif line.startswith("METRICS "):
-            metrics = line.strip()
-        else:
-            parts = line.split()
-            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
-                try:
-                    exits.append((float(parts[0]), int(parts[1])))
-                except ValueError:
-                    pass
+    kept = parse_runs("\n".join(lines[2:]))
+    nodes = kept[0].nodes if kept else {}
     reason = fields.get("Reason", "")
     return SlurmState(job_id, run, state, "" if reason in ("None", "(null)") else reason, fields.get("ExitCode", ""),
                       fields.get("RunTime", ""), fields.get("NodeList", ""),

@@ -154,7 +154,7 @@ SCONTROL = ("JobId=12 JobName=mnist UserId=root(0) JobState=RUNNING Reason=None 
 
 
 def test_status_reads_slurms_state_and_each_nodes_exits_and_metrics():
-    out = "\n".join(["job 12 R1", f"scontrol {SCONTROL}", "@@node node1", "1700000000.0 0",
+    out = "\n".join(["job 12 R1", f"scontrol {SCONTROL}", "@@run R1", "@@node node1", "1700000000.0 0",
                      'METRICS {"kind": "train", "step": 5}', "@@node node2"])
     s = slurm.parse_status(out)
     assert (s.job_id, s.run, s.state, s.restarts, s.nodelist, s.elapsed) == ("12", "R1", "RUNNING", 1, "node[1-2]",
