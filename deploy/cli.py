@@ -386,10 +386,10 @@ def _one_image(inv, remote) -> str | None:
     return next(iter(ids.values()), None)
 
 
-def _start_run(inv, remote, run: str, kept: dict, reader: str | None = None) -> None:
+def _start_run(inv, remote, run: str, kept: dict) -> None:
     """The run's record on the shared volume, as the job's current one too; the oldest runs
     beyond job.keep_runs removed. Not fatal: the job runs without it, and says so."""
-    first = reader or inv.nodes[0].name
+    first = _readers(inv)[0].name
     done = remote.run({first: runs.start_argv(inv, run)}, stdin={first: record.encode(kept)}, check=False,
                       timeout=60)[first]
     if not done.ok:
@@ -723,11 +723,16 @@ def _when(run: runs.Run) -> tuple[str, str | None]:
     return started, view.duration(run.end - run.start) if run.start and run.end else None
 
 
+def _readers(inv):
+    """Where the tool reads and writes the shared volume: the nodes, or Slurm's login node."""
+    return (inv.slurm.login,) if inv.slurm else inv.nodes
+
+
 def _on_any_node(inv, remote, argv, what: str):
     """``argv`` run on the first node that answers (the shared volume is the same on all): that
     node and its result; a failure naming each node tried."""
     tried = []
-    for n in (inv.slurm.login,) if inv.slurm else inv.nodes:
+    for n in _readers(inv):
         got = remote.run({n.name: argv}, check=False, timeout=60)[n.name]
         if got.ok:
             return n.name, got
@@ -751,6 +756,17 @@ def _kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Ru
         raise InputError(f"{verb}: {e}", hint="`ddp-deploy runs` lists the kept runs") from None
 
 
+def _kept_failure(inv, remote, reader: str, run: str, nodes, redact) -> failure.Failure | None:
+    """The first failure among ``nodes`` of a kept run, from their logs read on ``reader``."""
+    logs = {}
+    for n in nodes:
+        got = remote.run({reader: runs.log_argv(inv, run, n, tail=FAILURE_TAIL, follow=False)}, check=False,
+                         timeout=60)[reader]
+        if got.ok:
+            logs[n] = redact(got.stdout)
+    return failure.first_failure(logs) if logs else None
+
+
 def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     """``status --run``: how each node of a kept run ended, its last metrics, the first failure."""
     reader, run = _kept_run(inv, remote, wanted, redact, "status --run")
@@ -758,13 +774,7 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     ranks = {n: 0 for n in states}
     ranks.update({n["name"]: n.get("procs", 0) for n in run.record.get("nodes", [])
                   if isinstance(n, dict) and n.get("name") in ranks})
-    logs = {}
-    for n in (n for n, s in states.items() if s.failed):
-        got = remote.run({reader: runs.log_argv(inv, run.id, n, tail=FAILURE_TAIL, follow=False)}, check=False,
-                         timeout=60)[reader]
-        if got.ok:
-            logs[n] = redact(got.stdout)
-    first = failure.first_failure(logs) if logs else None
+    first = _kept_failure(inv, remote, reader, run.id, [n for n, s in states.items() if s.failed], redact)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
                                "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],

@@ -24,7 +24,7 @@ import yaml
 from .errors import InputError
 from .inventory import Inventory
 from .payload import payload
-from .plan import device_flags
+from .plan import contract_env, device_flags, rdzv_conf
 from .runtime import STOP_GRACE_S
 from .secretenv import source
 
@@ -286,25 +286,14 @@ def launch_args(inv: Inventory, kind: Kind) -> list[str]:
     return [kind.node_index, literal(rdzv_conf(inv)), "--local-addr", _ref(POD_IP), *map(literal, rest)]
 
 
-def rdzv_conf(inv: Inventory) -> str:
-    """As on a fleet (plan.torchrun_options), without is_host: LAUNCH adds it on node 0."""
-    j = inv.rendezvous.join_timeout
-    conf = f"join_timeout={j},read_timeout={min(j, 60)}"
-    if inv.elastic:
-        conf += f",last_call_timeout={inv.rendezvous.last_call()}"
-    return conf
-
-
 def environment(inv: Inventory, kind: Kind) -> list[dict]:
     """plan.node_env's contract (the node's name is the pod's), gloo on the pod's interface unless
     train.env names one (NCCL picks its own: a pod with an RDMA network has more than eth0), then
     train.env, then the secrets as references to the job's Secret. nodes[].env is per host on a
     fleet and has no pod to go to: it is left out, and the header says so."""
     s = inv.storage
-    device, backend = device_flags(inv)[1::2]
     out = [_field_env(POD_IP, "status.podIP"), *kind.index_env(), _field_env("DDP_NODE_NAME", "metadata.name"),
-           _env("DDP_DATA_DIR", s.data.container), _env("DDP_CKPT_DIR", s.checkpoints.container),
-           _env("DDP_RUN_ID", inv.rdzv_id), _env("DDP_DEVICE", device), _env("DDP_BACKEND", backend)]
+           *(_env(k, v) for k, v in contract_env(inv, s.data.container, s.checkpoints.container).items())]
     if "GLOO_SOCKET_IFNAME" not in inv.train.env:
         out.append(_env("GLOO_SOCKET_IFNAME", POD_INTERFACE))
     out += [_env(k, v) for k, v in inv.train.env.items()]

@@ -55,12 +55,7 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     """
     node = inv.nodes[index]
     rdzv = inv.rdzv_node
-    # read_timeout bounds each store operation of an agent (torch's default: 60 s): past it, an
-    # agent whose rendezvous node is lost gives up. No longer than join_timeout, so that a lost
-    # rendezvous node ends the job within the same bound as any lost node (README, "When things fail").
-    conf = f"join_timeout={inv.rendezvous.join_timeout},read_timeout={min(inv.rendezvous.join_timeout, 60)}"
-    if inv.elastic:  # torchrun's 30 s last call would outlast a short join_timeout: no round of fewer nodes
-        conf += f",last_call_timeout={inv.rendezvous.last_call()}"
+    conf = rdzv_conf(inv)
     if node.name == rdzv.name:
         conf = f"is_host=1,{conf}"
     return (
@@ -74,6 +69,18 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
         "--local-addr", node.address,
         "--node-rank", str(index),
     )
+
+
+def rdzv_conf(inv: Inventory) -> str:
+    """torchrun's --rdzv-conf on every node, without is_host (the rendezvous node's own, added by
+    each engine: the fleet's plan, Slurm's task, Kubernetes' pod 0)."""
+    # read_timeout bounds each store operation of an agent (torch's default: 60 s): past it, an
+    # agent whose rendezvous node is lost gives up. No longer than join_timeout, so that a lost
+    # rendezvous node ends the job within the same bound as any lost node (README, "When things fail").
+    conf = f"join_timeout={inv.rendezvous.join_timeout},read_timeout={min(inv.rendezvous.join_timeout, 60)}"
+    if inv.elastic:  # torchrun's 30 s last call would outlast a short join_timeout: no round of fewer nodes
+        conf += f",last_call_timeout={inv.rendezvous.last_call()}"
+    return conf
 
 
 def nnodes(inv: Inventory) -> str:
@@ -120,20 +127,27 @@ def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
     training code": node name, directories, rendezvous id, launch id, device and backend, code snapshot), the NIC
     for gloo and NCCL (the inventory's, else the one detected on the node), then train.env and
     nodes[].env, which win (they cannot name the contract's variables: inventory.RESERVED_ENV)."""
-    data, ckpt = runtime(inv).job_dirs()
-    device, backend = device_flags(inv)[1::2]
-    env = {"DDP_NODE_NAME": node.name, "DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id,
-           "DDP_DEVICE": device, "DDP_BACKEND": backend}
-    if run is not None:
-        env[RUN_ID_ENV] = run
-    if code is not None:
-        env["DDP_CODE_SNAPSHOT"] = code.snapshot
+    env = {"DDP_NODE_NAME": node.name, **contract_env(inv, *runtime(inv).job_dirs(), code, run)}
     interface = node.interface or facts.interface
     if interface is not None:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
     env.update(inv.train.env)
     env.update(node.env)
     return tuple(env.items())
+
+
+def contract_env(inv: Inventory, data: str, ckpt: str, code: CodeDir | None = None,
+                 run: str | None = None) -> dict[str, str]:
+    """The contract's variables that are the same on every node (all but DDP_NODE_NAME), with the
+    job's directories as it sees them (``data``, ``ckpt``): a fleet's, Slurm's and Kubernetes' alike."""
+    device, backend = device_flags(inv)[1::2]
+    env = {"DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id, "DDP_DEVICE": device,
+           "DDP_BACKEND": backend}
+    if run is not None:
+        env[RUN_ID_ENV] = run
+    if code is not None:
+        env["DDP_CODE_SNAPSHOT"] = code.snapshot
+    return env
 
 
 def device_flags(inv: Inventory) -> tuple[str, ...]:

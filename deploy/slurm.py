@@ -20,11 +20,11 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from trainer.output import LOG_DIR_ENV, RUN_ID_ENV
+from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory
 from .payload import payload
-from .plan import device_flags
+from .plan import contract_env, device_flags, rdzv_conf
 from .runs import NODES_OF, parse as parse_runs
 from .runtime import STOP_GRACE_S, STOPPED_LINE, CodeDir, job_dir, runtime
 
@@ -156,12 +156,7 @@ def sbatch_options(inv: Inventory, run: str, code: CodeDir | None = None) -> lis
 
 def job_env(inv: Inventory, run: str, code: CodeDir | None = None) -> list[tuple[str, str]]:
     """The job's environment (plan.node_env's contract, but DDP_NODE_NAME and the NIC: each task's)."""
-    data, ckpt = runtime(inv).job_dirs()
-    device, backend = device_flags(inv)[1::2]
-    env = {"DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id, "DDP_DEVICE": device,
-           "DDP_BACKEND": backend, RUN_ID_ENV: run}
-    if code is not None:
-        env["DDP_CODE_SNAPSHOT"] = code.snapshot
+    env = contract_env(inv, *runtime(inv).job_dirs(), code, run)
     env.update(inv.train.env)
     return list(env.items())
 
@@ -174,11 +169,6 @@ def launcher_args(inv: Inventory) -> list[str]:
             "--rdzv-id", inv.rdzv_id, "--max-restarts", str(inv.job.max_restarts)]
     return [*opts, *payload(inv).launcher_options(), "--",
             *payload(inv).program_args(data, ckpt, device_flags(inv))]
-
-
-def rdzv_conf(inv: Inventory) -> str:
-    j = inv.rendezvous.join_timeout
-    return f"join_timeout={j},read_timeout={min(j, 60)}"
 
 
 def srun_argv(inv: Inventory, run: str, code: CodeDir | None = None) -> list[str]:
@@ -299,4 +289,4 @@ def parse_status(stdout: str) -> SlurmState:
     reason = fields.get("Reason", "")
     return SlurmState(job_id, run, state, "" if reason in ("None", "(null)") else reason, fields.get("ExitCode", ""),
                       fields.get("RunTime", ""), fields.get("NodeList", ""),
-                      int(fields.get("Restarts", "0") or 0) if fields.get("Restarts", "0").isdigit() else 0, nodes)
+                      int(restarts) if (restarts := fields.get("Restarts", "")).isdigit() else 0, nodes)

@@ -9,8 +9,8 @@ import threading
 import time
 
 import click
-from . import codesync, failure, plan, record, runs, runtime, secretenv, slurm, view
-from .cli import FAILURE_TAIL, _print_checks, _refuse_failed_checks, _show, _start_run, _sync_code, out
+from . import codesync, plan, record, runs, runtime, secretenv, slurm, view
+from .cli import _kept_failure, _print_checks, _refuse_failed_checks, _show, _start_run, _sync_code, out
 from .errors import InputError, RemoteFailure, RuntimeFailure
 from .payload import payload
 from .preflight import Check
@@ -125,7 +125,7 @@ def launch(st, dry_run: bool, wait: bool, timeout: float | None) -> None:
             _print_checks(failed)
         _refuse_failed_checks(failed, "launch refused, nothing submitted: ")
         run = runs.new_id()
-        _start_run(inv, remote, run, record.launch_record(inv, code, run, None, st.redact), reader=_login(inv))
+        _start_run(inv, remote, run, record.launch_record(inv, code, run, None, st.redact))
         _on_login(remote, inv, slurm.write_argv(slurm.script_path(inv, run)), "launch",
                   stdin=slurm.batch_script(inv, run, code).encode())
         got = _on_login(remote, inv, slurm.submit_argv(inv, run), "launch (sbatch)",
@@ -178,13 +178,7 @@ def _verdict(inv, remote, s: slurm.SlurmState, redact) -> None:
 
 def _first_failure(inv, remote, s: slurm.SlurmState, redact):
     failed = [n for n, r in s.nodes.items() if r.exits and r.exits[-1][1] != 0]
-    logs = {}
-    for n in failed:
-        got = remote.run({_login(inv): runs.log_argv(inv, s.run, n, tail=FAILURE_TAIL, follow=False)},
-                         check=False, timeout=60)[_login(inv)]
-        if got.ok:
-            logs[n] = redact(got.stdout)
-    return failure.first_failure(logs) if logs else None
+    return _kept_failure(inv, remote, _login(inv), s.run, failed, redact)
 
 
 def status(st, as_json: bool, follow: bool, run_id: str | None) -> None:
@@ -236,7 +230,8 @@ def logs(st, follow: bool, tail: int | None, only_nodes, only_ranks, run_id: str
     inv = st.inv
     with Remote(inv) as remote:
         if run_id is not None:
-            run, nodes = (lambda r: (r.id, list(r.nodes)))(_kept_run(inv, remote, run_id, st.redact, "logs --run")[1])
+            kept = _kept_run(inv, remote, run_id, st.redact, "logs --run")[1]
+            run, nodes = kept.id, list(kept.nodes)
         else:
             s = _state(inv, remote, st.redact)
             if s.job_id is None:
