@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
-from . import codesync, failure, image, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
+from . import codesync, delivery, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -268,21 +268,21 @@ cli.add_command(deploy, name="sync")
 
 
 def _ship_with_progress(inv, remote, image_id, held):
-    sizes = image.run_here(["docker", "image", "inspect", "--format", "{{.Size}}", inv.image.name])
-    whole = int(sizes.stdout.strip()) if sizes.ok and sizes.stdout.strip().isdigit() else None
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    """One line per node that gets the image: its stage, bytes, rate (deploy/delivery.py)."""
+    way = delivery.delivery(inv)
+    columns = (TextColumn("{task.fields[node]:<12} {task.fields[stage]:<10}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
         tasks: dict[str, int] = {}
         lock = threading.Lock()
 
-        def on_plan(node: str, total: int | None) -> None:
+        def report(node: str, stage: str, done: int, total: int | None) -> None:
             with lock:
-                tasks[node] = progress.add_task(node, total=total or (None if inv.image.compress else whole))
+                if node not in tasks:
+                    tasks[node] = progress.add_task(node, total=total, node=node, stage=stage)
+                progress.update(tasks[node], completed=done, total=total, stage=stage)
 
-        def on_progress(node: str, k: int) -> None:
-            progress.advance(tasks[node], k)
-
-        return image.ship(inv, remote, image_id, on_progress, held=held, on_plan=on_plan)
+        return way.ship(remote, image_id, held, report)
 
 
 @cli.command()
@@ -372,17 +372,28 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
 
 
 def _one_image(inv, remote) -> str | None:
-    """The id of the image every node holds (None: the job runs in no image); refuses a launch
-    across nodes whose images differ (one left behind by an earlier deploy)."""
-    argv = runtime.runtime(inv).image_id_argv()
-    if argv is None:
+    """The id of the image every node holds (None: the job runs in no image), as the config's
+    digest on Docker's classic store and the containerd image store alike (image.comparable_id);
+    refuses a launch across nodes whose images differ (one left behind by an earlier deploy)."""
+    from . import image
+
+    if runtime.runtime(inv).image_id_argv() is None:
         return None
-    got = remote.run({n.name: argv for n in inv.nodes}, check=False, timeout=60)
-    ids = {n: r.stdout.strip() for n, r in got.items() if r.ok}
+    got = remote.run({n.name: image.identify_argv(inv) for n in inv.nodes}, check=False, timeout=60)
+    said = {n: image.parse_survey(n, r.stdout) for n, r in got.items() if r.ok}
+    ids = {n: i for n, h in said.items() if (i := image.comparable_id(h)) is not None}
     if len(set(ids.values())) > 1 or len(ids) < len(got):
-        held = ", ".join(f"{n} {ids[n][:19] if n in ids else got[n].summary()}" for n in got)
+        def holds(n: str) -> str:
+            if n not in said:
+                return got[n].summary()
+            h = said[n]
+            if n not in ids:
+                return "no such image" if h.image_id is None else f"{h.image_id[:19]}, incomplete (containerd store)"
+            return ids[n][:19] + (" (containerd store: a manifest no deploy from here made)"
+                                  if h.store == image.CONTAINERD and ids[n] == h.image_id else "")
         raise RuntimeFailure(f"launch refused, nothing started: the nodes do not hold the same {inv.image.name} "
-                             f"({held})", hint="run `ddp-deploy deploy`: it ships the image to the nodes that lack it")
+                             f"({', '.join(f'{n} {holds(n)}' for n in got)})",
+                             hint="run `ddp-deploy deploy`: it ships the image to the nodes that lack it")
     return next(iter(ids.values()), None)
 
 

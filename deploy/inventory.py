@@ -337,6 +337,37 @@ class Image(_Model):
     build_args: dict[SafeName, Arg] = Field(default_factory=dict)
     compress: bool = False
     """gzip -1 in the save|load pipe (slower on a fast link, see FIELD_NOTES)."""
+    transfer: Literal["auto", "star", "chain", "registry"] = "auto"
+    """How the image reaches the nodes (deploy/delivery.py): ``star`` (one copy from here per
+    node), ``chain`` (one copy from here; each node forwards it to the next), ``registry``
+    (push once, every node pulls). ``auto``: registry when ``name`` names one, star when
+    ``compress`` is set, else chain."""
+    stall_seconds: float = Field(default=10, gt=0, le=600)
+    """Chain: a node that takes no data for this long is passed over (its upstream forwards to
+    the next node instead) and reported."""
+
+    @property
+    def registry(self) -> str | None:
+        """The registry host ``name`` names (Docker's rule: a first path part with a dot or a
+        colon, or ``localhost``), else None."""
+        first, sep, _ = self.name.partition("/")
+        return first if sep and ("." in first or ":" in first or first == "localhost") else None
+
+    @property
+    def delivery(self) -> str:
+        if self.transfer != "auto":
+            return self.transfer
+        return "registry" if self.registry else "star" if self.compress else "chain"
+
+    @model_validator(mode="after")
+    def _registry_named(self) -> "Image":
+        if self.transfer == "registry" and not self.registry:
+            raise ValueError("image.transfer: registry needs image.name to name the registry "
+                             "(registry.example.com:5000/ddp-trainer:latest)")
+        if self.compress and self.transfer in ("chain", "registry"):
+            raise ValueError(f"image.compress applies to transfer: star only (the {self.transfer} sends "
+                             "the image as it is); drop compress or use transfer: star")
+        return self
 
     @field_validator("build_args")
     @classmethod

@@ -18,6 +18,10 @@ Two checks need the nodes to meet, and the session has two phases for them
 An unreachable node gets one failed ``ssh`` (or ``local``) check naming the cause and no further
 checks.
 
+The same session reads each node's platform (its docker engine's, or the kernel's on the host
+runtime): shown, and on the docker runtime nodes of another platform than the first node's are
+refused (one image serves one platform; deploy builds it for the nodes' platform).
+
 The same session gathers the node's facts that shape its launch command (:class:`NodeFacts`:
 the NIC holding its address, InfiniBand devices), and runs ``trainer.probe`` where the job will
 run (in the image, or with the host interpreter; with the job's GPUs): torch and CUDA versions,
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 from trainer.compat import TORCH_SUPPORTED
 
+from . import build as builder
 from . import plan
 from .inventory import Inventory, Node
 from .payload import payload
@@ -169,6 +174,7 @@ def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = No
     s = inv.storage
     engine = runtime(inv).engine_argv()
     checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
+    checks.append(("platform", builder.node_platform_argv(inv)))
     checks.append(("probe", plan.probe_argv(inv, node, code)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
@@ -389,6 +395,7 @@ def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str,
     if runtime(inv).engine_argv():
         checks += _judged(up, results, "engine", inv.job.runtime, lambda r: (True, f"engine {r.stdout.strip()}"),
                           f"{inv.job.runtime} engine not usable")
+    checks += _platforms(inv, [n for n in up if not runtime(inv).engine_argv() or results[n]["engine"].ok], results)
     checks += [_torch(inv, results[n]["probe"], for_launch) for n in up]
     checks += [c for c in (_program(inv, results[n]["probe"], code) for n in up) if c is not None]
 
@@ -503,6 +510,26 @@ def _program(inv: Inventory, r: Result, code: CodeDir | None) -> Check | None:
         return Check(r.node, "program", False, f"{what} does not import in {where}: {report['program_error']} "
                                                f"(check {fix})")
     return Check(r.node, "program", True, f"{what} imports in {where}")
+
+
+def _platforms(inv: Inventory, up: list[str], results) -> list[Check]:
+    """Each node's platform; on the docker runtime, a node whose platform differs from the first
+    node's fails (the image is built for one platform)."""
+    read = {n: builder.parse_platform(results[n]["platform"].stdout) for n in up if results[n]["platform"].ok}
+    first = next((n for n in up if read.get(n)), None)
+    out = []
+    for node in up:
+        r, platform = results[node]["platform"], read.get(node)
+        if platform is None:
+            said = r.summary() if not r.ok else repr(r.stdout.strip())
+            out.append(Check(node, "platform", False, f"cannot tell the platform from "
+                                                      f"`{' '.join(builder.node_platform_argv(inv))}`: {said}"))
+        elif inv.job.runtime == "docker" and platform != read[first]:
+            out.append(Check(node, "platform", False, f"{platform}, unlike {first}'s {read[first]}: one image serves "
+                                                      f"one platform (leave it out: --without {node})"))
+        else:
+            out.append(Check(node, "platform", True, platform))
+    return out
 
 
 def _storage(inv: Inventory, r: Result) -> Check:

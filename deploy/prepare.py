@@ -1,12 +1,16 @@
 """What `deploy` does before a launch, one class per runtime: the shared directories on every
 node, then the image (docker: build here, ship where its ID differs) or the interpreter (host:
-this package and torch importable with train.python). ``dry_run`` lists the same steps as text."""
+this package and torch importable with train.python). ``dry_run`` lists the same steps as text.
+
+The image is built for the nodes' platform and compared with it before anything is shipped
+(deploy/build.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import image, plan
+from . import build as builder
+from . import delivery, image, plan
 from .inventory import Inventory
 from .remote import Remote, command_line
 from .runtime import DockerRuntime, HostRuntime
@@ -37,25 +41,33 @@ class Deployer:
 class ImageDeployer(Deployer):
     def dry_run(self, build):
         inv = self.inv
-        lines = [f"[{n.name}] {command_line(image.survey_argv(inv, self.make_dirs))}" for n in inv.nodes]
+        lines = [f"[{n.name}] {command_line(builder.node_platform_argv(inv))}" for n in inv.nodes]
+        lines.append(f"[all] the nodes must be of one platform, {builder.NODES_PLATFORM}")
+        lines += [f"[{n.name}] {command_line(image.survey_argv(inv, self.make_dirs))}" for n in inv.nodes]
         if build:  # the directories and the image ID and layers each node holds, then the build
-            lines.append(f"[local] {command_line(image.build_argv(inv))}")
-        cached = image.cache_path("IMAGE_ID", inv.image.name)
-        lines.append(f"[local] unless {cached} exists: {command_line(image.save_argv(inv))} > {cached}")
-        gz = " | gzip -1" if inv.image.compress else ""
-        lines += [f"[{n.name}] if its image ID differs: {cached} without the leading layers {n.name} holds{gz} "
-                  f"| {n.name}: {command_line(image.load_argv(inv))}" for n in inv.nodes]
-        return lines
+            lines.append(f"[local] {builder.dry_run_line(inv)}")
+        lines.append(f"[local] {command_line(builder.inspect_argv(inv.image.name, builder.IMAGE_PLATFORM))}: "
+                     f"must be {builder.NODES_PLATFORM}, else nothing is shipped")
+        way = delivery.delivery(inv)
+        lines.append(f"[all] the nodes whose image ID differs get it by {way.name} (image.transfer: "
+                     f"{inv.image.transfer}); with all of them:")
+        return lines + way.describe([n.name for n in inv.nodes])
 
     def run(self, remote, echo, *, build, ship):
         inv = self.inv
+        platforms = builder.node_platforms(inv, remote)
+        platform = builder.one_platform(platforms)
         held = image.survey(inv, remote, self.make_dirs, **DIRS_FAILED)
         self._dirs_ready(echo)
-        image_id = image.build(inv) if build else image.local_id(inv)
-        echo(f"image {inv.image.name} = {image_id}")
+        echo("image stores: " + ", ".join(f"{n} {h.store}" for n, h in held.items()))
+        image_id = builder.build(inv, platform) if build else builder.local_id(inv)
+        builder.refuse_other_platform(inv, platforms, built=build)
+        echo(f"image {inv.image.name} = {image_id} ({platform}, the nodes' platform)")
         for n, o in ship(image_id, held).items():
             kept = f" ({o.layers_held} of {o.layers} layers were there)" if o.layers_held else ""
-            echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}" if o.sent_bytes else "up to date"))
+            note = f"; {o.note}" if o.note and o.sent_bytes else ""
+            echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}{note}" if o.sent_bytes else "up to date"))
+        echo(image.cache_report())
 
 
 class InterpreterDeployer(Deployer):

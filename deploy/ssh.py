@@ -385,6 +385,10 @@ class _SshSession(Session):
         with _talking(self.conn, "connection lost", self.timeout):
             return self.out.readline()
 
+    def write(self, data: bytes) -> None:
+        with _talking(self.conn, "connection lost", self.timeout):
+            self.chan.sendall(data)
+
     def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
         try:
             with _talking(self.conn, "connection lost", self.timeout):

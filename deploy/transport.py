@@ -67,6 +67,10 @@ class Session:
     def readline(self) -> bytes:
         raise NotImplementedError
 
+    def write(self, data: bytes) -> None:
+        """Write to the command's stdin, which stays open (another thread may read meanwhile)."""
+        raise NotImplementedError
+
     def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
         """Write ``data``, close stdin, read to the end: (exit code, rest of stdout, stderr)."""
         raise NotImplementedError
@@ -185,6 +189,10 @@ class _LocalSession(Session):
         if self.expired:
             raise TimedOut(self.timeout)
         return line
+
+    def write(self, data: bytes) -> None:
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
 
     def finish(self, data: bytes) -> tuple[int, bytes, bytes]:
         try:

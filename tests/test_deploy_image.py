@@ -1,6 +1,8 @@
 """Image shipping against a fake `docker` on PATH (no engine needed): ship only where the ID
 differs, `docker save` once per image into the cache and fan that file out, leave out the
-layers a node already holds, count the bytes, verify the ID after loading, never fall back."""
+layers a node already holds, count the bytes, judge what the node holds after loading, never
+fall back; the containerd image store's own names and refusals; the cache's bounds.
+The fake loads as each store does (tests/cluster/test_image_stores.py checks the real ones)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import image
+from deploy import image, image_cache, oci
 from deploy.errors import RemoteFailure
 from deploy.inventory import loads
 from deploy.remote import Remote
@@ -22,24 +24,33 @@ from fakes import install_command
 from test_deploy_ship_layers import docker_save_tar
 
 FAKE_DOCKER = r"""#!PYTHON
-import gzip, json, os, sys
+import gzip, hashlib, io, json, os, sys, tarfile
 d = os.environ["FAKE_DOCKER_DIR"]
 a = sys.argv[1:]
 def read(name, default=None):
     p = os.path.join(d, name)
     return open(p).read() if os.path.exists(p) else default
-if a[:1] == ["save"] and read("save_stalls"):  # half the image, then nothing: a slow save of a big one
-    open(os.path.join(d, "save.pid"), "w").write(str(os.getpid()))
+def write(name, text):
+    open(os.path.join(d, name), "w").write(text)
+containerd = read("store", "classic").strip() == "containerd"
+held = json.loads(read("node_held.json", "[]"))
+if a[:1] == ["info"]:  # what each store reports as .DriverStatus
+    print('[["driver-type","io.containerd.snapshotter.v1"]]' if containerd else '[["Backing Filesystem","extfs"]]')
+elif a[:1] == ["save"] and read("save_stalls"):  # half the image, then nothing: a slow save of a big one
+    write("save.pid", str(os.getpid()))
     data = open(os.path.join(d, "saved.tar"), "rb").read()
     sys.stdout.buffer.write(data[:len(data) // 2]); sys.stdout.flush()
     import time; time.sleep(120)
 elif a[:1] == ["save"]:
     open(os.path.join(d, "saves.log"), "a").write(a[1] + "\n")
     sys.stdout.buffer.write(open(os.path.join(d, "saved.tar"), "rb").read())
-elif a[:2] == ["image", "ls"]:
-    print("\n".join(f"sha256:held{i}" for i, _ in enumerate(json.loads(read("node_held.json", "[]")))))
+elif a[:2] == ["image", "ls"]:  # the containerd store leaves out an image whose content is not all there
+    ids = [f"sha256:held{i}" for i, _ in enumerate(held)]
+    if read("node_id") and not read("unlisted"):
+        ids.append(read("node_id").strip())
+    print("\n".join(ids))
 elif a[:2] == ["image", "inspect"] and a[3].startswith("LAYERS"):
-    for layers in json.loads(read("node_held.json", "[]")):
+    for layers in held:
         print("LAYERS " + json.dumps(layers))
 elif a[:2] == ["image", "inspect"] and "RootFS" in a[3]:
     print(read("local_layers.json"))
@@ -47,25 +58,42 @@ elif a[:2] == ["image", "inspect"]:
     if read("node_id"):
         print(read("node_id").strip())
     else:
-        sys.exit("No such image: " + a[-1])
+        sys.exit("Error response from daemon: No such image: " + a[-1])
 elif a[:1] == ["load"]:
     data = sys.stdin.buffer.read()
     open(os.path.join(d, "loaded_bytes"), "a").write(f"{len(data)}\n")
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
     open(os.path.join(d, "loaded.tar"), "wb").write(data)
-    import io, tarfile  # as docker load: a cut stream (a tar that does not read to its end) loads nothing
-    try:
+    try:  # as docker load: a cut stream (a tar that does not read to its end) loads nothing
         with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-            names = [m.name for m in tf if not m.isreg() or tf.extractfile(m).read() is not None]
+            files = {m.name: tf.extractfile(m).read() for m in tf if m.isreg()}
     except (tarfile.TarError, EOFError) as e:
         sys.exit(f"unexpected EOF: {e}")
-    if "manifest.json" not in names:
+    if "manifest.json" not in files:
         sys.exit("unexpected EOF: no manifest.json")
     if read("load_fails"):
         sys.exit(read("load_fails"))
-    open(os.path.join(d, "node_id"), "w").write(read("load_gives"))
-    print("Loaded image: x")
+    m = json.loads(files["manifest.json"])[0]
+    if containerd and "index.json" in files:  # an OCI layout: blobs the content store holds may be absent
+        digest = json.loads(files["index.json"])["manifests"][0]["digest"]
+        manifest = json.loads(files["blobs/sha256/" + digest[7:]])
+        have = {x for layers in held for x in layers}
+        for layer in manifest["layers"]:
+            if "blobs/sha256/" + layer["digest"][7:] not in files and layer["digest"] not in have:
+                sys.exit(f"failed to unpack loaded image: content digest {layer['digest']}: not found")
+        got = digest
+    elif containerd:  # docker's own layout: every file manifest.json names must be there
+        for path in m["Layers"]:
+            if path not in files:
+                sys.exit(f'failed to resolve layers: layer "{path}" not found')
+        got = read("load_gives", "sha256:containerd-made-its-own")
+    else:
+        got = "sha256:" + hashlib.sha256(files[m["Config"]]).hexdigest()
+    write("node_id", read("load_gives", got))
+    print("Loaded image: " + m["RepoTags"][0])
+    if read("load_says"):
+        print(read("load_says"))
 else:
     sys.exit(f"fake docker: unexpected {a}")
 """.replace("PYTHON", sys.executable)
@@ -89,7 +117,6 @@ def _image(state: Path, layers: list[bytes], tag: str = NAME) -> tuple[str, list
     data, image_id, diff_ids = docker_save_tar(layers, tag)
     (state / "saved.tar").write_bytes(data)
     (state / "local_layers.json").write_text(json.dumps(diff_ids))
-    (state / "load_gives").write_text(image_id)
     return image_id, diff_ids
 
 
@@ -122,7 +149,7 @@ def test_ships_the_saved_image_to_a_node_without_it_and_verifies_its_id(fake_doc
     assert (fake_docker / "loaded.tar").read_bytes() == saved
     assert out["n1"].sent_bytes == len(saved) == sum(n for _, n in progress)
     assert image.cache_path(image_id, NAME).read_bytes() == saved  # kept for the next deploy
-    assert list(image.cache_dir().glob("*.tmp")) == []
+    assert list(image_cache.cache_dir().glob("*.tmp")) == []
 
 
 def test_a_node_with_the_same_id_is_up_to_date_and_nothing_is_saved(fake_docker):
@@ -158,11 +185,12 @@ def test_a_node_holding_the_previous_image_gets_the_tar_without_the_layers_it_ha
         out = image.ship(_inv(), remote, image_id)
     loaded = (fake_docker / "loaded.tar").read_bytes()
     saved = (fake_docker / "saved.tar").read_bytes()
-    full, partial = _members(saved), _members(loaded)
-    assert sorted(set(full) - set(partial)) == sorted(f"layer{i}/layer.tar" for i in (0, 1))
-    assert "layer2/layer.tar" in partial and "manifest.json" in partial
-    assert out["n1"].sent_bytes == len(loaded) < len(saved) - len(BASE) - len(DEPS) + 4096
-    assert (out["n1"].layers_held, out["n1"].layers) == (2, 3)
+    blobs = {f"blobs/sha256/{d[7:]}" for d in diff_ids}
+    assert blobs & set(_members(loaded)) == {f"blobs/sha256/{diff_ids[2][7:]}"}
+    assert {"manifest.json", "index.json"} <= set(_members(loaded))
+    assert out["n1"].sent_bytes == len(loaded) < len(saved) - len(BASE) - len(DEPS) + 8192
+    assert (out["n1"].layers_held, out["n1"].layers, out["n1"].note) == (2, 3, "")
+    assert (fake_docker / "node_id").read_text() == image_id
 
 
 def test_a_refused_layered_tar_is_an_error_that_names_the_way_out(fake_docker):
@@ -183,7 +211,8 @@ def test_a_node_that_ends_up_with_another_id_is_an_error(fake_docker):
     with Remote(_inv()) as remote, pytest.raises(RemoteFailure) as e:
         image.ship(_inv(), remote, image_id)
     (line,) = e.value.lines()
-    assert line.startswith("n1: image shipping: exit 1: after loading, the node has sha256:other")
+    assert line.startswith("n1: image shipping: exit 1: after loading, the node (classic store) has sha256:other, "
+                           f"expected {image_id}")
 
 
 def test_an_image_that_changed_while_it_was_saved_is_an_error_and_is_not_cached(fake_docker):
@@ -191,7 +220,7 @@ def test_an_image_that_changed_while_it_was_saved_is_an_error_and_is_not_cached(
     with Remote(_inv()) as remote, pytest.raises(RemoteFailure) as e:
         image.ship(_inv(), remote, "sha256:" + "0" * 64)
     assert "changed while it was saved" in e.value.lines()[0]
-    assert list(image.cache_dir().iterdir()) == []
+    assert list(image_cache.cache_dir().iterdir()) == []
 
 
 def test_compress_sends_gzip_of_the_saved_tar(fake_docker):
@@ -202,26 +231,172 @@ def test_compress_sends_gzip_of_the_saved_tar(fake_docker):
     assert (fake_docker / "loaded.tar").read_bytes() == (fake_docker / "saved.tar").read_bytes()
 
 
+# ------------------------------------------------------------------ the containerd image store
+
+
+def _containerd(state: Path) -> None:
+    (state / "store").write_text("containerd")
+
+
+def _ident(state: Path) -> image.Identity:
+    return oci.identity(image.index_saved(state / "saved.tar"))
+
+
+def _loaded_index(state: Path) -> str:
+    with tarfile.open(state / "loaded.tar") as tf:
+        return json.load(tf.extractfile("index.json"))["manifests"][0]["digest"]
+
+
+def test_a_containerd_node_gets_an_oci_layout_and_ends_with_the_manifest_digest_as_its_id(fake_docker):
+    image_id, _ = _image(fake_docker, [BASE, DEPS, CODE])
+    _containerd(fake_docker)
+    with Remote(_inv()) as remote:
+        held = image.survey(_inv(), remote)
+        out = image.ship(_inv(), remote, image_id, held=held)
+    assert held["n1"].store == image.CONTAINERD
+    ident = _ident(fake_docker)
+    assert ident.config == image_id and _loaded_index(fake_docker) == ident.manifest
+    assert (fake_docker / "node_id").read_text() == ident.manifest != image_id
+    assert out["n1"].note == "containerd image store: an OCI layout"
+    with Remote(_inv()) as remote:  # the same image, named by its manifest there, is up to date
+        assert image.ship(_inv(), remote, image_id)["n1"].sent_bytes == 0
+    assert (fake_docker / "loaded_bytes").read_text().count("\n") == 1
+
+
+def test_a_containerd_node_holding_the_previous_image_gets_only_the_layers_it_lacks(fake_docker):
+    _, old_diff_ids = docker_save_tar([BASE, DEPS, CODE], NAME)[1:]
+    image_id, diff_ids = _image(fake_docker, [BASE, DEPS, b"code v2" * 1000])
+    _containerd(fake_docker)
+    (fake_docker / "node_id").write_text("sha256:previous-manifest")
+    (fake_docker / "node_held.json").write_text(json.dumps([old_diff_ids]))
+    with Remote(_inv()) as remote:
+        out = image.ship(_inv(), remote, image_id)
+    assert (out["n1"].layers_held, out["n1"].note) == (2, "containerd image store: an OCI layout without the 2 layers it holds")
+    assert out["n1"].sent_bytes < len(CODE) + 16384
+    assert (fake_docker / "node_id").read_text() == _ident(fake_docker).manifest
+
+
+def test_docker_saves_own_tar_without_layers_is_refused_by_the_containerd_store(fake_docker, tmp_path):
+    """What made oci.layout necessary: the fake refuses as the real store does (captured on Docker 26.1.5)."""
+    import subprocess
+
+    data, _, diff_ids = docker_save_tar([BASE, CODE], NAME)
+    _containerd(fake_docker)
+    (fake_docker / "node_held.json").write_text(json.dumps([diff_ids[:1]]))
+    (tmp_path / "s.tar").write_bytes(data)
+    saved = image.index_saved(tmp_path / "s.tar")
+    partial = b"".join(image.without_layers(saved, image.dropped_files(saved, 1)))
+    r = subprocess.run(["sh", "-c", image.LOAD, image.IDENTIFY, NAME], input=partial, capture_output=True)
+    problem = image.load_problem(image.NodeImages("n1", None, store=image.CONTAINERD), r.stdout.decode(), saved.image_id)
+    assert problem == 'docker load failed (exit 1): failed to resolve layers: layer "layer0/layer.tar" not found'
+
+
+def test_a_containerd_node_already_holding_the_image_is_found_up_to_date_even_with_an_empty_cache(fake_docker):
+    image_id, _ = _image(fake_docker, [BASE, CODE])
+    _containerd(fake_docker)
+    with Remote(_inv()) as remote:
+        image.ship(_inv(), remote, image_id)
+    for p in image_cache.cache_dir().rglob("*"):  # another operator machine: nothing of this image here
+        if p.is_file():
+            p.unlink()
+    with Remote(_inv()) as remote:
+        out = image.ship(_inv(), remote, image_id)
+    assert out["n1"].sent_bytes == 0  # saved once more to learn the manifest's digest, then nothing sent
+    assert (fake_docker / "saves.log").read_text().splitlines() == [NAME, NAME]
+    assert (fake_docker / "loaded_bytes").read_text().count("\n") == 1
+
+
+def test_a_load_that_exits_0_with_an_error_line_is_a_failure(fake_docker):
+    image_id, _ = _image(fake_docker, [BASE])
+    (fake_docker / "load_says").write_text(f"Error unpacking image {NAME}: failed to extract layer: no space left on device")
+    with Remote(_inv()) as remote, pytest.raises(RemoteFailure) as e:
+        image.ship(_inv(), remote, image_id)
+    (line,) = e.value.lines()
+    assert "docker load exited 0 but reported an error: Error unpacking image" in line
+    assert (fake_docker / "node_id").read_text() == image_id  # the ID alone would have passed
+
+
+def test_a_containerd_image_loaded_without_all_its_content_fails_and_the_next_deploy_sends_every_layer(fake_docker):
+    image_id, diff_ids = _image(fake_docker, [BASE, CODE])
+    _containerd(fake_docker)
+    (fake_docker / "node_held.json").write_text(json.dumps([diff_ids[:1]]))
+    (fake_docker / "unlisted").write_text("1")  # its copy of BASE came compressed from a registry
+    with Remote(_inv()) as remote, pytest.raises(RemoteFailure) as e:
+        image.ship(_inv(), remote, image_id)
+    assert "does not list the image" in e.value.lines()[0] and "the next deploy sends every layer" in e.value.lines()[0]
+    with Remote(_inv()) as remote:
+        held = image.survey(_inv(), remote)
+    assert image.layers_to_skip(held["n1"], diff_ids) == 0
+    assert image.how_sent(held["n1"], 0).startswith("containerd image store: an OCI layout; every layer: the copy it holds lacks")
+    (fake_docker / "unlisted").unlink()  # a full load brings every blob
+    with Remote(_inv()) as remote:
+        out = image.ship(_inv(), remote, image_id, held=held)
+    assert out["n1"].layers_held == 0 and (fake_docker / "node_id").read_text() == _ident(fake_docker).manifest
+
+
+def test_whole_image_is_sent_to_both_stores_when_asked_and_deploy_says_why(fake_docker, monkeypatch):
+    image_id, diff_ids = _image(fake_docker, [BASE, CODE])
+    _containerd(fake_docker)
+    (fake_docker / "node_held.json").write_text(json.dumps([diff_ids[:1]]))
+    monkeypatch.setenv(image.WHOLE_ENV, "1")
+    with Remote(_inv()) as remote:
+        out = image.ship(_inv(), remote, image_id)
+    assert out["n1"].layers_held == 0
+    assert out["n1"].note == f"containerd image store: an OCI layout; every layer ({image.WHOLE_ENV}=1)"
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def _cached_files(d: Path, sizes: dict[str, int]) -> None:
+    """Saved images of these sizes, oldest first."""
+    d.mkdir(parents=True, exist_ok=True)
+    for i, (name, size) in enumerate(sizes.items()):
+        with open(d / name, "wb") as f:
+            f.truncate(size)
+        os.utime(d / name, (1000 + i, 1000 + i))
+
+
+def test_the_cache_evicts_by_size_and_reports_what_it_evicted(tmp_path, monkeypatch):
+    monkeypatch.setenv(image.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(image_cache.BOUND_ENV, "0.003")  # 3 MB
+    _cached_files(tmp_path, {"aa.old_1.tar": 2_000_000, "bb.prev_1.tar": 2_000_000, "cc.now_1.tar": 1_500_000})
+    image_cache.report()  # nothing before
+    image.clean_cache(tmp_path / "cc.now_1.tar")
+    assert sorted(p.name for p in tmp_path.glob("*.tar")) == ["cc.now_1.tar"]  # 1.5 + 2 MB would not fit
+    line = image.cache_report()
+    assert line.startswith(f"image cache: 0.0 GB in 1 saved image of 0.003 GB ({image_cache.BOUND_ENV}) in {tmp_path}")
+    assert line.endswith("; evicted prev_1 sha256:bb (0.0 GB), old_1 sha256:aa (0.0 GB)")
+    assert "evicted" not in image.cache_report()  # said once
+
+
+def test_the_image_just_shipped_is_kept_over_the_bound_and_the_report_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv(image.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(image_cache.BOUND_ENV, "0.001")
+    _cached_files(tmp_path, {"aa.old_1.tar": 10, "cc.now_1.tar": 2_000_000})
+    image.clean_cache(tmp_path / "cc.now_1.tar")
+    assert [p.name for p in tmp_path.glob("*.tar")] == ["cc.now_1.tar"]
+    assert "over the bound with the image just shipped alone" in image.cache_report()
+
+
+def test_a_cache_bound_that_is_not_a_size_is_refused_before_anything_is_sent(fake_docker, monkeypatch):
+    image_id, _ = _image(fake_docker, [BASE])
+    monkeypatch.setenv(image_cache.BOUND_ENV, "lots")
+    with Remote(_inv()) as remote, pytest.raises(image.RuntimeFailure) as e:
+        image.ship(_inv(), remote, image_id)
+    assert e.value.lines() == [f"{image_cache.BOUND_ENV}='lots' is not a size in GB (e.g. {image_cache.BOUND_ENV}=40, or unset it)"]
+    assert not (fake_docker / "saves.log").exists()
+
+
 def test_the_cache_keeps_the_latest_images_and_drops_stale_temporary_files(tmp_path, monkeypatch):
     monkeypatch.setenv(image.CACHE_ENV, str(tmp_path))
-    old = time.time() - 2 * image.STALE_TEMP_SECONDS
+    old = time.time() - 2 * image_cache.STALE_TEMP_SECONDS
     for i, name in enumerate(["a.x.tar", "b.x.tar", "c.x.tar", "c.x.tar.1-ab.tmp", "d.x.tar.2-cd.tmp"]):
         (tmp_path / name).write_text(name)
         os.utime(tmp_path / name, (old + i, old + i))
     os.utime(tmp_path / "d.x.tar.2-cd.tmp")  # being written now
     image.clean_cache(tmp_path / "a.x.tar")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.x.tar", "c.x.tar", "d.x.tar.2-cd.tmp"]
-
-
-def test_build_argv_passes_build_args_and_paths_relative_to_hosts_yaml():
-    inv = loads(json.dumps({
-        "job": {"name": "img"}, "rendezvous": {"node": "n"},
-        "nodes": [{"name": "n", "address": "198.18.0.11"}],
-        "image": {"name": "t:1", "build_args": {"BASE_IMAGE": "local/cpu-base:1"}},
-        "storage": {"data": {"host": "/d", "container": "/data"}, "checkpoints": {"host": "/c", "container": "/ckpt"}},
-    }), base_dir=Path("/repo"))
-    assert image.build_argv(inv) == ["docker", "build", "-t", "t:1", "-f", "/repo/Dockerfile",
-                                     "--build-arg", "BASE_IMAGE=local/cpu-base:1", "/repo"]
 
 
 def test_the_directories_and_the_survey_share_one_command_and_a_failed_mkdir_names_itself(fake_docker):
@@ -270,3 +445,74 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ------------------------------------------------------------------ judging real loads
+# What the LOAD script printed on real daemons (Docker 20.10.24 classic; Docker 26.1.5 with
+# containerd 1.7.24 and the containerd snapshotter), and the identities of the images sent.
+
+V3 = image.Identity("sha256:c90d82118a786549e47efd0e9852757c87b246d0ac7fc2678afe507e66d08e2b",
+                    "sha256:6659faf253c0a86a7f369d8063a45ce7b0657a6377d9471386a7d323ba604ee5")
+B2 = image.Identity("sha256:2bcdfbf8f52df7aff422db5b9599c239e496a07e591940e25a1f8c30eb48b929",
+                    "sha256:12190603606e4e3ebce483f56fcbe85457f2d68529af67d384cc38197bed7395")
+B3 = image.Identity("sha256:7f010899078ce6b3bb19510bab628f72cf8b481c04bc7832d299a1f8799b6eb2",
+                    "sha256:57651d739cf84d49ae7984d9623a60543d304b63093dc819edc5c6a2bb217d82")
+CLASSIC_LOADED = ("LOAD Loaded image: app:v3\nEXIT 0\nSTORE classic\n"
+                  f"ID {V3.config}\nLISTED yes\n")
+CONTAINERD_REFUSED_DOCKER_PARTIAL = (
+    'LOAD failed to resolve layers: layer "525f5def486d7ec7747c2a40fd7cec1691daaf5bd7e13fa8b609d7a568f5d4cd/layer.tar"'
+    " not found\nEXIT 1\nSTORE containerd\nID -\nLISTED no\n")
+CONTAINERD_UNPACK_FAILED_BUT_NAMED = (  # the name points at the exact manifest: an ID check alone passes
+    "LOAD failed to unpack loaded image: failed to extract layer sha256:d04be4cb2d5ba014e697214c4de2fa9122b4192aa71cc3527e1760217630c8e3:"
+    " failed to get reader from content store: content digest sha256:d04be4cb2d5ba014e697214c4de2fa9122b4192aa71cc3527e1760217630c8e3:"
+    f" not found\nEXIT 1\nSTORE containerd\nID {B2.manifest}\nLISTED no\n")
+CONTAINERD_LOADED_INCOMPLETE = (  # exit 0, the exact ID, and yet not an image the store lists
+    f"LOAD Loaded image: app:b3\nEXIT 0\nSTORE containerd\nID {B3.manifest}\nLISTED no\n")
+
+
+def _node(store):
+    return image.NodeImages("n", None, store=store)
+
+
+def test_real_loads_are_judged_by_the_image_the_node_then_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv(image.CACHE_ENV, str(tmp_path))
+    assert image.load_problem(_node(image.CLASSIC), CLASSIC_LOADED, V3) is None
+    assert image.load_problem(_node(image.CLASSIC), CLASSIC_LOADED, B2) == \
+        f"after loading, the node (classic store) has {V3.config}, expected {B2.config}"
+    assert image.load_problem(_node(image.CONTAINERD), CONTAINERD_REFUSED_DOCKER_PARTIAL, V3).startswith(
+        'docker load failed (exit 1): failed to resolve layers: layer "525f')
+    assert image.load_problem(_node(image.CONTAINERD), CONTAINERD_UNPACK_FAILED_BUT_NAMED, B2).startswith(
+        "docker load failed (exit 1): failed to unpack loaded image")
+    assert image.load_problem(_node(image.CONTAINERD), CONTAINERD_LOADED_INCOMPLETE, B3).startswith(
+        "loaded, but the node's containerd store does not list the image")
+    complete = CONTAINERD_LOADED_INCOMPLETE.replace("LISTED no", "LISTED yes")
+    assert image.load_problem(_node(image.CONTAINERD), complete, B3) is None
+    assert image.load_problem(_node(image.CONTAINERD), complete, B3.config) is not None  # that manifest: never met here
+    image_cache.remember(B3)
+    assert image.load_problem(_node(image.CONTAINERD), complete, B3.config) is None
+
+
+def test_an_error_line_fails_a_load_whatever_its_exit_status():
+    """Docker 27+ on the containerd store: an image that fails to unpack is reported on a line
+    of its own and docker load exits 0 (moby daemon/containerd/image_exporter.go, LoadImage)."""
+    said = CONTAINERD_LOADED_INCOMPLETE.replace("LISTED no", "LISTED yes").replace(
+        "EXIT 0", "LOAD Error unpacking image app:b3: failed to extract layer: no space left on device\nEXIT 0")
+    assert image.load_problem(_node(image.CONTAINERD), said, B3) == (
+        "docker load exited 0 but reported an error: Error unpacking image app:b3: failed to extract layer: "
+        "no space left on device")
+    assert image.load_problem(_node(image.CONTAINERD), "STORE containerd\n", B3).startswith("the load ended without a word")
+
+
+def test_launch_compares_nodes_of_both_stores_by_the_config_digest(tmp_path, monkeypatch):
+    monkeypatch.setenv(image.CACHE_ENV, str(tmp_path))
+    classic = image.NodeImages("a", V3.config)
+    containerd = image.NodeImages("b", V3.manifest, store=image.CONTAINERD)
+    assert image.comparable_id(containerd) == V3.manifest  # never saved here: its own name
+    image_cache.remember(V3)
+    assert image.comparable_id(classic) == image.comparable_id(containerd) == V3.config
+    assert image.comparable_id(image.NodeImages("c", V3.manifest, store=image.CONTAINERD, listed=False)) is None
+    assert image.resolve({"b": containerd}, V3)["b"].image_id == V3.config
+    assert image.resolve({"b": containerd}, B3)["b"].image_id == V3.manifest
+    pulled = image.Identity(V3.config, "sha256:" + "e" * 64)  # the same image pushed to a registry: its manifest
+    image_cache.remember(pulled)
+    assert image.comparable_id(image.NodeImages("d", pulled.manifest, store=image.CONTAINERD)) == V3.config

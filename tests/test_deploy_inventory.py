@@ -134,3 +134,26 @@ def test_environment_the_tool_sets_itself_cannot_be_overridden(name):
     with pytest.raises(Exception, match=f"{name} is set by the tool"):
         from deploy.inventory import loads
         loads(text)
+
+
+def test_image_transfer_auto_picks_registry_for_a_registry_name_star_for_compress_else_chain():
+    from deploy.inventory import Image
+    assert Image().delivery == "chain"
+    assert Image(name="registry.example.com:5000/team/ddp:1").delivery == "registry"
+    assert Image(name="localhost/ddp:1").delivery == "registry"
+    assert Image(name="team/ddp:1").delivery == "chain"  # a Docker Hub namespace, not a registry
+    assert Image(compress=True).delivery == "star"
+    assert Image(transfer="star", name="reg.io/ddp:1").delivery == "star"
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"transfer": "registry"}, "needs image.name to name the registry"),
+    ({"transfer": "chain", "compress": True}, "applies to transfer: star only"),
+    ({"stall_seconds": 0}, "greater than 0"),
+])
+def test_image_transfer_settings_that_cannot_work_are_refused_with_the_field(fields, words):
+    from pydantic import ValidationError
+
+    from deploy.inventory import Image
+    with pytest.raises(ValidationError, match=words):
+        Image(**fields)

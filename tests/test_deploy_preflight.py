@@ -20,7 +20,7 @@ from fakes import free_port, install_command
 # probe, with the torch the tests run on, as if it were the image's.
 FAKE_DOCKER = """#!/bin/sh
 case "$1" in
-  version) echo 20.10.24 ;;
+  version) case "$3" in *Arch*) echo linux/amd64 ;; *) echo 20.10.24 ;; esac ;;
   inspect) echo "Error response from daemon: No such container: $6" >&2; exit 1 ;;
   run) while [ "$1" != --entrypoint ]; do shift; done; shift 3; exec PYTHON "$@" ;;
   *) echo "fake docker: unexpected $*" >&2; exit 99 ;;
@@ -79,6 +79,7 @@ def test_every_check_passes_on_three_nodes_from_one_command_per_node(fake_docker
     assert rows == [
         *((n, "local", True, "reachable") for n in ("n1", "n2", "n3")),
         *((n, "docker", True, "engine 20.10.24") for n in ("n1", "n2", "n3")),
+        *((n, "platform", True, "linux/amd64") for n in ("n1", "n2", "n3")),
         *((n, "torch", True, f"torch {torch.__version__}, {build} in image ddp-trainer:latest") for n in ("n1", "n2", "n3")),
         *((n, "program", True, "the built-in trainer imports in image ddp-trainer:latest") for n in ("n1", "n2", "n3")),
         *((n, "storage", True, f"{tmp_path}/nas/data missing (deploy creates it)") for n in ("n1", "n2", "n3")),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import image
+from deploy import image, oci
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -110,3 +110,89 @@ def test_a_tar_whose_manifest_lists_two_images_is_refused(tmp_path):
     (tmp_path / "two.tar").write_bytes(buf.getvalue())
     with pytest.raises(ValueError, match="describes 2 images"):
         image.index_saved(tmp_path / "two.tar")
+
+
+# ------------------------------------------------------------------ the tar both stores load (oci.py)
+
+
+def _saved(tmp_path: Path, contents: list[bytes], tag: str = "t:1") -> image.SavedImage:
+    data, _, _ = docker_save_tar(contents, tag)
+    (tmp_path / "saved.tar").write_bytes(data)
+    return image.index_saved(tmp_path / "saved.tar")
+
+
+def test_the_layout_carries_docker_manifest_and_an_oci_index_over_the_same_blobs(tmp_path):
+    saved = _saved(tmp_path, [b"base" * 3000, b"deps" * 5000, b"code"])
+    full = _members(b"".join(oci.layout(saved).chunks()))
+    blobs = {f"blobs/sha256/{d[7:]}" for d in saved.diff_ids}
+    ident = oci.identity(saved)
+    assert set(full) == blobs | {f"blobs/sha256/{ident.config[7:]}", f"blobs/sha256/{ident.manifest[7:]}",
+                                 "index.json", "manifest.json", "oci-layout"}
+    originals = _members((tmp_path / "saved.tar").read_bytes())
+    assert all(full[f"blobs/sha256/{d[7:]}"] == originals[f] for d, f in zip(saved.diff_ids, saved.layer_files))
+    docker_manifest = json.loads(full["manifest.json"])[0]
+    assert docker_manifest["RepoTags"] == ["t:1"]
+    assert [full[p] for p in docker_manifest["Layers"]] == [originals[f] for f in saved.layer_files]
+    index = json.loads(full["index.json"])["manifests"][0]
+    assert index["digest"] == ident.manifest
+    assert index["annotations"] == {"io.containerd.image.name": "docker.io/library/t:1",
+                                    "org.opencontainers.image.ref.name": "1"}
+    manifest = json.loads(full[f"blobs/sha256/{ident.manifest[7:]}"])
+    assert manifest["config"]["digest"] == ident.config == saved.image_id
+    assert [layer["digest"] for layer in manifest["layers"]] == list(saved.diff_ids)
+
+
+def test_the_layout_without_held_layers_leaves_out_only_their_blobs(tmp_path):
+    saved = _saved(tmp_path, [b"base" * 3000, b"deps" * 5000, b"code"])
+    tar = oci.layout(saved, 2, "registry.example:5000/team/ddp:7")
+    data = b"".join(tar.chunks())
+    assert len(data) == tar.size and len(data) % 512 == 0
+    kept = _members(data)
+    assert {n for n in kept if n.startswith("blobs/sha256/")} & {f"blobs/sha256/{d[7:]}" for d in saved.diff_ids} == \
+        {f"blobs/sha256/{saved.diff_ids[2][7:]}"}
+    assert json.loads(kept["index.json"])["manifests"][0]["annotations"]["io.containerd.image.name"] == \
+        "registry.example:5000/team/ddp:7"
+    assert json.loads(kept["manifest.json"])[0]["RepoTags"] == ["registry.example:5000/team/ddp:7", "t:1"]
+
+
+@pytest.mark.parametrize("offset", [0, 1, 511, 512, 4000, 10_000])
+def test_the_layout_read_from_any_offset_is_the_rest_of_the_same_bytes(tmp_path, offset):
+    saved = _saved(tmp_path, [b"base" * 3000, b"deps" * 5000, b"code"])
+    tar = oci.layout(saved, 1)
+    whole = b"".join(tar.chunks(1000))
+    pieces = list(tar.pieces(offset, 777))
+    assert b"".join(d for _, d in pieces) == whole[offset:]
+    assert [at for at, _ in pieces] == list(_running(offset, [len(d) for _, d in pieces]))
+
+
+def _running(start: int, sizes: list[int]):
+    for n in sizes:
+        yield start
+        start += n
+
+
+def test_the_manifest_digest_is_the_one_the_containerd_store_made_of_dockers_own_tar():
+    """Docker 26.1.5 with containerd 1.7.24 loaded a `docker save` of Docker 20.10 (config 1716
+    bytes, three uncompressed layers) and named it by this manifest digest."""
+    diff_ids = ("sha256:56b04acdc05ed1c2ea571fd65ed068a0b49d3e5faea40587d1ba95b62eeac7cf",
+                "sha256:244a78085518b781de521279f12cb669041c9e80f63139035cbb3c9e12e1047c",
+                "sha256:08ffd593a56f9538c517109d532fdb623e1b4b03792426a5d612e5263b5604e2")
+    layer_files = tuple(f"{d}/layer.tar" for d in ("525f", "e427", "089b"))
+    config = "677c513b1962412a9c7b743ae2244d5c445519c8a8ac0a38f433337e4bba80d0.json"
+    files = ((config, 0, 1716),) + tuple((f, 0, n) for f, n in zip(layer_files, (2007040, 1001984, 2048)))
+    saved = image.SavedImage(Path("x.tar"), 0, (), "sha256:" + config[:-5], layer_files, diff_ids, files, config)
+    assert oci.identity(saved) == oci.Identity(
+        "sha256:677c513b1962412a9c7b743ae2244d5c445519c8a8ac0a38f433337e4bba80d0",
+        "sha256:6123027b33ff18e0ffe47a9bfb7777f8c20c63b746bae727199aaddb470a0ddb")
+
+
+@pytest.mark.parametrize("name, full", [
+    ("ddp-trainer:test", "docker.io/library/ddp-trainer:test"),
+    ("ddp-trainer", "docker.io/library/ddp-trainer:latest"),
+    ("team/ddp:1", "docker.io/team/ddp:1"),
+    ("localhost:5000/ddp:1", "localhost:5000/ddp:1"),
+    ("localhost/ddp", "localhost/ddp:latest"),
+    ("nvcr.io/nvidia/pytorch:24.01-py3", "nvcr.io/nvidia/pytorch:24.01-py3"),
+])
+def test_names_are_normalised_as_docker_does(name, full):
+    assert oci.full_name(name) == full

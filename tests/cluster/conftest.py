@@ -1,5 +1,6 @@
 """The ``cluster`` fixture: a real 3-node cluster (see netcluster.py), built once per session;
-``slurm``: a real Slurm cluster on its nodes (see slurmcluster.py), also once per session.
+``slurm``: a real Slurm cluster on its nodes (see slurmcluster.py), also once per session;
+``image_registry``: a real image registry on the cluster's bridge (see registry_ns.py), once per session.
 
 Without root or the system tools they need, every test that uses them is skipped with the reason;
 with ``DDP_CLUSTER_REQUIRED=1`` (set it in CI) a missing prerequisite fails the tests instead,
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from . import slurmcluster
+from . import registry_ns, slurmcluster
 from .netcluster import NetCluster, missing_prerequisites
 from .operator_cli import empty_nas
 
@@ -60,9 +61,30 @@ def slurm(request):
     s = slurmcluster.SlurmCluster(cluster)
     try:
         s.start()
+        cluster.attach(s)
         yield s
     finally:
+        cluster.detach(s)
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def image_registry(request):
+    """Debian's docker-registry in a namespace of its own on the cluster's bridge, over TLS that every
+    daemon here trusts: ``.host`` (what image names start with), ``.manifest(repository, reference)``,
+    ``.cut_off(node)`` / ``.reconnect(node)``."""
+    problems = registry_ns.missing_prerequisites()
+    if problems:  # before the cluster is built for nothing
+        _unavailable("image registry unavailable: " + "; ".join(problems))
+    cluster = request.getfixturevalue("cluster")
+    r = registry_ns.RegistryNamespace(cluster)
+    try:
+        r.start()
+        cluster.attach(r)
+        yield r
+    finally:
+        cluster.detach(r)
+        r.stop()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -100,3 +122,27 @@ def record_fault(request):
             with open(target, "a") as fh:
                 fh.write(json.dumps({"test": request.node.name, **figures}) + "\n")
     return write
+
+
+@pytest.fixture(scope="session")
+def containerd_node(request):
+    """``node9``: one more host on the cluster whose Docker 26 keeps images in the containerd image
+    store (see containerd_node.py), holding only ``ddp-base:cpu``; not in the cluster's own hosts
+    (tests add ``.inventory_node()`` to their hosts.yaml). ``.docker(...)`` reads its daemon."""
+    from . import containerd_node as ctr
+
+    problems = ctr.missing_prerequisites()
+    if problems:
+        _unavailable("containerd-store node unavailable: " + "; ".join(problems))
+    cluster = request.getfixturevalue("cluster")
+    node = ctr.ContainerdNode(cluster)
+    try:
+        node.start()
+    except ctr.Unavailable as e:
+        _unavailable(str(e))
+    cluster.attach(node)
+    try:
+        yield node
+    finally:
+        cluster.detach(node)
+        node.stop()

@@ -417,6 +417,10 @@ class NetCluster:
 
     ``up()`` builds it (cleaning leftovers of an earlier run first), ``down()`` removes every
     trace of it; ``down()`` is safe to call any number of times, also after a failed ``up()``.
+
+    Parts built on top of it (the containerd node, the registry, Slurm) are ``attach()``ed by their
+    fixtures: ``down()`` stops them first and ``up()`` starts them again, so a test that rebuilds
+    the cluster leaves them working for the tests after it.
     """
 
     def __init__(self, nodes: int = 3, state_dir: str | os.PathLike | None = None,
@@ -435,6 +439,17 @@ class NetCluster:
         self.keep_operator_store = keep_operator_store
         self.timings = _Timings()
         self._daemons: dict[str, subprocess.Popen] = {}
+        self._parts: list[Any] = []
+
+    # ---- parts built on the cluster
+
+    def attach(self, part: Any) -> None:
+        """``part`` (with ``start()`` and ``stop()``) is stopped by ``down()`` and started by ``up()``."""
+        self._parts.append(part)
+
+    def detach(self, part: Any) -> None:
+        if part in self._parts:
+            self._parts.remove(part)
 
     # ---- paths
 
@@ -514,8 +529,11 @@ class NetCluster:
                     loader.join(0.2)
                 if loader_error:
                     raise ClusterError(f"base image: {loader_error[0]}") from loader_error[0]
-            self.timings.steps["total"] = round(time.monotonic() - start, 2)
             self._write_description()
+            for part in self._parts:
+                with self.timings.step(f"restart {type(part).__name__}"):
+                    part.start()
+            self.timings.steps["total"] = round(time.monotonic() - start, 2)
             _log(f"cluster of {len(self.hosts)} nodes up in {time.monotonic() - start:.1f} s "
                  f"(state {self.state_dir})")
             return self
@@ -527,6 +545,11 @@ class NetCluster:
     def down(self) -> None:
         """Stop every daemon, remove namespaces, links, the iptables rule and state."""
         start = time.monotonic()
+        for part in reversed(self._parts):
+            try:
+                part.stop()
+            except Exception as e:  # the teardown below ends what it left
+                _log(f"stopping {type(part).__name__}: {e}")
         teardown(self.state_dir, remove_state=self._own_state_dir,
                  procs=list(self._daemons.values()))
         self._daemons.clear()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ import pytest
 from . import netcluster
 
 pytestmark = pytest.mark.cluster
+
+BASE_IMAGE_ID_FORMAT = "--format={{.Id}}"
 
 
 def test_ssh_with_strict_host_keys_reaches_each_node_at_its_own_address(cluster):
@@ -239,8 +242,9 @@ def test_hosts_yaml_is_accepted_by_the_deploy_tools_inventory(cluster, tmp_path)
         assert inv.context_path() == netcluster.REPO_ROOT
 
 
-def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster):
-    """Runs last in this file: the other test files get the rebuilt cluster."""
+def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster, containerd_node, image_registry, slurm):
+    """Runs last in this file: the other test files get the rebuilt cluster, and the parts built on
+    it (the containerd node, the registry, Slurm) are started again for them."""
     state_dir = cluster.state_dir
     cluster.down()
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
@@ -258,3 +262,9 @@ def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster):
     cluster.up()
     r = cluster.ssh("node3", ["docker", "info", "--format", "{{.ID}}"])
     assert r.returncode == 0, r.stderr
+    assert containerd_node.docker("image", "inspect", BASE_IMAGE_ID_FORMAT, netcluster.BASE_IMAGE).returncode == 0
+    with socket.create_connection((containerd_node.address, 22), timeout=10) as conn:
+        assert conn.recv(64).startswith(b"SSH-2.0-")  # its sshd is back
+    assert image_registry.manifest("nothing-here", "latest") is None  # it answers, over TLS
+    slurm.wait_idle()
+    assert set(slurm.node_states()) == {h.name for h in cluster.hosts}

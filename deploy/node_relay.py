@@ -1,0 +1,502 @@
+"""Runs on a node (``python3 -c <this file> SPOOL_DIR -- LOAD_ARGV...``): one link of the image chain.
+
+Standard library only, Python 3.6+, no import of this package: it is sent as a string and run by
+the node's interpreter (deploy/chain.py is the operator's side). The node stores the stream in a
+spool file, checks every chunk against the digest the operator sent over SSH, forwards verified
+chunks to the next node and feeds them to ``LOAD_ARGV`` (``docker load``), each from the spool file
+in its own thread, so a slow load never slows forwarding.
+
+stdin, from the operator over SSH (the only channel that carries the secret and the digests):
+    PLAN <json>\\n           {secret, size, chunk, digests, index, name, stall, downstream:
+                             [[name, address, port, index], ...] in chain order}
+    DATA <offset> <n>\\n<n bytes>   the stream itself, for the node the operator feeds
+    STOP <reason>\\n         give up now (the operator saw this node passed over)
+stdout, to the operator: ``LISTEN <port>``, then every half second ``AT <received> <forwarded>
+<loaded> <next node or ->``, ``LOST <node> <why>`` when the next node is passed over, ``OUT``/``ERR``
+lines of the load command and ``EXIT <code>``, or ``REFUSED <why>`` and exit status 3.
+
+Between nodes (TCP, opened for this transfer only): the receiver sends a nonce; the sender proves
+it holds the transfer's secret (HMAC) and names its index; the receiver proves it too and says
+``AT <offset>``; then the sender streams raw bytes from that offset while the receiver sends
+``AT <received>`` every half second and ``DONE`` once it and every node after it have everything.
+A receiver takes a new sender only if it is nearer the source than the current one, and tells the
+one it drops ``TAKEN``: that node was passed over and gives up.
+"""
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+PIECE = 1 << 20
+TICK = 0.5
+REFUSED_EXIT = 3
+OPERATOR = -1
+"""The index of the operator, which feeds the first node over SSH (nearer the source than any node)."""
+
+_out = threading.Lock()
+
+
+def say(*words):
+    with _out:
+        sys.stdout.write(" ".join(str(w) for w in words).replace("\n", " ") + "\n")
+        sys.stdout.flush()
+
+
+def proof(secret, role, nonce, name=""):
+    return hmac.new(secret.encode(), (role + ":" + nonce + ":" + name).encode(), hashlib.sha256).hexdigest()
+
+
+class Refused(Exception):
+    pass
+
+
+class Lines:
+    """Line reading on a socket that also carries raw bytes after the handshake."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = b""
+
+    def line(self, limit=4096):
+        while b"\n" not in self.buf:
+            data = self.sock.recv(4096)
+            if not data:
+                raise ConnectionError("closed")
+            self.buf += data
+            if len(self.buf) > limit:
+                raise ConnectionError("handshake line too long")
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode(errors="replace")
+
+
+class Relay:
+    def __init__(self, spool_dir, load_argv):
+        self.cond = threading.Condition()
+        self.spool_dir = spool_dir
+        self.load_argv = load_argv
+        self.plan = None
+        self.received = 0
+        self.verified = 0
+        self.forwarded = 0
+        self.loaded = 0
+        self.next_name = "-"
+        self.forward_done = False
+        self.load_exit = None
+        self.failure = None
+        self.last_data = time.time()
+        self.hasher = hashlib.sha256()
+        self.up_sock = None
+        self.up_index = None
+        self.up_name = None
+        self.fd = None
+        self.path = None
+        self.loader = None
+        self.echoes = []
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("0.0.0.0", 0))
+        self.listener.listen(8)
+
+    # ---------------------------------------------------------------- the plan
+
+    def start(self, plan):
+        size = plan["size"]
+        os.makedirs(self.spool_dir, exist_ok=True)
+        st = os.statvfs(self.spool_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < size:
+            raise Refused("{} has {:.1f} GB free, the image stream needs {:.1f} GB: free space there"
+                          .format(self.spool_dir, free / 1e9, size / 1e9))
+        self.fd, self.path = tempfile.mkstemp(prefix="ddp-deploy-chain-", dir=self.spool_dir)
+        with self.cond:
+            self.plan = plan
+            self.last_data = time.time()
+            self.cond.notify_all()
+        self.loader = subprocess.Popen(self.load_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE)
+        for target in (self._load, self._forward, self._beat):
+            threading.Thread(target=target, daemon=True).start()
+        self.echoes = [threading.Thread(target=self._echo, args=(stream, tag), daemon=True)
+                       for stream, tag in ((self.loader.stdout, "OUT"), (self.loader.stderr, "ERR"))]
+        for t in self.echoes:
+            t.start()
+
+    def wait_plan(self):
+        with self.cond:
+            while self.plan is None and self.failure is None:
+                self.cond.wait(TICK)
+            return self.plan
+
+    # ---------------------------------------------------------------- receiving
+
+    def take(self, offset, data, source):
+        """Bytes of the stream at ``offset``; what is already here is skipped; every completed
+        chunk is checked against its digest before anything may read it."""
+        with self.cond:
+            if self.failure is not None or self.plan is None:
+                return
+            size, chunk, digests = self.plan["size"], self.plan["chunk"], self.plan["digests"]
+            if offset > self.received:
+                return
+            data = data[self.received - offset:]
+            data = data[:size - self.received]
+            if not data:
+                return
+            start = self.received
+            os.pwrite(self.fd, data, start)
+            self.received = start + len(data)
+            self.last_data = time.time()
+            i = 0
+            while i < len(data):
+                pos = start + i
+                end = min((pos // chunk + 1) * chunk, size)
+                n = min(end - pos, len(data) - i)
+                self.hasher.update(data[i:i + n])
+                i += n
+                if pos + n == end:
+                    k = (end - 1) // chunk
+                    if not hmac.compare_digest(self.hasher.hexdigest(), digests[k]):
+                        self._fail_locked("chunk {} (bytes {}-{}) from {} does not match the digest the "
+                                          "operator sent: tampered or corrupted on the way, refused"
+                                          .format(k, k * chunk, end, source))
+                        return
+                    self.hasher = hashlib.sha256()
+                    self.verified = end
+            self.cond.notify_all()
+
+    def from_operator(self, offset, data):
+        with self.cond:
+            if self.up_index is not None and self.up_index != OPERATOR:
+                self._drop_upstream_locked(OPERATOR, "the operator")
+            self.up_index, self.up_name = OPERATOR, "the operator"
+        self.take(offset, data, "the operator")
+
+    def _drop_upstream_locked(self, by_index, by_name):
+        if self.up_sock is not None:
+            try:
+                self.up_sock.sendall("TAKEN {}\n".format(by_name).encode())
+            except OSError:
+                pass
+            try:
+                self.up_sock.close()
+            except OSError:
+                pass
+        self.up_sock = None
+
+    def serve(self):
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._upstream, args=(sock,), daemon=True).start()
+
+    def _upstream(self, sock):
+        plan = self.wait_plan()
+        if plan is None:
+            sock.close()
+            return
+        try:
+            sock.settimeout(plan["stall"])
+            nonce = os.urandom(16).hex()
+            sock.sendall((nonce + "\n").encode())
+            lines = Lines(sock)
+            words = lines.line().split()
+            if len(words) != 4 or not hmac.compare_digest(words[3], proof(plan["secret"], "up", nonce, words[0])):
+                raise ConnectionError("a sender without this transfer's secret")
+            name, their_nonce, index = words[0], words[1], int(words[2])
+            with self.cond:
+                if self.failure is not None:
+                    raise ConnectionError("refused")
+                if self.up_index is not None and index > self.up_index and self._upstream_alive():
+                    sock.sendall(b"BUSY\n")
+                    raise ConnectionError("busy")
+                self._drop_upstream_locked(index, name)
+                self.up_sock, self.up_index, self.up_name = sock, index, name
+                sock.sendall((proof(plan["secret"], "down", their_nonce) + "\nAT {}\n".format(self.received)).encode())
+                offset = self.received
+            sock.settimeout(None)
+            data = lines.buf
+            while True:
+                if data:
+                    self.take(offset, data, name)
+                    offset += len(data)
+                data = sock.recv(PIECE)
+                if not data:
+                    break
+        except (OSError, ValueError, ConnectionError):
+            pass
+        finally:
+            with self.cond:
+                if self.up_sock is sock:
+                    self.up_sock = None
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _upstream_alive(self):
+        return self.up_index == OPERATOR or (self.up_sock is not None
+                                             and time.time() - self.last_data < self.plan["stall"])
+
+    # ---------------------------------------------------------------- forwarding
+
+    def _forward(self):
+        plan = self.plan
+        for name, address, port, index in plan["downstream"]:
+            if self.failure is not None:
+                return
+            with self.cond:
+                self.next_name, self.forwarded = name, 0
+            try:
+                self._send_to(plan, address, int(port))
+                with self.cond:
+                    self.forward_done = True
+                    self.next_name = "-"
+                    self.cond.notify_all()
+                return
+            except Taken as e:
+                self.fail("passed over: {} now takes the stream from {}".format(name, e))
+                return
+            except (OSError, ValueError, ConnectionError) as e:
+                say("LOST", name, str(e) or type(e).__name__)
+        with self.cond:
+            self.forward_done = True
+            self.next_name = "-"
+            self.cond.notify_all()
+
+    def _send_to(self, plan, address, port):
+        stall, size = plan["stall"], plan["size"]
+        try:
+            sock = socket.create_connection((address, port), timeout=stall)
+        except OSError as e:
+            raise ConnectionError("cannot connect to {}:{} ({}): the nodes must reach each other's ports during "
+                                  "a chain, else use image.transfer: star".format(address, port, e))
+        state = {"heard": time.time(), "done": False, "taken": None, "at": 0}
+        try:
+            lines = Lines(sock)
+            nonce = lines.line()
+            mine = os.urandom(16).hex()
+            sock.sendall("{} {} {} {}\n".format(plan["name"], mine, plan["index"],
+                                                proof(plan["secret"], "up", nonce, plan["name"])).encode())
+            answer = lines.line()
+            if answer == "BUSY":  # a node nearer the source feeds it: this one was passed over
+                raise Taken("a node nearer the source")
+            if not hmac.compare_digest(answer, proof(plan["secret"], "down", mine)):
+                raise ConnectionError("a receiver without this transfer's secret")
+            first = lines.line().split()
+            if len(first) != 2 or first[0] != "AT":
+                raise ConnectionError("no offset from the receiver")
+            pos = int(first[1])
+            state["at"] = pos
+
+            def listen():
+                try:
+                    while True:
+                        words = lines.line().split()
+                        state["heard"] = time.time()
+                        if words[:1] == ["AT"]:
+                            state["at"] = int(words[1])
+                        elif words[:1] == ["DONE"]:
+                            state["done"] = True
+                            return
+                        elif words[:1] == ["TAKEN"]:
+                            state["taken"] = " ".join(words[1:])
+                            return
+                except (OSError, ValueError, ConnectionError):
+                    return
+
+            threading.Thread(target=listen, daemon=True).start()
+            sock.settimeout(stall)
+            with open(self.path, "rb") as f:
+                while not state["done"]:
+                    if state["taken"]:
+                        raise Taken(state["taken"])
+                    if time.time() - state["heard"] > stall:
+                        raise ConnectionError("no word from it for {:g} s".format(stall))
+                    with self.cond:
+                        if self.failure is not None:
+                            return
+                        if self.verified <= pos:
+                            self.cond.wait(TICK)
+                        upto = self.verified
+                    if pos < upto:
+                        f.seek(pos)
+                        data = f.read(min(PIECE, upto - pos))
+                        sock.sendall(data)
+                        pos += len(data)
+                        with self.cond:
+                            self.forwarded = pos
+                    elif pos >= size:
+                        time.sleep(0.05)  # everything sent: wait for its DONE
+        except socket.timeout:
+            raise ConnectionError("it took no data for {:g} s".format(stall))
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self):
+        size = self.plan["size"]
+        try:
+            with open(self.path, "rb") as f:
+                while self.loaded < size:
+                    with self.cond:
+                        while self.verified <= self.loaded and self.failure is None:
+                            self.cond.wait(TICK)
+                        if self.failure is not None:
+                            return
+                        upto = self.verified
+                    f.seek(self.loaded)
+                    while self.loaded < upto:
+                        data = f.read(min(PIECE, upto - self.loaded))
+                        self.loader.stdin.write(data)
+                        self.loaded += len(data)
+            self.loader.stdin.close()
+        except (OSError, ValueError):
+            pass  # the load command ended early: its exit status and output say why
+        code = self.loader.wait()
+        for t in self.echoes:
+            t.join()
+        with self.cond:
+            self.load_exit = code
+            self.cond.notify_all()
+
+    def _echo(self, stream, tag):
+        for line in stream:
+            say(tag, line.decode(errors="replace").rstrip("\n"))
+
+    # ---------------------------------------------------------------- the end
+
+    def _beat(self):
+        while True:
+            with self.cond:
+                if self.failure is not None:
+                    return
+                msg = "AT {}\n".format(self.received)
+                if self.verified == self.plan["size"] and self.forward_done:
+                    msg += "DONE\n"
+                sock = self.up_sock
+            if sock is not None:
+                try:
+                    sock.sendall(msg.encode())
+                except OSError:
+                    pass
+            say("AT", self.received, self.forwarded, self.loaded, self.next_name)
+            time.sleep(TICK)
+
+    def fail(self, why):
+        with self.cond:
+            self._fail_locked(why)
+
+    def _fail_locked(self, why):
+        if self.failure is None:
+            self.failure = why
+            self.cond.notify_all()
+
+    def finished(self):
+        with self.cond:
+            if self.failure is not None:
+                return True
+            if self.plan is not None and time.time() - self.last_data > 6 * self.plan["stall"] \
+                    and self.received < self.plan["size"]:
+                self._fail_locked("no data for {:g} s: the stream stopped at byte {} of {}".format(
+                    6 * self.plan["stall"], self.received, self.plan["size"]))
+                return True
+            return self.load_exit is not None and self.forward_done
+
+    def done(self):
+        """Everything here and after here: tell the sender before the connection closes."""
+        sock = self.up_sock
+        if sock is not None:
+            try:
+                sock.sendall("AT {}\nDONE\n".format(self.received).encode())
+            except OSError:
+                pass
+        say("AT", self.received, self.forwarded, self.loaded, "-")
+
+    def cleanup(self):
+        for closing in (self.listener, self.up_sock):
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError:
+                pass
+        if self.loader is not None and self.loader.poll() is None:
+            self.loader.kill()  # a load cut off mid-stream registers no image
+            self.loader.wait()
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+class Taken(Exception):
+    pass
+
+
+def control(relay):
+    """The operator's messages on stdin; its end before the job is done is an abort."""
+    stdin = sys.stdin.buffer
+    while True:
+        header = stdin.readline()
+        if not header:
+            relay.fail("the operator's connection ended")
+            return
+        words = header.decode(errors="replace").split(" ", 1)
+        kind = words[0].strip()
+        if kind == "PLAN":
+            try:
+                relay.start(json.loads(words[1]))
+            except Refused as e:
+                relay.fail(str(e))
+            except (OSError, ValueError, KeyError) as e:
+                relay.fail("cannot start: {}".format(e))
+        elif kind == "DATA":
+            offset, n = (int(x) for x in words[1].split())
+            data = stdin.read(n)
+            if len(data) < n:
+                relay.fail("the operator's connection ended")
+                return
+            relay.from_operator(offset, data)
+        elif kind == "STOP":
+            relay.fail(words[1].strip() if len(words) > 1 else "stopped by the operator")
+
+
+def main(argv):
+    spool_dir, load_argv = argv[0], argv[2:]
+    relay = Relay(spool_dir, load_argv)
+    say("LISTEN", relay.listener.getsockname()[1])
+    threading.Thread(target=relay.serve, daemon=True).start()
+    threading.Thread(target=control, args=(relay,), daemon=True).start()
+    try:
+        while not relay.finished():
+            time.sleep(TICK / 5)
+    finally:
+        failure = relay.failure
+        if failure is None:
+            relay.done()
+        relay.cleanup()
+    if failure is not None:
+        say("REFUSED", failure)
+        return REFUSED_EXIT
+    say("EXIT", relay.load_exit)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main(sys.argv[1:])
+    with _out:  # no daemon thread writes while the interpreter goes away
+        sys.stdout.flush()
+        os._exit(status)
