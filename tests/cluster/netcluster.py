@@ -184,9 +184,10 @@ def _processes_referencing(roots: Sequence[Path]) -> list[int]:
     return found
 
 
-def _marked_processes() -> list[int]:
-    """Pids whose environment carries DAEMON_MARK, and every descendant of theirs."""
-    needle = f"{DAEMON_MARK}=".encode()
+def _marked_processes(mark: str | None = None) -> list[int]:
+    """Pids whose environment carries DAEMON_MARK (set to ``mark``, where given: one part's own
+    daemons), and every descendant of theirs."""
+    needle = f"{DAEMON_MARK}={mark}\0" if mark is not None else f"{DAEMON_MARK}="
     marked: list[int] = []
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -195,7 +196,7 @@ def _marked_processes() -> list[int]:
         pid = int(entry.name)
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if needle in (entry / "environ").read_bytes():
+            if needle.encode() in (entry / "environ").read_bytes() + b"\0":
                 marked.append(pid)
         except (OSError, IndexError, ValueError):
             continue

@@ -314,8 +314,9 @@ class SlurmCluster:
 
 def stop_daemons(procs: Sequence[subprocess.Popen] = ()) -> None:
     """End every Slurm and munge daemon of ours and what they forked (step daemons, the jobs'
-    processes), found by DAEMON_MARK, so also those of a run that was killed; remove their files."""
-    pids = _marked_processes() + [p.pid for p in procs if p.poll() is None]
+    processes), found by their DAEMON_MARK, so also those of a run that was killed (not the registry's,
+    marked too); remove their files."""
+    pids = _marked_processes(str(SLURM_ROOT)) + [p.pid for p in procs if p.poll() is None]
     if pids:  # the daemons end at once on SIGTERM; slurmstepd ignores it: SIGKILL after 1 s
         _kill_and_wait(pids, grace=1)
     for p in procs:
