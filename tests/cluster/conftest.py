@@ -1,6 +1,8 @@
 """The ``cluster`` fixture: a real 3-node cluster (see netcluster.py), built once per session;
 ``slurm``: a real Slurm cluster on its nodes (see slurmcluster.py), also once per session;
-``image_registry``: a real image registry on the cluster's bridge (see registry_ns.py), once per session.
+``image_registry``: a real image registry on the cluster's bridge (see registry_ns.py), once per session;
+``containerd_node``: one more node whose Docker keeps images in containerd (see containerd_node.py).
+The last three are attached to the cluster: a test that rebuilds it gets them restarted too.
 
 Without root or the system tools they need, every test that uses them is skipped with the reason;
 with ``DDP_CLUSTER_REQUIRED=1`` (set it in CI) a missing prerequisite fails the tests instead,
@@ -49,23 +51,32 @@ def cluster():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _part(request, what: str, problems: list[str], make, unavailable: tuple[type[Exception], ...] = ()):
+    """A part built on the cluster, once per session: skipped (or failed) with its missing
+    prerequisites; started, and attached to the cluster so that a rebuild of it restarts the part
+    (NetCluster.attach); stopped at the end of the session."""
+    if problems:  # before the cluster is built for nothing
+        _unavailable(f"{what} unavailable: " + "; ".join(problems))
+    cluster = request.getfixturevalue("cluster")
+    part = make(cluster)
+    try:
+        part.start()  # where it fails, it stops what it had started
+    except unavailable as e:
+        _unavailable(str(e))
+    cluster.attach(part)
+    try:
+        yield part
+    finally:
+        cluster.detach(part)
+        part.stop()
+
+
 @pytest.fixture(scope="session")
 def slurm(request):
     """Slurm on the cluster's nodes, every node idle: ``.nodes``, ``.partition``, ``.conf``,
     ``.login`` (the node tests submit from over SSH), ``.run(argv)``, ``.wait_idle()``,
     ``.jobs()``, ``.node_states()``, ``.clear()``. No job of a test outlives it (see below)."""
-    problems = slurmcluster.missing_prerequisites()
-    if problems:  # before the cluster is built for nothing
-        _unavailable("Slurm cluster unavailable: " + "; ".join(problems))
-    cluster = request.getfixturevalue("cluster")
-    s = slurmcluster.SlurmCluster(cluster)
-    try:
-        s.start()
-        cluster.attach(s)
-        yield s
-    finally:
-        cluster.detach(s)
-        s.stop()
+    yield from _part(request, "Slurm cluster", slurmcluster.missing_prerequisites(), slurmcluster.SlurmCluster)
 
 
 @pytest.fixture(scope="session")
@@ -73,18 +84,7 @@ def image_registry(request):
     """Debian's docker-registry in a namespace of its own on the cluster's bridge, over TLS that every
     daemon here trusts: ``.host`` (what image names start with), ``.manifest(repository, reference)``,
     ``.cut_off(node)`` / ``.reconnect(node)``."""
-    problems = registry_ns.missing_prerequisites()
-    if problems:  # before the cluster is built for nothing
-        _unavailable("image registry unavailable: " + "; ".join(problems))
-    cluster = request.getfixturevalue("cluster")
-    r = registry_ns.RegistryNamespace(cluster)
-    try:
-        r.start()
-        cluster.attach(r)
-        yield r
-    finally:
-        cluster.detach(r)
-        r.stop()
+    yield from _part(request, "image registry", registry_ns.missing_prerequisites(), registry_ns.RegistryNamespace)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -131,18 +131,5 @@ def containerd_node(request):
     (tests add ``.inventory_node()`` to their hosts.yaml). ``.docker(...)`` reads its daemon."""
     from . import containerd_node as ctr
 
-    problems = ctr.missing_prerequisites()
-    if problems:
-        _unavailable("containerd-store node unavailable: " + "; ".join(problems))
-    cluster = request.getfixturevalue("cluster")
-    node = ctr.ContainerdNode(cluster)
-    try:
-        node.start()
-    except ctr.Unavailable as e:
-        _unavailable(str(e))
-    cluster.attach(node)
-    try:
-        yield node
-    finally:
-        cluster.detach(node)
-        node.stop()
+    yield from _part(request, "containerd-store node", ctr.missing_prerequisites(), ctr.ContainerdNode,
+                     unavailable=(ctr.Unavailable,))

@@ -32,9 +32,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .netcluster import (BASE_IMAGE, BRIDGE, CACHE_DIR, NODE_INTERFACE, NS_PREFIX, SUBNET_PREFIX,
+from .netcluster import (BASE_IMAGE, CACHE_DIR, NODE_INTERFACE, NS_PREFIX, SUBNET_PREFIX,
                          ClusterError, Host, _debian_mirror, _kill_and_wait, _ns_path, _read_pid, _run,
-                         _unmount_under, _which, base_image_cache_path, base_image_key)
+                         _unmount_under, _which, base_image_cache_path, base_image_key, plug_namespace)
 
 INDEX = 9
 SUITE = "trixie"
@@ -194,13 +194,7 @@ class ContainerdNode:
         h = self.host
         subprocess.run(["ip", "netns", "delete", h.ns], capture_output=True)  # a crashed run's
         subprocess.run(["ip", "link", "delete", h.veth], capture_output=True)
-        _run(["ip", "netns", "add", h.ns])
-        _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", h.ns])
-        _run(["ip", "link", "set", h.veth, "master", BRIDGE, "up"])
-        inside = ["ip", "netns", "exec", h.ns, "ip"]
-        _run([*inside, "addr", "add", f"{h.address}/24", "dev", NODE_INTERFACE])
-        _run([*inside, "link", "set", NODE_INTERFACE, "up"])
-        _run([*inside, "link", "set", "lo", "up"])
+        plug_namespace(h.ns, h.veth, h.address)
 
     def _ssh(self) -> None:
         h, c = self.host, self.cluster

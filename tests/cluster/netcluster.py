@@ -210,6 +210,18 @@ def _marked_processes(mark: str | None = None) -> list[int]:
     return sorted(found)
 
 
+def plug_namespace(ns: str, veth: str, address: str) -> None:
+    """A new network namespace ``ns`` on the bridge: its ``NODE_INTERFACE`` at ``address``, the
+    other end ``veth`` on the bridge."""
+    _run(["ip", "netns", "add", ns])
+    _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", ns])
+    _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+    inside = ["ip", "netns", "exec", ns, "ip"]
+    _run([*inside, "addr", "add", f"{address}/24", "dev", NODE_INTERFACE])
+    _run([*inside, "link", "set", NODE_INTERFACE, "up"])
+    _run([*inside, "link", "set", "lo", "up"])
+
+
 def _unmount_under(root: Path) -> None:
     """Unmount every mount point below ``root``, deepest first."""
     prefix = str(root).rstrip("/") + "/"
@@ -584,14 +596,7 @@ class NetCluster:
         _run(["ip", "link", "set", BRIDGE, "up"])
         _run(["iptables", "-I", *FORWARD_RULE])
         for h in self.hosts:
-            _run(["ip", "netns", "add", h.ns])
-            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", NODE_INTERFACE,
-                  "netns", h.ns])
-            _run(["ip", "link", "set", h.veth, "master", BRIDGE, "up"])
-            inside = ["ip", "netns", "exec", h.ns, "ip"]
-            _run([*inside, "addr", "add", f"{h.address}/24", "dev", NODE_INTERFACE])
-            _run([*inside, "link", "set", NODE_INTERFACE, "up"])
-            _run([*inside, "link", "set", "lo", "up"])
+            plug_namespace(h.ns, h.veth, h.address)
 
     def _make_keys(self) -> None:
         ssh = self.state_dir / "ssh"

@@ -31,8 +31,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .netcluster import (BRIDGE, DAEMON_MARK, SUBNET_PREFIX, ClusterError, _kill_and_wait, _ns_path,
-                         _run, _which)
+from .netcluster import (DAEMON_MARK, SUBNET_PREFIX, ClusterError, _kill_and_wait, _ns_path, plug_namespace,
+                         _which)
 
 NS = "ddpreg"
 VETH = "ddpvreg"
@@ -90,13 +90,7 @@ class RegistryNamespace:
                 "http": {"addr": HOST, "tls": {"certificate": str(self.dir / "server.crt"),
                                                "key": str(self.dir / "server.key")}},
             }))
-            _run(["ip", "netns", "add", NS])
-            _run(["ip", "link", "add", VETH, "type", "veth", "peer", "name", "eth0", "netns", NS])
-            _run(["ip", "link", "set", VETH, "master", BRIDGE, "up"])
-            inside = ["ip", "netns", "exec", NS, "ip"]
-            _run([*inside, "addr", "add", f"{ADDRESS}/24", "dev", "eth0"])
-            _run([*inside, "link", "set", "eth0", "up"])
-            _run([*inside, "link", "set", "lo", "up"])
+            plug_namespace(NS, VETH, ADDRESS)
             with open(self.dir / "registry.log", "ab") as log:
                 self.proc = subprocess.Popen(
                     ["nsenter", f"--net={_ns_path(NS)}", PROGRAM, "serve", str(config)],

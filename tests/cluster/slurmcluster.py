@@ -312,11 +312,15 @@ class SlurmCluster:
                 "timings_s": self.timings.steps}
 
 
+def marked_processes() -> list[int]:
+    """Slurm's and munge's daemons of ours and what they forked (step daemons, the jobs' processes),
+    found by their DAEMON_MARK, so also those of a run that was killed (not the registry's, marked too)."""
+    return _marked_processes(str(SLURM_ROOT))
+
+
 def stop_daemons(procs: Sequence[subprocess.Popen] = ()) -> None:
-    """End every Slurm and munge daemon of ours and what they forked (step daemons, the jobs'
-    processes), found by their DAEMON_MARK, so also those of a run that was killed (not the registry's,
-    marked too); remove their files."""
-    pids = _marked_processes(str(SLURM_ROOT)) + [p.pid for p in procs if p.poll() is None]
+    """End every process of :func:`marked_processes` and remove their files."""
+    pids = marked_processes() + [p.pid for p in procs if p.poll() is None]
     if pids:  # the daemons end at once on SIGTERM; slurmstepd ignores it: SIGKILL after 1 s
         _kill_and_wait(pids, grace=1)
     for p in procs:

@@ -99,7 +99,7 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
                                   "--wrap", "srun sleep 600"], check=True)
     wait_until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", _submitted(r.stdout)]
                                  ).stdout.strip() == "RUNNING", 30, "the job to run")
-    before = netcluster._marked_processes()  # daemons, step daemons, the job's processes
+    before = slurmcluster.marked_processes()  # daemons, step daemons, the job's processes
     names = {Path(f"/proc/{p}/comm").read_text().strip() for p in before}
     assert {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= names
     # a later session's start, while the processes of this one are still there (as after kill -9)
@@ -109,7 +109,7 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
         assert not [p for p in before if netcluster._pid_alive(p)]
         assert later.jobs() == [] and later.node_states() == {n: "idle" for n in later.nodes}
         later.stop()
-        assert netcluster._marked_processes() == []
+        assert slurmcluster.marked_processes() == []
         assert not slurmcluster.SLURM_ROOT.exists() and not slurmcluster.SLURM_SPOOL.exists()
     finally:
         later.stop()
