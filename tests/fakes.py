@@ -1,4 +1,5 @@
-"""Small stand-ins shared by the unit tests: a free local port, a fake command on PATH."""
+"""Small stand-ins shared by the unit tests: a free local port, a fake command on PATH, the start of a
+fake ``docker``."""
 
 from __future__ import annotations
 
@@ -22,3 +23,17 @@ def install_command(tmp_path: Path, monkeypatch, name: str, script: str) -> Path
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     return exe
+
+
+FAKE_DOCKER_START = r"""#!PYTHON
+import gzip, hashlib, io, json, os, sys, tarfile
+d = os.environ["FAKE_DOCKER_DIR"]
+a = sys.argv[1:]
+def read(name, default=None):
+    p = os.path.join(d, name)
+    return open(p).read() if os.path.exists(p) else default
+def write(name, text):
+    open(os.path.join(d, name), "w").write(text)
+"""
+"""The start of a fake ``docker`` script: its arguments ``a``, and ``read`` / ``write`` of the files in
+its state directory ``d`` ($FAKE_DOCKER_DIR), where the test sets what it answers."""

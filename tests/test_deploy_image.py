@@ -20,18 +20,10 @@ from deploy import image, image_cache, oci
 from deploy.errors import RemoteFailure
 from deploy.inventory import loads
 from deploy.remote import Remote
-from fakes import install_command
+from fakes import FAKE_DOCKER_START, install_command
 from test_deploy_ship_layers import docker_save_tar
 
-FAKE_DOCKER = r"""#!PYTHON
-import gzip, hashlib, io, json, os, sys, tarfile
-d = os.environ["FAKE_DOCKER_DIR"]
-a = sys.argv[1:]
-def read(name, default=None):
-    p = os.path.join(d, name)
-    return open(p).read() if os.path.exists(p) else default
-def write(name, text):
-    open(os.path.join(d, name), "w").write(text)
+FAKE_DOCKER = (FAKE_DOCKER_START + r"""
 containerd = read("store", "classic").strip() == "containerd"
 held = json.loads(read("node_held.json", "[]"))
 if a[:1] == ["info"]:  # what each store reports as .DriverStatus
@@ -96,7 +88,7 @@ elif a[:1] == ["load"]:
         print(read("load_says"))
 else:
     sys.exit(f"fake docker: unexpected {a}")
-""".replace("PYTHON", sys.executable)
+""").replace("PYTHON", sys.executable)
 
 NAME = "ddp-trainer:test"
 

@@ -18,7 +18,7 @@ from deploy.image import NodeImages
 from deploy.inventory import loads
 from deploy.registry import Manifest, PullProgress, Registry
 from deploy.remote import Remote
-from fakes import install_command
+from fakes import FAKE_DOCKER_START, install_command
 
 NAME = "registry.example.com:5000/team/ddp:v1"
 REPO = "registry.example.com:5000/team/ddp"
@@ -161,13 +161,7 @@ def test_a_failed_pull_gets_the_hint_its_message_calls_for(message, says):
 
 # ------------------------------------------------------------------ push then pull, docker faked
 
-FAKE_DOCKER = r"""#!PYTHON
-import json, os, sys
-d = os.environ["FAKE_DOCKER_DIR"]
-a = sys.argv[1:]
-def read(name, default=None):
-    p = os.path.join(d, name)
-    return open(p).read() if os.path.exists(p) else default
+FAKE_DOCKER = (FAKE_DOCKER_START + r"""
 open(os.path.join(d, "calls.log"), "a").write(json.dumps(a) + "\n")
 if a[:1] == ["push"]:
     if read("push_fails"):
@@ -189,7 +183,7 @@ elif a[:2] == ["image", "inspect"]:
     print("ID " + read("pulled_id"))
 else:
     sys.exit(f"fake docker: unexpected {a}")
-""".replace("PYTHON", sys.executable)
+""").replace("PYTHON", sys.executable)
 
 
 @pytest.fixture
