@@ -187,7 +187,7 @@ def _processes_referencing(roots: Sequence[Path]) -> list[int]:
 def _marked_processes(mark: str | None = None) -> list[int]:
     """Pids whose environment carries DAEMON_MARK (set to ``mark``, where given: one part's own
     daemons), and every descendant of theirs."""
-    needle = f"{DAEMON_MARK}={mark}\0" if mark is not None else f"{DAEMON_MARK}="
+    needle = (f"{DAEMON_MARK}={mark}\0" if mark is not None else f"{DAEMON_MARK}=").encode()
     marked: list[int] = []
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -196,7 +196,7 @@ def _marked_processes(mark: str | None = None) -> list[int]:
         pid = int(entry.name)
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if needle.encode() in (entry / "environ").read_bytes() + b"\0":
+            if needle in (entry / "environ").read_bytes():  # each entry ends with NUL, the last too
                 marked.append(pid)
         except (OSError, IndexError, ValueError):
             continue

@@ -13,8 +13,6 @@ from . import netcluster
 
 pytestmark = pytest.mark.cluster
 
-BASE_IMAGE_ID_FORMAT = "--format={{.Id}}"
-
 
 def test_ssh_with_strict_host_keys_reaches_each_node_at_its_own_address(cluster):
     for h in cluster.hosts:
@@ -262,7 +260,7 @@ def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster, conta
     cluster.up()
     r = cluster.ssh("node3", ["docker", "info", "--format", "{{.ID}}"])
     assert r.returncode == 0, r.stderr
-    assert containerd_node.docker("image", "inspect", BASE_IMAGE_ID_FORMAT, netcluster.BASE_IMAGE).returncode == 0
+    assert containerd_node.docker("image", "inspect", "--format", "{{.Id}}", netcluster.BASE_IMAGE).returncode == 0
     with socket.create_connection((containerd_node.address, 22), timeout=10) as conn:
         assert conn.recv(64).startswith(b"SSH-2.0-")  # its sshd is back
     assert image_registry.manifest("nothing-here", "latest") is None  # it answers, over TLS
