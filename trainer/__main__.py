@@ -10,7 +10,7 @@ import torch
 
 from . import data
 from .build import build
-from .checkpoint import CheckpointError, CheckpointManager, save_final_model
+from .checkpoint import CheckpointError, CheckpointManager, Found, save_final_model
 from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
 from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
@@ -51,17 +51,20 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
 
 
 def resume_and_train(ctx: Context) -> dict:
-    """Resumes from the newest complete checkpoint (if any), trains, evaluates, saves the final model."""
+    """Resumes from the newest checkpoint that loads (if any), trains, evaluates, saves the final model."""
     cfg, env = ctx.cfg, ctx.env
     torch_seed_per_rank(cfg, env)
     if not cfg.resume and env.is_main and ctx.checkpoints.complete():
         raise ResumeMismatch(f"resume: --no-resume, but {cfg.ckpt_dir} holds checkpoints of an earlier run; "
                              f"use an empty --ckpt-dir or remove them")
     pos = Position()
-    latest = ctx.checkpoints.latest() if cfg.resume and env.is_main else None
-    latest = broadcast_object(env, str(latest) if latest else None)
+    found = ctx.checkpoints.resume_point() if cfg.resume and env.is_main else None
+    if found:
+        say_skipped(found)
+    # Rank 0 chose (and set the broken ones aside): every rank loads that very file.
+    latest = broadcast_object(env, str(found.path) if found and found.path else None)
     if latest:
-        state = ctx.checkpoints.load(latest)
+        state = found.state if found else ctx.checkpoints.load(latest)
         pos = restore(ctx, state)
         log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
         # from_world_size != world_size: the job was resized (a node lost or taken in), and
@@ -76,6 +79,14 @@ def resume_and_train(ctx: Context) -> dict:
         ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step,
                            "world_size": env.world_size, "backend": env.backend, **final})
     return final
+
+
+def say_skipped(found: Found) -> None:
+    """One line per broken checkpoint passed over, naming it, why, and where the job resumes."""
+    then = f"resuming from {found.path.name}" if found.path else "no loadable checkpoint left: starting from step 0"
+    for skipped in found.skipped:
+        where = f" (renamed to {skipped.aside})" if skipped.aside else ""
+        print(f"trainer: skipping {skipped.name}{where}: {skipped.reason}; {then}", file=sys.stderr, flush=True)
 
 
 def require_cuda_for_sync_bn(cfg: TrainConfig, env: DistEnv) -> None:
