@@ -7,14 +7,18 @@ what it gets, checks each chunk against the digest sent to it over SSH, forwards
 to the next node over the nodes' own network and feeds them to ``docker load`` in its own thread.
 Time: about ``(size + (N-1) x chunk) / bandwidth`` (MPI's pipelined chain broadcast).
 
-Trust: the node-to-node connections are opened for this transfer only; a receiver accepts a
-sender that proves it holds this transfer's secret (HMAC over a fresh nonce), and the sender
-checks the receiver the same way. The secret and the digests travel only over SSH.
+Trust: the node-to-node connections are opened for this transfer only. The receiver proves first
+that it holds this transfer's secret (an HMAC over the sender's fresh nonce, its own and its place in
+the row), then the sender proves it the same way for that hop; a program that is not the planned
+receiver gets no proof from a sender. The secret and the digests travel only over SSH. Whatever a
+peer sends ends its own connection only (node_relay.py).
 
 A node that takes no data for ``image.stall_seconds`` (killed, link down, full disk) is passed
 over: the node before it forwards to the one after it, from what that one already has, and the
 failed node is named at the end (a later ``deploy`` gives it the image). If the first node
-fails, this machine feeds the next one itself.
+fails, this machine feeds the next one itself. A relay that still reports but has forwarded nothing
+of what it holds while the whole row stood still for ``max(3 x stall, STUCK_FLOOR)`` is passed over the
+same way, so a stuck relay thread never makes ``deploy`` wait for ever.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ SPOOL_DIR = "/var/tmp"
 """Where each node keeps its copy of the stream while it forwards and loads it."""
 PIECE = 1 << 20
 SILENCE_FLOOR = 10.0
+STUCK_FLOOR = 30.0
+"""The least time the row may stand still before a relay holding unforwarded bytes is passed over
+(a pass-over itself takes about two stall periods)."""
 
 
 def relay_argv(load: Sequence[str], spool_dir: str = SPOOL_DIR) -> tuple[str, ...]:
@@ -160,6 +167,8 @@ class _Run:
         self.lock = threading.Lock()
         self.sent_bytes = 0
         """Bytes this machine sent (the uplink's share)."""
+        self.moved = time.time()
+        """When a node of the row last received or forwarded a byte."""
 
     def go(self) -> None:
         starters = [threading.Thread(target=self._start, args=(link,), daemon=True) for link in self.links]
@@ -169,13 +178,14 @@ class _Run:
             t.join()
         row = [link for link in self.links if link.alive and link.port]
         sums = digests(self.stream)
-        secret = secrets.token_hex(32)
+        secret, transfer = secrets.token_hex(32), secrets.token_hex(16)
         for i, link in enumerate(row):
-            plan = {"secret": secret, "size": self.stream.size, "chunk": CHUNK, "digests": sums,
+            plan = {"secret": secret, "transfer": transfer, "size": self.stream.size, "chunk": CHUNK, "digests": sums,
                     "index": link.index, "name": link.name, "stall": self.stall,
                     "downstream": [[d.name, self.inv.node(d.name).address, d.port, d.index] for d in row[i + 1:]]}
             self._tell(link, b"PLAN " + json.dumps(plan, separators=(",", ":")).encode() + b"\n")
         now = time.time()
+        self.moved = now
         for link in row:
             link.heard = now
             threading.Thread(target=self._read, args=(link,), daemon=True).start()
@@ -235,7 +245,10 @@ class _Run:
         size = self.stream.size
         if kind == "AT":
             words = rest.split()
-            link.received, link.forwarded, link.next_node = int(words[0]), int(words[1]), words[3]
+            received, forwarded = int(words[0]), int(words[1])
+            if (received, forwarded) != (link.received, link.forwarded):
+                self.moved = time.time()
+            link.received, link.forwarded, link.next_node = received, forwarded, words[3]
             stage = "receiving" if link.received < size else "forwarding" if link.next_node != "-" else "loading"
             self.report(link.name, stage, link.received, size)
         elif kind == "LOST":
@@ -257,6 +270,21 @@ class _Run:
         for link in row:
             if link.alive and time.time() - link.heard > limit:
                 self._give_up(link, f"no word from the node for {limit:g} s (link down or node stopped)")
+        # A relay's heartbeat says it lives, not that its forwarding does: one that holds bytes it
+        # has not sent on while nothing anywhere in the row moves is stuck, and the node before it
+        # (or this machine) passes over it as over a silent one.
+        still = max(3 * self.stall, STUCK_FLOOR)
+        if time.time() - self.moved > still:
+            for link in row:
+                verified = self._verified(link.received)
+                if link.alive and link.next_node != "-" and link.forwarded < verified:
+                    self._give_up(link, f"forwarded nothing to {link.next_node} for {still:g} s while holding verified "
+                                        f"bytes {link.forwarded}-{verified} (a stuck relay): passed over")
+            self.moved = time.time()
+
+    def _verified(self, received: int) -> int:
+        """What a relay that received ``received`` bytes may forward: its whole chunks, or everything."""
+        return received if received >= self.stream.size else received - received % CHUNK
 
     def _give_up(self, link: Link, why: str, tell: bool = False) -> None:
         with self.lock:

@@ -7,7 +7,7 @@ chunks to the next node and feeds them to ``LOAD_ARGV`` (``docker load``), each 
 in its own thread, so a slow load never slows forwarding.
 
 stdin, from the operator over SSH (the only channel that carries the secret and the digests):
-    PLAN <json>\\n           {secret, size, chunk, digests, index, name, stall, downstream:
+    PLAN <json>\\n           {secret, transfer, size, chunk, digests, index, name, stall, downstream:
                              [[name, address, port, index], ...] in chain order}
     DATA <offset> <n>\\n<n bytes>   the stream itself, for the node the operator feeds
     STOP <reason>\\n         give up now (the operator saw this node passed over)
@@ -15,18 +15,33 @@ stdout, to the operator: ``LISTEN <port>``, then every half second ``AT <receive
 <loaded> <next node or ->``, ``LOST <node> <why>`` when the next node is passed over, ``OUT``/``ERR``
 lines of the load command and ``EXIT <code>``, or ``REFUSED <why>`` and exit status 3.
 
-Between nodes (TCP, opened for this transfer only): the receiver sends a nonce; the sender proves
-it holds the transfer's secret (HMAC) and names its index; the receiver proves it too and says
-``AT <offset>``; then the sender streams raw bytes from that offset while the receiver sends
-``AT <received>`` every half second and ``DONE`` once it and every node after it have everything.
-A receiver takes a new sender only if it is nearer the source than the current one, and tells the
-one it drops ``TAKEN``: that node was passed over and gives up.
+Between nodes (TCP, opened for this transfer only), every proof an HMAC-SHA256 keyed with the
+transfer's secret over its role, the transfer's id, the hops and both nonces (see ``mac``):
+    sender   -> receiver   ``CHAIN <nonce S>``
+    receiver -> sender     ``<nonce R> <mac("down", receiver's index, S, R)>``
+    sender   -> receiver   ``<name> <index> <mac("up", sender's index, receiver's index, name, S, R)>``
+    receiver -> sender     ``AT <offset>`` (or ``BUSY``: a node nearer the source feeds it)
+The receiver proves itself first, and only for the hop the sender meant: a program that is not this
+transfer's relay at that hop gets no proof from the sender, and a proof made for one hop, transfer
+or role is worth nothing at another. Then the sender streams raw bytes from that offset while the
+receiver sends ``AT <received>`` every half second and ``DONE`` once it and every node after it
+have everything. A receiver takes a new sender only if it is nearer the source than the current
+one, and tells the one it drops ``TAKEN``: that node was passed over and gives up.
+
+Whatever a peer sends (nothing, non-ASCII, garbage, a byte at a time) ends that connection only,
+within ``stall`` seconds of its arrival; before the plan arrives no connection is taken at all (they
+wait in the listen queue, at most ``WAITING_MAX``), and at most ``WAITING_MAX`` handshakes run at once
+(one more ends the oldest). A hop that fails in any way, an unexpected error included, is reported
+``LOST`` and the next node is tried; a forwarding thread that ends otherwise fails its node, so no
+node goes on reporting progress with nothing forwarding (the operator also passes over a node that
+holds verified bytes it does not send on: deploy/chain.py).
 """
 
 import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,6 +54,14 @@ TICK = 0.5
 REFUSED_EXIT = 3
 OPERATOR = -1
 """The index of the operator, which feeds the first node over SSH (nearer the source than any node)."""
+WAITING_MAX = 16
+"""Connections in their handshake at once, and the listen queue's length before the plan."""
+HANDSHAKE_LINE = 512
+"""The longest line a peer may send outside the stream (a handshake line is under 150 bytes)."""
+NONCE = re.compile(r"[0-9a-f]{32}")
+PROOF = re.compile(r"[0-9a-f]{64}")
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,253}")
+NUMBER = re.compile(r"[0-9]{1,15}")
 
 _out = threading.Lock()
 
@@ -49,12 +72,38 @@ def say(*words):
         sys.stdout.flush()
 
 
-def proof(secret, role, nonce, name=""):
-    return hmac.new(secret.encode(), (role + ":" + nonce + ":" + name).encode(), hashlib.sha256).hexdigest()
+def mac(plan, role, *fields):
+    """The proof of ``role`` (``up``: a sender, ``down``: a receiver) for this transfer and ``fields``."""
+    message = "\n".join([role, plan["transfer"]] + [str(f) for f in fields])
+    return hmac.new(plan["secret"].encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def same(given, expected):
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def why(e):
+    """An exception as words for a ``LOST`` or ``REFUSED`` line."""
+    text = str(e)
+    if isinstance(e, OSError) and text:
+        return text
+    return "{}: {}".format(type(e).__name__, text) if text else type(e).__name__
+
+
+def shut(sock):
+    """End a connection another thread may be blocked on (its recv returns at once)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class Refused(Exception):
     pass
+
+
+class SpoolError(Exception):
+    """This node cannot read its own spool file: its fault, not the next node's."""
 
 
 class Lines:
@@ -64,16 +113,33 @@ class Lines:
         self.sock = sock
         self.buf = b""
 
-    def line(self, limit=4096):
+    def line(self, deadline=None):
+        """One ASCII line; ``deadline`` (a time.time()) bounds the whole line, not each recv, so
+        a peer sending a byte at a time cannot hold the connection."""
         while b"\n" not in self.buf:
+            if len(self.buf) > HANDSHAKE_LINE:
+                raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+            if deadline is not None:
+                left = deadline - time.time()
+                if left <= 0:
+                    raise ConnectionError("no complete line in time")
+                self.sock.settimeout(left)
             data = self.sock.recv(4096)
             if not data:
                 raise ConnectionError("closed")
             self.buf += data
-            if len(self.buf) > limit:
-                raise ConnectionError("handshake line too long")
         line, _, self.buf = self.buf.partition(b"\n")
-        return line.decode(errors="replace")
+        if len(line) > HANDSHAKE_LINE:
+            raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+        try:
+            return line.decode("ascii")
+        except UnicodeDecodeError:
+            raise ConnectionError("a line that is not ASCII")
+
+
+def send_by(sock, deadline, text):
+    sock.settimeout(max(deadline - time.time(), 0.001))
+    sock.sendall(text.encode())
 
 
 class Relay:
@@ -99,10 +165,12 @@ class Relay:
         self.path = None
         self.loader = None
         self.echoes = []
+        self.waiting = []
+        """Accepted connections still in their handshake, oldest first."""
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("0.0.0.0", 0))
-        self.listener.listen(8)
+        self.listener.listen(WAITING_MAX)
 
     # ---------------------------------------------------------------- the plan
 
@@ -132,7 +200,7 @@ class Relay:
         with self.cond:
             while self.plan is None and self.failure is None:
                 self.cond.wait(TICK)
-            return self.plan
+            return self.plan if self.failure is None else None
 
     # ---------------------------------------------------------------- receiving
 
@@ -150,7 +218,14 @@ class Relay:
             if not data:
                 return
             start = self.received
-            os.pwrite(self.fd, data, start)
+            try:
+                written = 0
+                while written < len(data):  # a short write (the file size limit, a full disk) ends in the error
+                    written += os.pwrite(self.fd, data[written:], start + written)
+            except OSError as e:
+                self._fail_locked("cannot write the spool file {}: {}: it must hold the whole stream, free space "
+                                  "there".format(self.path, e.strerror or why(e)))
+                return
             self.received = start + len(data)
             self.last_data = time.time()
             i = 0
@@ -191,48 +266,33 @@ class Relay:
         self.up_sock = None
 
     def serve(self):
+        """Before the plan, connections wait in the listen queue (no secret to check them with);
+        after it, each has ``stall`` seconds to prove itself."""
+        plan = self.wait_plan()
+        if plan is None:
+            return
         while True:
             try:
                 sock, _ = self.listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._upstream, args=(sock,), daemon=True).start()
-
-    def _upstream(self, sock):
-        plan = self.wait_plan()
-        if plan is None:
-            sock.close()
-            return
-        try:
-            sock.settimeout(plan["stall"])
-            nonce = os.urandom(16).hex()
-            sock.sendall((nonce + "\n").encode())
-            lines = Lines(sock)
-            words = lines.line().split()
-            if len(words) != 4 or not hmac.compare_digest(words[3], proof(plan["secret"], "up", nonce, words[0])):
-                raise ConnectionError("a sender without this transfer's secret")
-            name, their_nonce, index = words[0], words[1], int(words[2])
             with self.cond:
-                if self.failure is not None:
-                    raise ConnectionError("refused")
-                if self.up_index is not None and index > self.up_index and self._upstream_alive():
-                    sock.sendall(b"BUSY\n")
-                    raise ConnectionError("busy")
-                self._drop_upstream_locked(index, name)
-                self.up_sock, self.up_index, self.up_name = sock, index, name
-                sock.sendall((proof(plan["secret"], "down", their_nonce) + "\nAT {}\n".format(self.received)).encode())
-                offset = self.received
-            sock.settimeout(None)
-            data = lines.buf
-            while True:
-                if data:
-                    self.take(offset, data, name)
-                    offset += len(data)
-                data = sock.recv(PIECE)
-                if not data:
-                    break
-        except (OSError, ValueError, ConnectionError):
-            pass
+                self.waiting.append(sock)
+                if len(self.waiting) > WAITING_MAX:
+                    shut(self.waiting.pop(0))
+            threading.Thread(target=self._upstream, args=(sock, time.time() + plan["stall"]), daemon=True).start()
+
+    def _upstream(self, sock, deadline):
+        try:
+            try:
+                name, index, lines = self._handshake(sock, deadline)
+            finally:
+                with self.cond:
+                    if sock in self.waiting:
+                        self.waiting.remove(sock)
+            self._receive(sock, deadline, name, index, lines)
+        except Exception:
+            pass  # whatever the peer did ends this connection and nothing else; the chain's own senders report theirs
         finally:
             with self.cond:
                 if self.up_sock is sock:
@@ -242,6 +302,47 @@ class Relay:
             except OSError:
                 pass
 
+    def _handshake(self, sock, deadline):
+        """The sender's hello, this node's proof, the sender's proof (the module's docstring)."""
+        plan = self.plan
+        lines = Lines(sock)
+        words = lines.line(deadline).split()
+        if len(words) != 2 or words[0] != "CHAIN" or not NONCE.fullmatch(words[1]):
+            raise ConnectionError("not a chain sender's hello")
+        theirs, mine = words[1], os.urandom(16).hex()
+        send_by(sock, deadline, "{} {}\n".format(mine, mac(plan, "down", plan["index"], theirs, mine)))
+        words = lines.line(deadline).split()
+        if len(words) != 3 or not NAME.fullmatch(words[0]) or not NUMBER.fullmatch(words[1]) \
+                or not PROOF.fullmatch(words[2]):
+            raise ConnectionError("a malformed proof")
+        name, index = words[0], int(words[1])
+        if not same(words[2], mac(plan, "up", index, plan["index"], name, theirs, mine)):
+            raise ConnectionError("a sender without this transfer's secret, or its proof was for another hop")
+        if index >= plan["index"]:
+            raise ConnectionError("a sender that is not before this node in the row")
+        return name, index, lines
+
+    def _receive(self, sock, deadline, name, index, lines):
+        with self.cond:
+            if self.failure is not None:
+                return
+            if self.up_index is not None and index > self.up_index and self._upstream_alive():
+                send_by(sock, deadline, "BUSY\n")
+                return
+            self._drop_upstream_locked(index, name)
+            self.up_sock, self.up_index, self.up_name = sock, index, name
+            offset = self.received
+            send_by(sock, deadline, "AT {}\n".format(offset))
+        sock.settimeout(None)
+        data = lines.buf
+        while True:
+            if data:
+                self.take(offset, data, name)
+                offset += len(data)
+            data = sock.recv(PIECE)
+            if not data:
+                break
+
     def _upstream_alive(self):
         return self.up_index == OPERATOR or (self.up_sock is not None
                                              and time.time() - self.last_data < self.plan["stall"])
@@ -249,6 +350,16 @@ class Relay:
     # ---------------------------------------------------------------- forwarding
 
     def _forward(self):
+        try:
+            self._forward_each()
+        except Exception as e:  # a fault of this node's own: it fails, and its sender passes over it
+            self.fail("forwarding stopped: {}".format(why(e)))
+        finally:
+            with self.cond:
+                if not self.forward_done:
+                    self._fail_locked("forwarding stopped before the last node got the stream")
+
+    def _forward_each(self):
         plan = self.plan
         for name, address, port, index in plan["downstream"]:
             if self.failure is not None:
@@ -256,24 +367,25 @@ class Relay:
             with self.cond:
                 self.next_name, self.forwarded = name, 0
             try:
-                self._send_to(plan, address, int(port))
-                with self.cond:
-                    self.forward_done = True
-                    self.next_name = "-"
-                    self.cond.notify_all()
-                return
+                self._send_to(plan, address, int(port), int(index))
             except Taken as e:
                 self.fail("passed over: {} now takes the stream from {}".format(name, e))
                 return
-            except (OSError, ValueError, ConnectionError) as e:
-                say("LOST", name, str(e) or type(e).__name__)
+            except SpoolError as e:
+                self.fail(str(e))
+                return
+            except Exception as e:  # any fault of this hop, the unforeseen too: the next node is tried
+                say("LOST", name, why(e))
+                continue
+            break
         with self.cond:
             self.forward_done = True
             self.next_name = "-"
             self.cond.notify_all()
 
-    def _send_to(self, plan, address, port):
+    def _send_to(self, plan, address, port, index):
         stall, size = plan["stall"], plan["size"]
+        deadline = time.time() + stall
         try:
             sock = socket.create_connection((address, port), timeout=stall)
         except OSError as e:
@@ -282,19 +394,7 @@ class Relay:
         state = {"heard": time.time(), "done": False, "taken": None, "at": 0}
         try:
             lines = Lines(sock)
-            nonce = lines.line()
-            mine = os.urandom(16).hex()
-            sock.sendall("{} {} {} {}\n".format(plan["name"], mine, plan["index"],
-                                                proof(plan["secret"], "up", nonce, plan["name"])).encode())
-            answer = lines.line()
-            if answer == "BUSY":  # a node nearer the source feeds it: this one was passed over
-                raise Taken("a node nearer the source")
-            if not hmac.compare_digest(answer, proof(plan["secret"], "down", mine)):
-                raise ConnectionError("a receiver without this transfer's secret")
-            first = lines.line().split()
-            if len(first) != 2 or first[0] != "AT":
-                raise ConnectionError("no offset from the receiver")
-            pos = int(first[1])
+            pos = self._hello(sock, lines, plan, "{}:{}".format(address, port), index, deadline)
             state["at"] = pos
 
             def listen():
@@ -302,20 +402,24 @@ class Relay:
                     while True:
                         words = lines.line().split()
                         state["heard"] = time.time()
-                        if words[:1] == ["AT"]:
+                        if words[:1] == ["AT"] and len(words) == 2 and NUMBER.fullmatch(words[1]):
                             state["at"] = int(words[1])
                         elif words[:1] == ["DONE"]:
                             state["done"] = True
                             return
                         elif words[:1] == ["TAKEN"]:
-                            state["taken"] = " ".join(words[1:])
+                            state["taken"] = " ".join(words[1:]) or "another node"
                             return
-                except (OSError, ValueError, ConnectionError):
+                except Exception:  # the connection's end, in whatever form: silence, which the loop below bounds
                     return
 
+            sock.settimeout(stall)  # before the listener's first recv, which takes the timeout it finds
             threading.Thread(target=listen, daemon=True).start()
-            sock.settimeout(stall)
-            with open(self.path, "rb") as f:
+            try:
+                spool = open(self.path, "rb")
+            except OSError as e:
+                raise SpoolError("cannot read the spool file {}: {}".format(self.path, why(e)))
+            with spool:
                 while not state["done"]:
                     if state["taken"]:
                         raise Taken(state["taken"])
@@ -328,8 +432,11 @@ class Relay:
                             self.cond.wait(TICK)
                         upto = self.verified
                     if pos < upto:
-                        f.seek(pos)
-                        data = f.read(min(PIECE, upto - pos))
+                        try:
+                            spool.seek(pos)
+                            data = spool.read(min(PIECE, upto - pos))
+                        except OSError as e:
+                            raise SpoolError("cannot read the spool file {}: {}".format(self.path, why(e)))
                         sock.sendall(data)
                         pos += len(data)
                         with self.cond:
@@ -343,6 +450,31 @@ class Relay:
                 sock.close()
             except OSError:
                 pass
+
+    def _hello(self, sock, lines, plan, where, index, deadline):
+        """The sender's half of the handshake; the offset the receiver wants the stream from."""
+        mine = os.urandom(16).hex()
+        try:
+            send_by(sock, deadline, "CHAIN {}\n".format(mine))
+            words = lines.line(deadline).split()
+        except (OSError, ConnectionError) as e:
+            raise ConnectionError("{} gave no proof that it is this transfer's node {} ({})"
+                                  .format(where, index, why(e)))
+        if len(words) != 2 or not NONCE.fullmatch(words[0]) \
+                or not same(words[1], mac(plan, "down", index, mine, words[0])):
+            raise ConnectionError("{} did not prove that it is this transfer's node {}: another program holds that "
+                                  "port, or that node is not the one planned".format(where, index))
+        try:
+            send_by(sock, deadline, "{} {} {}\n".format(
+                plan["name"], plan["index"], mac(plan, "up", plan["index"], index, plan["name"], mine, words[0])))
+            first = lines.line(deadline).split()
+        except (OSError, ConnectionError) as e:
+            raise ConnectionError("{} ended the handshake ({})".format(where, why(e)))
+        if first == ["BUSY"]:  # a node nearer the source feeds it: this one was passed over
+            raise Taken("a node nearer the source")
+        if len(first) != 2 or first[0] != "AT" or not NUMBER.fullmatch(first[1]) or int(first[1]) > plan["size"]:
+            raise ConnectionError("{} named no offset to send from".format(where))
+        return int(first[1])
 
     # ---------------------------------------------------------------- loading
 

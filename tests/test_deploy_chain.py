@@ -6,6 +6,7 @@ daemons on real hosts is tests/cluster/test_image_chain.py."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -169,20 +170,36 @@ def test_the_first_node_killed_is_replaced_by_this_machine_feeding_the_next(tmp_
 # ---------------------------------------------------------------------- one relay, by hand
 
 
-class Relay:
-    """One relay process, this test acting as the operator on its stdin."""
+SECRET, TRANSFER, STALL = "s" * 64, "t" * 32, 2
 
-    def __init__(self, tmp_path: Path, stream: oci.Layout, secret: str = "s" * 64) -> None:
+
+class Relay:
+    """One relay process, this test acting as the operator on its stdin (``plan=False``: not yet)."""
+
+    def __init__(self, tmp_path: Path, stream: oci.Layout, secret: str = SECRET, *, index: int = 1,
+                 name: str = "b", downstream=(), plan: bool = True, stall: float = STALL,
+                 preexec_fn=None) -> None:
         (tmp_path / "spool").mkdir(exist_ok=True)
         (tmp_path / "loaded").mkdir(exist_ok=True)
         self.p = subprocess.Popen([sys.executable, *chain.relay_argv(_keeper(tmp_path / "loaded"),
                                                                      str(tmp_path / "spool"))[1:]],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  preexec_fn=preexec_fn)
         self.port = int(self.p.stdout.readline().split()[1])
-        plan = {"secret": secret, "size": stream.size, "chunk": chain.CHUNK, "digests": chain.digests(stream),
-                "index": 1, "name": "b", "stall": 2, "downstream": []}
-        self.p.stdin.write(b"PLAN " + json.dumps(plan).encode() + b"\n")
+        self.plan = {"secret": secret, "transfer": TRANSFER, "size": stream.size, "chunk": chain.CHUNK,
+                     "digests": chain.digests(stream), "index": index, "name": name, "stall": stall,
+                     "downstream": [list(d) for d in downstream]}
+        if plan:
+            self.send_plan()
+
+    def send_plan(self) -> None:
+        self.p.stdin.write(b"PLAN " + json.dumps(self.plan).encode() + b"\n")
         self.p.stdin.flush()
+
+    def stop(self) -> tuple[int, list[str]]:
+        self.p.stdin.write(b"STOP test over\n")
+        self.p.stdin.flush()
+        return self.end()
 
     def end(self) -> tuple[int, list[str]]:
         """Its lines until it exits by itself (stdin stays open: its end would be an abort)."""
@@ -191,24 +208,35 @@ class Relay:
         return self.p.wait(60), lines
 
 
-def _connect_as_sender(port: int, secret: str) -> tuple[socket.socket, str]:
+def chain_mac(secret: str, role: str, *fields, transfer: str = TRANSFER) -> str:
+    """The protocol's proof, written out here from its description (node_relay.py's docstring)."""
+    message = "\n".join([role, transfer, *(str(f) for f in fields)])
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def _connect_as_sender(port: int, secret: str, *, name: str = "a", index: int = 0, to: int = 1,
+                       receiver: int | None = None, claim: int | None = None,
+                       transfer: str = TRANSFER) -> tuple[socket.socket, str]:
+    """The handshake as node ``index`` of the row sending to the one it takes for node ``to``
+    (``receiver``: the receiver's real index; ``claim``: the index the sender names, if not its
+    own); the receiver's first line after the sender's proof ("" if it closed)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     f = s.makefile("rb")
-    nonce = f.readline().decode().strip()
-    s.sendall(f"a {'n' * 32} 0 {chain_proof(secret, 'up', nonce, 'a')}\n".encode())
+    mine = os.urandom(16).hex()
+    s.sendall(f"CHAIN {mine}\n".encode())
+    theirs, proof = f.readline().decode().split()
+    if secret == SECRET:  # the receiver proves itself first, for its own place in the row
+        assert proof == chain_mac(secret, "down", to if receiver is None else receiver, mine, theirs)
+    s.sendall(f"{name} {index if claim is None else claim} "
+              f"{chain_mac(secret, 'up', index, to, name, mine, theirs, transfer=transfer)}\n".encode())
     return s, f.readline().decode().strip()
-
-
-def chain_proof(secret, role, nonce, name=""):
-    import hmac
-    return hmac.new(secret.encode(), f"{role}:{nonce}:{name}".encode(), hashlib.sha256).hexdigest()
 
 
 def test_a_tampered_stream_is_refused_before_it_is_loaded_and_the_chunk_is_named(tmp_path):
     stream = _whole(_saved(tmp_path, 6))
     relay = Relay(tmp_path, stream)
-    sock, answer = _connect_as_sender(relay.port, "s" * 64)
-    assert answer == chain_proof("s" * 64, "down", "n" * 32)
+    sock, answer = _connect_as_sender(relay.port, SECRET)
+    assert answer == "AT 0"
     data = bytearray(b"".join(d for _, d in stream.pieces(0)))
     data[chain.CHUNK + 10] ^= 0xFF  # one bit pattern flipped in the second chunk
     try:
@@ -227,9 +255,7 @@ def test_a_sender_without_the_transfer_secret_is_turned_away(tmp_path):
     relay = Relay(tmp_path, stream)
     sock, answer = _connect_as_sender(relay.port, "wrong" * 10)
     assert answer == ""  # closed without a word
-    relay.p.stdin.write(b"STOP test over\n")
-    relay.p.stdin.flush()
-    code, lines = relay.end()
+    code, lines = relay.stop()
     assert code == 3 and lines[-1] == "REFUSED test over"
 
 
