@@ -13,8 +13,17 @@ releases it) and ``heartbeat``, touched every ``HEARTBEAT_EVERY`` seconds while 
 directory, as local nodes of one machine do, are one node for the lock), and a reboot clears it.
 
 A lock is stale when its heartbeat is older than ``STALE_AFTER`` (measured with the node's own
-clock), or its holder ran on this machine and that process has ended. A stale lock is refused
-like a live one, never taken over: ``ddp-deploy unlock`` clears it.
+clock), or its holder ran on this machine and that process has ended. "This machine" is told by
+its machine id and boot id (``Owner.machine``, ``Owner.boot``), never by the hostname alone, which
+another machine may share: a holder on another machine is judged by its heartbeat only, and one
+from before this machine's last boot has ended. Only where the holder or this machine has no
+machine id (owner files of earlier versions, systems without /etc/machine-id) does the hostname
+decide, and the reason says so. A stale lock is refused like a live one, never taken over:
+``ddp-deploy unlock`` clears it.
+
+A lock can still be removed under its holder (``unlock --force``, a reboot of the node): the
+holder's heartbeat notices and records it, and ``FleetLock.confirm`` refuses to go on, naming the
+node, before the command starts anything there.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime, timezone
 
 from .errors import RuntimeFailure
@@ -43,6 +52,10 @@ PATH_ENV = "DDP_DEPLOY_LOCK_PATH"
 HEARTBEAT_EVERY = 10
 STALE_AFTER = 60
 UNLOCK = "`ddp-deploy unlock`"
+MACHINE_ID = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+"""Where this machine's id is (systemd's, then D-Bus's): unique per installation, unlike hostnames."""
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+"""A new one at every boot: a holder from an earlier boot has ended, whatever its pid says now."""
 
 # $1 = lock directory. Prints "held TAKEN QUIET" (seconds since the lock was taken and since its
 # last heartbeat, on this node's clock) and then the owner file; fails when there is no lock.
@@ -73,8 +86,12 @@ done
 echo "$err" >&2; exit 1
 """
 
-# $1 = lock directory, $2 = token. Refreshes the heartbeat of our own lock only.
-BEAT = 'grep -qsF -e "$2" "$1/owner" && touch "$1/heartbeat"'
+# $1 = lock directory, $2 = token. Refreshes the heartbeat of our own lock only; where the lock
+# is no longer ours, prints "lost" and then what LOOK prints about the node's lock now.
+BEAT = _HELD + r"""if grep -qsF -e "$2" "$1/owner"; then touch "$1/heartbeat"
+else echo lost; held "$1" || echo free
+fi
+"""
 
 # $1 = lock directory, $2 = the token of the lock to remove ("" = a lock with no valid owner).
 # Prints removed, gone (no lock) or kept (another lock is there now).
@@ -104,6 +121,27 @@ def _argv(script: str, *args: str) -> tuple[str, ...]:
     return ("sh", "-c", script, "sh", *args)
 
 
+def _first_line(paths: tuple[str, ...]) -> str:
+    """The first non-empty file of ``paths``, stripped; "" where none can be read."""
+    for p in paths:
+        try:
+            with open(p, encoding="ascii", errors="replace") as f:
+                text = f.read(256).strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return ""
+
+
+def machine_id() -> str:
+    return _first_line(MACHINE_ID)
+
+
+def boot_id() -> str:
+    return _first_line((BOOT_ID,))
+
+
 @dataclass(frozen=True)
 class Owner:
     """Who holds a lock: the ``owner`` file."""
@@ -118,6 +156,11 @@ class Owner:
     started: str
     """UTC, ISO 8601, the holder's clock."""
     token: str
+    machine: str = ""
+    """The holder's machine id (``MACHINE_ID``); "" where it has none, and in owner files of
+    versions before it, where ``host`` alone tells machines apart."""
+    boot: str = ""
+    """The holder's boot id (``BOOT_ID``) when it took the lock; "" where unknown."""
 
     @classmethod
     def here(cls, command: str, job: str, hosts: str) -> "Owner":
@@ -127,7 +170,29 @@ class Owner:
             user = f"uid{os.getuid()}"
         return cls(user=user, host=socket.gethostname(), pid=os.getpid(), command=command, job=job,
                    hosts=os.path.abspath(hosts), started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   token=uuid.uuid4().hex)
+                   token=uuid.uuid4().hex, machine=machine_id(), boot=boot_id())
+
+    def ended(self) -> str | None:
+        """Why this holder's process has certainly ended, as far as this machine can tell; None
+        while it may run, and always for a holder on another machine (its heartbeat tells)."""
+        here = machine_id()
+        if isinstance(self.machine, str) and self.machine and here:
+            if self.machine != here:
+                return None
+            now = boot_id()
+            if isinstance(self.boot, str) and self.boot and now and self.boot != now:
+                return f"this machine has restarted since process {self.pid} took the lock"
+            return None if _alive(self.pid) else f"process {self.pid} on this machine has ended"
+        if self.host != socket.gethostname() or _alive(self.pid):
+            return None
+        why = "the lock names no machine id" if here else f"this machine has no machine id ({', '.join(MACHINE_ID)})"
+        return f"process {self.pid} on this machine has ended (this machine told by its hostname {self.host}: {why})"
+
+    def elsewhere(self) -> bool:
+        """Whether the holder ran on another machine that has this machine's hostname."""
+        here = machine_id()
+        return (self.host == socket.gethostname() and isinstance(self.machine, str) and bool(self.machine)
+                and bool(here) and self.machine != here)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -136,7 +201,9 @@ class Owner:
     def decode(cls, text: str) -> "Owner | None":
         try:
             data = json.loads(text)
-            values = {f.name: data[f.name] for f in fields(cls)}  # fields a later version adds are ignored
+            # Fields a later version adds are ignored; those an earlier one lacked take their default.
+            values = {f.name: data[f.name] if f.default is MISSING else data.get(f.name, f.default)
+                      for f in fields(cls)}
             return cls(**{**values, "pid": int(values["pid"])})
         except (ValueError, TypeError, KeyError):
             return None
@@ -158,14 +225,12 @@ class Seen:
         """Why nobody holds this lock any more, or None while its holder may still run."""
         if self.quiet > STALE_AFTER:
             return f"no heartbeat for {self.quiet} s"
-        o = self.owner
-        if o is not None and o.host == socket.gethostname() and not _alive(o.pid):
-            return f"process {o.pid} on this machine has ended"
-        return None
+        return None if self.owner is None else self.owner.ended()
 
     def holder(self) -> str:
         o = self.owner
-        who = (f"{o.command} of job {o.job} by {o.user}@{o.host} (pid {o.pid})" if o is not None
+        who = (f"{o.command} of job {o.job} by {o.user}@{o.host} (pid {o.pid}"
+               + (", on another machine of that name" if o.elsewhere() else "") + ")" if o is not None
                else "a ddp-deploy that has written no owner file (yet)")
         return f"{who}, started {_ago(self.age)} ago"
 
@@ -183,9 +248,11 @@ def parse(node: str, stdout: str) -> Seen | None:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and -N name process groups, never a holder
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
         return False
     except PermissionError:  # it runs, as another user
         pass
@@ -231,6 +298,8 @@ class FleetLock:
 
     def __init__(self, inv: Inventory, remote: Remote, owner: Owner, nodes: list[str]) -> None:
         self.inv, self.remote, self.owner, self.nodes = inv, remote, owner, nodes
+        self.lost: dict[str, Seen | None] = {}
+        """Nodes where the heartbeat found the lock no longer ours: what holds it there now (None: nothing)."""
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="fleet-lock-heartbeat", daemon=True)
         self._beat.start()
@@ -241,8 +310,38 @@ class FleetLock:
             while not self._stop.wait(HEARTBEAT_EVERY):
                 beats = {n: _argv(BEAT, path(self.inv.node(n)), self.owner.token) for n in self.nodes}
                 for n, r in remote.run(beats, check=False, timeout=HEARTBEAT_EVERY).items():
-                    if not r.ok:
+                    head, _, rest = r.stdout.partition("\n")
+                    if r.ok and head == "lost":
+                        if n not in self.lost:
+                            log.warning("fleet lock on %s: no longer ours", n)
+                        self.lost[n] = parse(n, rest)
+                    elif not r.ok:
                         log.warning("fleet lock heartbeat on %s: %s", n, r.summary())
+
+    def confirm(self, command: str, nothing: str = "nothing was started") -> None:
+        """Raises unless the lock is still ours on every node it was taken on; called right before
+        ``command`` changes anything there. The heartbeat's record answers at once; else one look
+        at every node."""
+        lost = dict(self.lost)
+        if not lost:
+            res = self.remote.run({n: _argv(LOOK, path(self.inv.node(n))) for n in self.nodes}, check=False,
+                                  timeout=60)
+            for n in self.nodes:
+                r = res[n]
+                if not r.ok:
+                    raise RuntimeFailure(f"{command} stopped, {nothing}: cannot tell whether the fleet lock on {n} "
+                                         f"is still held: {r.summary()}", hint=f"run {command} again once {n} answers")
+                seen = parse(n, r.stdout)
+                if seen is None or seen.owner is None or seen.owner.token != self.owner.token:
+                    lost[n] = seen
+        for n in self.nodes:
+            if n in lost:
+                seen = lost[n]
+                what = ("removed (`ddp-deploy unlock --force`, or a reboot of the node)" if seen is None
+                        else f"taken by {seen.holder()}")
+                raise RuntimeFailure(f"the fleet lock on {n} was {what} while this {command} prepared; {nothing}",
+                                     hint="another operator may be using these nodes: see `ddp-deploy status`, "
+                                          f"then run {command} again")
 
     def release(self) -> list[str]:
         """Stops the heartbeat and removes the lock, last node first; returns the nodes where it stays."""

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from deploy import lock
 from deploy.cli import cli
+from deploy.errors import RuntimeFailure
 from deploy.inventory import load, loads
 from deploy.remote import Remote
 from fakes import free_port
@@ -343,3 +344,243 @@ def test_launch_releases_the_lock_once_the_job_has_started_and_wait_follows_with
         stopped = subprocess.run([*deploy, "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert stopped.returncode == 0, stopped.stderr
     assert not fleet_lock_path.exists()
+
+
+# Whose machine holds the lock: told by machine id and boot id, not by the hostname alone.
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(timeout=60)
+    return gone.pid
+
+
+THIS_MACHINE = "feedc0de" * 4
+OTHER_MACHINE = "0123456789abcdef0123456789abcdef"
+THIS_BOOT = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+@pytest.fixture
+def this_machine(tmp_path, monkeypatch) -> str:
+    """This machine's id, THIS_MACHINE, from a machine-id file of the test's own."""
+    f = tmp_path / "machine-id"
+    f.write_text(THIS_MACHINE + "\n")
+    monkeypatch.setattr(lock, "MACHINE_ID", (str(tmp_path / "absent"), str(f)))
+    return THIS_MACHINE
+
+
+def _lock_by(path: Path, **owner) -> dict:
+    """A lock directory as a holder would leave it, its heartbeat fresh; an owner field given as
+    None is left out (owner files written before that field existed)."""
+    fields = {"user": "alice", "host": socket.gethostname(), "pid": _dead_pid(), "command": "launch",
+              "job": "locktest", "hosts": "/elsewhere/hosts.yaml", "started": "2026-01-01T00:00:00+00:00",
+              "token": "f" * 32, "machine": THIS_MACHINE, "boot": THIS_BOOT, **owner}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    path.mkdir()
+    (path / "owner").write_text(json.dumps(fields))
+    (path / "heartbeat").touch()
+    return fields
+
+
+def _seen(hosts: Path) -> lock.Seen:
+    inv = load(hosts)
+    with Remote(inv) as remote:
+        return lock.survey(inv, remote).locks["here"]
+
+
+def test_this_machine_s_id_is_systemd_s_else_d_bus_s():
+    there = [p for p in ("/etc/machine-id", "/var/lib/dbus/machine-id") if os.path.exists(p)]
+    if not there:
+        pytest.skip("this machine has no machine id")
+    assert lock.machine_id() == Path(there[0]).read_text().strip() != ""
+
+
+def test_a_lock_s_owner_names_this_machine_s_id_and_boot_id(this_machine):
+    owner = json.loads(lock.Owner.here("launch", "j", "hosts.yaml").encode())
+    assert (owner["machine"], owner["boot"]) == (this_machine, THIS_BOOT)
+
+
+def test_a_live_lock_from_another_machine_with_this_hostname_is_not_stale_and_a_plain_unlock_keeps_it(
+        ddp, tmp_path, fleet_lock_path, this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    owner = _lock_by(fleet_lock_path, machine=OTHER_MACHINE)  # its pid does not exist here: it runs there
+
+    seen = _seen(hosts)
+    assert seen.stale() is None
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith(f"error: unlock refused, nothing removed: here is locked by launch of job locktest "
+                               f"by alice@{owner['host']} (pid {owner['pid']}, on another machine of that name), ")
+    assert json.loads((fleet_lock_path / "owner").read_text()) == owner
+
+    r = ddp(hosts, "launch")  # refused as live: wait, or --force if it is known to be gone
+    assert r.exit_code == 1 and "on another machine of that name" in r.stderr and "the lock is stale" not in r.stderr
+
+    past = time.time() - 300  # its heartbeat is what tells that it ended
+    os.utime(fleet_lock_path / "heartbeat", (past, past))
+    assert _seen(hosts).stale().startswith("no heartbeat for 30")
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 0, r.output
+    assert not fleet_lock_path.exists()
+
+
+def test_a_lock_from_this_machine_is_stale_once_its_process_ended_though_the_hostname_changed_since(
+        ddp, tmp_path, fleet_lock_path, this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    owner = _lock_by(fleet_lock_path, host="the-old-name")
+
+    assert _seen(hosts).stale() == f"process {owner['pid']} on this machine has ended"
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 0, r.output
+    assert f"(process {owner['pid']} on this machine has ended)" in r.stdout
+    assert not fleet_lock_path.exists()
+
+
+def test_a_lock_taken_before_this_machine_s_last_boot_is_stale_whatever_process_has_its_pid_now(
+        tmp_path, fleet_lock_path, this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, pid=os.getpid(), boot="00000000-0000-0000-0000-000000000000")
+    assert _seen(hosts).stale() == f"this machine has restarted since process {os.getpid()} took the lock"
+
+
+@pytest.mark.parametrize("pid, stale", [("dead", True), ("live", False)])
+def test_an_owner_file_without_machine_id_is_judged_by_hostname_and_pid_as_before_and_says_so(
+        tmp_path, fleet_lock_path, this_machine, pid, stale):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    owner = _lock_by(fleet_lock_path, machine=None, boot=None, pid=_dead_pid() if pid == "dead" else os.getpid())
+    why = _seen(hosts).stale()
+    if stale:
+        assert why == (f"process {owner['pid']} on this machine has ended (this machine told by its hostname "
+                       f"{owner['host']}: the lock names no machine id)")
+    else:
+        assert why is None
+
+
+def test_an_owner_file_without_machine_id_from_another_hostname_is_judged_by_its_heartbeat_only(
+        tmp_path, fleet_lock_path, this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, machine=None, boot=None, host=socket.gethostname() + "-not")
+    assert _seen(hosts).stale() is None
+
+
+def test_on_a_machine_without_machine_id_the_hostname_decides_and_the_reason_says_so(
+        tmp_path, fleet_lock_path, monkeypatch):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    owner = _lock_by(fleet_lock_path, machine=OTHER_MACHINE)
+    monkeypatch.setattr(lock, "MACHINE_ID", (str(tmp_path / "no-machine-id"),))
+    assert _seen(hosts).stale() == (f"process {owner['pid']} on this machine has ended (this machine told by its "
+                                    f"hostname {owner['host']}: this machine has no machine id "
+                                    f"({tmp_path / 'no-machine-id'}))")
+
+
+@pytest.mark.parametrize("pid", [10**30, -1, 0])
+def test_an_owner_file_with_an_impossible_pid_is_a_stale_lock_not_a_crash(ddp, tmp_path, fleet_lock_path,
+                                                                          this_machine, pid):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, pid=pid)
+    r = ddp(hosts, "unlock")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert f"(process {pid} on this machine has ended)" in r.stdout
+    assert not fleet_lock_path.exists()
+
+
+# A lock removed under its holder.
+
+def test_the_heartbeat_records_a_lock_removed_under_it_and_confirm_then_refuses_naming_the_node(
+        tmp_path, fleet_lock_path, monkeypatch):
+    monkeypatch.setattr(lock, "HEARTBEAT_EVERY", 0.1)
+    inv = load(_inventory(tmp_path / "hosts.yaml", ONE))
+    with Remote(inv) as remote, lock.held(inv, remote, "launch", "hosts.yaml") as held:
+        held.confirm("launch")  # ours: goes on
+        (fleet_lock_path / "owner").unlink()  # `unlock --force`, from another terminal
+        (fleet_lock_path / "heartbeat").unlink()
+        fleet_lock_path.rmdir()
+        deadline = time.time() + 30
+        while "here" not in held.lost and time.time() < deadline:
+            time.sleep(0.05)
+        assert held.lost == {"here": None}
+        with pytest.raises(RuntimeFailure) as e:
+            held.confirm("launch")
+    assert str(e.value).startswith("the fleet lock on here was removed (`ddp-deploy unlock --force`, or a reboot of "
+                                   "the node) while this launch prepared; nothing was started (")
+
+
+def _unlock_force(hosts: Path, tmp_path: Path) -> None:
+    """A real `ddp-deploy unlock --force`, as another terminal would run it."""
+    forced = subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), "unlock", "--force"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "unlock.log")})
+    assert forced.returncode == 0 and "here: removed the lock of " in forced.stdout, forced
+
+
+@pytest.mark.parametrize("meanwhile", ["removed", "taken"])
+def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_names_the_node(
+        ddp, tmp_path, holders, monkeypatch, fleet_lock_path, meanwhile):
+    from deploy import cli as cli_module
+
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    other = holders(hosts) if meanwhile == "taken" else None
+    took = []
+    one_image = cli_module._one_image
+
+    def then_unlocked(inv, remote):  # the last step of the preparation
+        image = one_image(inv, remote)
+        _unlock_force(hosts, tmp_path)
+        if other is not None:  # another operator's launch, let in by the unlock
+            took.append(other.take())
+        return image
+
+    monkeypatch.setattr(cli_module, "_one_image", then_unlocked)
+    try:
+        r = ddp(hosts, "launch")
+        assert r.exit_code == 1, r.output
+        assert len(r.stderr.splitlines()) == 1
+        if meanwhile == "removed":
+            assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "
+                                       "reboot of the node) while this launch prepared; nothing was started (")
+        else:
+            assert r.stderr.startswith(f"error: the fleet lock on here was taken by launch of job locktest by {WHO} "
+                                       f"(pid {took[0]}), started ")
+            assert " while this launch prepared; nothing was started (" in r.stderr
+            assert json.loads((fleet_lock_path / "owner").read_text())["pid"] == took[0]  # left to its holder
+        assert "started locktest run" not in r.stdout
+        inv = load(hosts)
+        from deploy import runs
+        assert not Path(runs.runs_dir(inv)).exists()  # no run record: nothing started
+        status = ddp(hosts, "status", "--json")
+        assert json.loads(status.stdout)[0]["state"] == "absent", status.output
+    finally:
+        ddp(hosts, "stop")
+
+
+def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_path, monkeypatch):
+    # The docker runtime's build and ship cannot run here: a deployer whose build is the forced
+    # unlock, handing over to the CLI's ship step, and a record of what reaches the shipping.
+    from deploy import cli as cli_module, prepare
+
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    shipped = []
+
+    class UnlockedWhileItBuilds(prepare.Deployer):
+        def run(self, remote, echo, *, build, ship):
+            _unlock_force(hosts, tmp_path)
+            ship("sha256:" + "0" * 64, {})
+
+    monkeypatch.setattr(prepare, "deployer", UnlockedWhileItBuilds)
+    monkeypatch.setattr(cli_module, "_ship_with_progress", lambda inv, remote, image_id, held: shipped.append(image_id))
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "
+                               "reboot of the node) while this deploy prepared; no image was shipped (")
+    assert shipped == []
+
+
+def test_unlock_shows_a_holder_whose_owner_file_holds_escape_sequences_as_text(ddp, tmp_path, fleet_lock_path,
+                                                                                 this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, user="\x1b]52;c;cm0gLXJmIH4=\x07eve", job="[red]j[/red]\x1b[2J")  # a planted owner file
+
+    r = ddp(hosts, "unlock", "--force")
+    assert r.exit_code == 0, r.output
+    assert "\x1b" not in r.output and "\x07" not in r.output
+    assert "\\x1b]52;c;cm0gLXJmIH4=\\x07eve" in r.stdout and "[red]j[/red]" in r.stdout
