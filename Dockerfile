@@ -28,4 +28,7 @@ VOLUME ["/data", "/ckpt"]
 USER 1000:1000
 
 # torchrun options, `--`, trainer flags; with no `--`, a standalone run on all GPUs (or 1 CPU process).
-ENTRYPOINT ["python", "-m", "trainer.launch"]
+# `python -m trainer.launch`, without the working directory on sys.path: a project image's WORKDIR
+# (or a synced snapshot at /workspace) with a trainer/ package of its own must not replace this
+# launcher (trainer/entry.py).
+ENTRYPOINT ["python", "-c", "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)", "trainer.launch"]

@@ -22,16 +22,17 @@ import click
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Column, Table
+from rich.table import Column
 
 from . import codesync, delivery, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
 from .remote import Remote, command_line
+from .text import DataTable, Screen, cell, safe
 
 log = logging.getLogger("deploy")
-out = Console(highlight=False, soft_wrap=True)
+out = Screen(highlight=False, soft_wrap=True)  # tables at full width where stdout is no terminal
 
 
 def _log_path() -> Path:
@@ -66,8 +67,8 @@ class _Group(click.Group):
         except DeployError as e:
             log.debug("failed", exc_info=True)
             redact = ctx.obj.redact if isinstance(ctx.obj, _State) else str
-            for line in e.lines():
-                click.echo(redact(f"error: {line}"), err=True)
+            for line in e.lines():  # they may quote the job's output: shown as text
+                click.echo(safe(redact(f"error: {line}")), err=True)
             raise click.exceptions.Exit(e.exit_code) from None
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
@@ -75,7 +76,7 @@ class _Group(click.Group):
             raise click.exceptions.Exit(130) from None
         except Exception as e:
             log.exception("internal error")
-            click.echo(f"error: internal error: {type(e).__name__}: {e} (traceback in {_log_path()})", err=True)
+            click.echo(safe(f"error: internal error: {type(e).__name__}: {e} (traceback in {_log_path()})"), err=True)
             raise click.exceptions.Exit(1) from None
 
 
@@ -198,6 +199,8 @@ def _sync_code(inv, remote, snap, nodes=None) -> runtime.CodeDir | None:
     click.echo(f"code: {snap.root}: {len(snap.files)} files, {_size(snap.size)}, snapshot {snap.id[:12]}")
 
     def report(node: str, sent: codesync.Sent) -> None:
+        for said in sent.moved:  # a program wrote into its snapshot, or something was planted there
+            click.echo(f"{node}: warning: code snapshot {snap.id[:12]} was not your code; moved aside: {safe(said)}")
         if sent.present:
             click.echo(f"{node}: code snapshot {snap.id[:12]} present")
         else:
@@ -213,8 +216,8 @@ def _size(n: int) -> str:
 
 
 def _print_network(report: dict) -> None:
-    table = Table("node", "interface", "transport", "bus bandwidth", "pairs",
-                  title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 2**20:g} MiB")
+    table = DataTable("node", "interface", "transport", "bus bandwidth", "pairs",
+                      title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 2**20:g} MiB")
     for n in report["nodes"]:
         pairs = ", ".join(f"{peer} {netcheck.rate(bw)}" for peer, bw in n["pairs"].items())
         table.add_row(n["node"], n["interface"], n["transport"], netcheck.rate(n["busbw"]), pairs)
@@ -226,9 +229,9 @@ def _print_network(report: dict) -> None:
 
 
 def _print_checks(checks) -> None:
-    table = Table("node", "check", "result", "detail", title="preflight")
+    table = DataTable("node", "check", "result", "detail", title="preflight")  # a detail quotes the node
     for c in checks:
-        table.add_row(c.node, c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail)
+        table.add_row(c.node, c.name, cell("ok", "green") if c.ok else cell("FAIL", "red"), c.detail)
     out.print(table)
 
 
@@ -254,10 +257,14 @@ def deploy(st: _State, dry_run: bool, build: bool) -> None:
         for line in steps.dry_run(build):
             click.echo(line)
         return
-    with Remote(inv) as remote, lock.held(inv, remote, "deploy", st.hosts, warn=_warn):
+    with Remote(inv) as remote, lock.held(inv, remote, "deploy", st.hosts, warn=_warn) as fleet:
+        def ship(image_id, held):
+            # The build takes minutes: an `unlock --force` meanwhile may have let another operator in.
+            fleet.confirm("deploy", "no image was shipped")
+            return _ship_with_progress(inv, remote, image_id, held)
+
         try:
-            steps.run(remote, click.echo, build=build,
-                      ship=lambda image_id, held: _ship_with_progress(inv, remote, image_id, held))
+            steps.run(remote, click.echo, build=build, ship=ship)
         except KeyboardInterrupt:  # a partial `docker load` registers no image: the ID check sees none
             click.echo("interrupted: a node whose load had not finished keeps the image it had; "
                        "`ddp-deploy deploy` ships the image to it again", err=True)
@@ -318,7 +325,7 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
                 click.echo(f"[{s.node}] {note}")
         return
     with Remote(inv) as remote, contextlib.ExitStack() as fleet:
-        fleet.enter_context(lock.held(inv, remote, "launch", st.hosts, warn=_warn))
+        held = fleet.enter_context(lock.held(inv, remote, "launch", st.hosts, warn=_warn))
         states = _states(inv, remote, st.redact)
         unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
         if unreachable:
@@ -342,6 +349,9 @@ def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None
         image_id = _one_image(inv, remote)
         run = runs.new_id()
         specs = plan.launch_plan(inv, pre.facts, code, run)
+        # Preparing took a while: an `unlock --force` meanwhile may have let another operator in,
+        # whose run the cleanup below or a second start would break.
+        held.confirm("launch")
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints and kept logs stay
             remote.run(finished, check=True, timeout=120)
@@ -439,7 +449,7 @@ def _verdict(inv, final, remote, redact) -> None:
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
     if failed:
-        first = _first_failure(inv, remote, [n for n in failed if final[n].failed], redact)
+        first = _first_failure(inv, remote, witnesses(final), redact)
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}" + (f": {first.describe()}" if first else ""),
                              hint=f"`ddp-deploy logs{f' --tail {FAILURE_TAIL}' if first else ''}` shows the rest")
     if lost:
@@ -579,19 +589,28 @@ def _wait(inv, remote, timeout, redact, show=lambda states: None):
 FAILURE_TAIL = 400  # log lines read per failed node: torchrun's summary ends the log
 
 
+def witnesses(states) -> list[str]:
+    """The nodes whose logs tell the first failure: the failed ones, and, once one has failed, those
+    that exited 0 too (a rank that left early, failure.LeftEarly, is the cause on a node that ended well)."""
+    if not any(s.failed for s in states.values()):
+        return []
+    return [n for n, s in states.items() if s.failed or s.state == "exited(0)"]
+
+
 def _first_failure(inv, remote, nodes, redact) -> failure.Failure | None:
     if not nodes:
         return None
     got = remote.run({n: plan.logs_argv(inv, inv.node(n), tail=FAILURE_TAIL, follow=False) for n in nodes},
                      check=False, timeout=60)
-    return failure.first_failure({n: redact(r.stdout) for n, r in got.items() if r.ok})
+    return secretenv.masked(failure.first_failure({n: r.stdout for n, r in got.items() if r.ok}), redact)
 
 
 def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
-    """Every node's state; ``redact`` hides secret values in the metrics (a program may print them)."""
+    """Every node's state; ``redact`` hides secret values in the metrics (a program may print them),
+    once parsed: what a node's state is never depends on them."""
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
-    return {n: (plan.parse_status(redact(r.stdout)) if r.ok
-                else plan.NodeState("unknown" if r.connected else "unreachable", r.summary()))
+    return {n: secretenv.masked(plan.parse_status(r.stdout) if r.ok
+                                else plan.NodeState("unknown" if r.connected else "unreachable", r.summary()), redact)
             for n, r in res.items()}
 
 
@@ -625,7 +644,7 @@ def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
             _verdict(inv, _follow(inv, remote, None, st.redact), remote, st.redact)
             return
         states = _states(inv, remote, st.redact)
-        first = _first_failure(inv, remote, [n for n, s in states.items() if s.failed], st.redact)
+        first = _first_failure(inv, remote, witnesses(states), st.redact)
     if as_json:
         click.echo(json.dumps([{**view.as_data(n, inv.node(n).nprocs, s),
                                 "first_failure": asdict(first) if first and first.node == n else None}
@@ -658,11 +677,11 @@ def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...]
             run = _kept_run(inv, remote, run_id, st.redact, "logs --run")[1]
         gone = [n for n in run.nodes if n not in {m.name for m in inv.nodes}]
         if gone:
-            click.echo(f"note: {', '.join(gone)} ran in {run.id} but not in hosts.yaml now: their logs are in "
-                       f"{runs.runs_dir(inv)}/{run.id}", err=True)
+            click.echo(safe(f"note: {', '.join(gone)} ran in {run.id} but not in hosts.yaml now: their logs are in "
+                            f"{runs.runs_dir(inv)}/{run.id}"), err=True)
         nodes = [n for n in nodes if n.name in run.nodes]
         read = lambda n: runs.log_argv(inv, run.id, n.name, tail=tail, follow=follow)  # noqa: E731
-    width = max(len(view.log_label(n.name, sum(m.nprocs for m in inv.nodes) - 1)) for n in nodes)
+    width = max((len(view.log_label(n.name, sum(m.nprocs for m in inv.nodes) - 1)) for n in nodes), default=0)
     lock = threading.Lock()
 
     def emit(node: str, line: str) -> None:
@@ -670,18 +689,16 @@ def logs(st: _State, follow: bool, tail: int | None, only_nodes: tuple[str, ...]
         if only_ranks and rank not in only_ranks:
             return
         with lock:
-            click.echo(st.redact(f"{view.log_label(node, rank):<{width}} | {text}"))
+            click.echo(safe(st.redact(f"{view.log_label(node, rank):<{width}} | {text}")))
 
     cmds = {n.name: read(n) for n in nodes}
     with Remote(inv) as remote:
         if follow:
             results = remote.stream(cmds, emit)
-        else:
-            results = remote.run(cmds, check=False, timeout=120)
-            for n, r in results.items():
-                if r.ok:
-                    for line in r.stdout.splitlines():
-                        emit(n, line)
+        else:  # node after node, each line printed as it comes: a log can outgrow this machine's memory
+            results = {}
+            for n, argv in cmds.items():
+                results.update(remote.stream({n: argv}, emit))
     bad = {n: r for n, r in results.items() if not r.ok}
     if bad:
         raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
@@ -701,22 +718,22 @@ def runs_(st: _State, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
                                 "outcome": "running" if running and r is kept[-1] else r.outcome(),
-                                "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics}
+                                "stopped": r.stop_data(),
+                                "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
+                                              "stopped": nr.stop.as_data() if nr.stop else None}
                                           for n, nr in r.nodes.items()},
                                 "record": r.record} for r in kept]))
         return
     if not kept:
         click.echo(f"no run of {inv.job.name} is kept in {runs.runs_dir(inv)}")
         return
-    table = Table(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code", "image",
-                  Column("outcome", no_wrap=True), title=f"runs of {inv.job.name} (the newest {inv.job.keep_runs} "
-                                                           "are kept; the id starts with the UTC start time)")
+    table = DataTable(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code", "image",
+                      Column("outcome", no_wrap=True), title=f"runs of {inv.job.name} (the newest "
+                      f"{inv.job.keep_runs} are kept; the id starts with the UTC start time)")
     for r in kept:
-        rec = r.record
-        image_id = (rec.get("image") or {}).get("id") if isinstance(rec.get("image"), dict) else None
-        outcome = "[green]running[/]" if running and r is kept[-1] else r.outcome()
-        table.add_row(r.id, _when(r)[1] or "-", str(len(r.nodes)), str(rec.get("program", "?")),
-                      (rec.get("code_snapshot") or "-")[:8], (image_id or "-").removeprefix("sha256:")[:8], outcome)
+        outcome = cell("running", "green") if running and r is kept[-1] else r.outcome()
+        table.add_row(r.id, _when(r)[1] or "-", str(len(r.nodes)), r.field("program") or "?",
+                      (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8], outcome)
     out.print(table)
 
 
@@ -756,7 +773,7 @@ def _on_any_node(inv, remote, argv, what: str):
 def _kept_runs(inv, remote, prefix: str, redact) -> tuple[str, list[runs.Run]]:
     """The kept runs whose id starts with ``prefix``, and the node that read them."""
     reader, got = _on_any_node(inv, remote, runs.list_argv(inv, prefix), f"the kept runs in {runs.runs_dir(inv)}")
-    return reader, runs.parse(redact(got.stdout))
+    return reader, secretenv.masked(runs.parse(got.stdout), redact)
 
 
 def _kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run]:
@@ -774,28 +791,28 @@ def _kept_failure(inv, remote, reader: str, run: str, nodes, redact) -> failure.
         got = remote.run({reader: runs.log_argv(inv, run, n, tail=FAILURE_TAIL, follow=False)}, check=False,
                          timeout=60)[reader]
         if got.ok:
-            logs[n] = redact(got.stdout)
-    return failure.first_failure(logs) if logs else None
+            logs[n] = got.stdout
+    return secretenv.masked(failure.first_failure(logs), redact) if logs else None
 
 
 def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     """``status --run``: how each node of a kept run ended, its last metrics, the first failure."""
     reader, run = _kept_run(inv, remote, wanted, redact, "status --run")
     states = {n: r.state() for n, r in run.nodes.items()}
-    ranks = {n: 0 for n in states}
-    ranks.update({n["name"]: n.get("procs", 0) for n in run.record.get("nodes", [])
-                  if isinstance(n, dict) and n.get("name") in ranks})
-    first = _kept_failure(inv, remote, reader, run.id, [n for n, s in states.items() if s.failed], redact)
+    ranks = {n: run.procs(n) for n in states}
+    first = _kept_failure(inv, remote, reader, run.id, witnesses(states), redact)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
+                               "stopped": run.stop_data(),
                                "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
+                                          "stopped": run.nodes[n].stop.as_data() if run.nodes[n].stop else None,
                                           "first_failure": asdict(first) if first and first.node == n else None}
                                          for n, s in states.items()],
                                "record": run.record}))
         return
     started, took = _when(run)
-    click.echo(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
-               f"{run.record.get('program', '?')}: {run.outcome()}")
+    click.echo(safe(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
+                    f"{run.field('program') or '?'}: {run.outcome()}"))
     out.print(view.table(inv.job.name, ranks, states))
     if first:
         click.echo(f"first failure: {first.describe()}")
@@ -809,18 +826,29 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
 def plot(st: _State, run_ids: tuple[str, ...], output: str | None) -> None:
     """A PNG of the job's loss, accuracy and samples/s against the step, one colour per run, from
     the built-in trainer's metrics.jsonl on the shared volume (TensorBoard reads the event files
-    beside it: tensorboard --logdir CHECKPOINTS/tensorboard)."""
+    beside it: tensorboard --logdir CHECKPOINTS/tensorboard). A run of any other program is drawn
+    from the METRICS lines of its kept logs: every numeric field against the step."""
     from . import plot as plotting  # matplotlib: only for this verb
 
     inv = st.inv
     path = output or f"{inv.job.name}-metrics.png"
-    where = f"{inv.storage.checkpoints.host}/metrics.jsonl"
     with Remote(inv) as remote:
-        _, got = _on_any_node(inv, remote, ("cat", where), where)
-    by_run = plotting.records_by_run(st.redact(got.stdout))
+        reader, got = _on_any_node(inv, remote, plotting.sources_argv(inv),
+                                   f"the metrics in {inv.storage.checkpoints.host}")
+        kept, text = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
+        by_run = plotting.records_by_run(text)
+        missing = [r for r in plotting.wanted_runs(kept, run_ids) if r not in by_run]
+        from_logs = {}
+        if missing:  # runs metrics.jsonl knows nothing of: their programs' METRICS lines
+            read = remote.run({reader: plotting.log_metrics_argv(inv, missing)}, check=False, timeout=120)[reader]
+            if read.ok:
+                from_logs = plotting.log_records(read.stdout)
+            else:
+                _warn(safe(f"{reader}: the logs of {', '.join(missing)} were not read: {read.summary()}"))
+    sources = {run: plotting.FROM_LOGS for run in from_logs}
+    by_run = plotting.masked({**by_run, **from_logs}, st.redact)
     plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
-    shown = plotting.select(by_run, run_ids)
-    click.echo(f"wrote {path}: {len(shown)} run{'s' * (len(shown) != 1)} ({', '.join(shown)})")
+    click.echo(plotting.wrote(path, plotting.select(by_run, run_ids), sources))
 
 
 @cli.command()
@@ -841,7 +869,7 @@ def stop(st: _State, dry_run: bool, now: bool) -> None:
     with Remote(inv) as remote:
         results = remote.run(cmds, check=False, timeout=grace + 120)
     for n, r in results.items():
-        click.echo(st.redact(f"{n}: {r.stdout.strip() if r.ok else r.summary()}"))
+        click.echo(safe(st.redact(f"{n}: {r.stdout.strip() if r.ok else r.summary()}")))  # quotes the program
     if not all(r.ok for r in results.values()):
         raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
 
@@ -906,14 +934,14 @@ def unlock(st: _State, force: bool) -> None:
     for n in (node.name for node in inv.nodes):
         s, r = found.get(n), removed.get(n)
         if n in seen.failed:
-            click.echo(f"{n}: {seen.failed[n].summary()}")
+            click.echo(safe(f"{n}: {seen.failed[n].summary()}"))
         elif s is None or r.stdout.strip() == "gone":
             click.echo(f"{n}: no lock")
         elif r.stdout.strip() == "removed":
-            click.echo(f"{n}: removed the lock of {s.holder()} ({s.stale() or 'live, --force'})")
+            click.echo(safe(f"{n}: removed the lock of {s.holder()} ({s.stale() or 'live, --force'})"))
         else:
             left[n] = "another lock was taken meanwhile" if r.ok else r.summary()
-            click.echo(f"{n}: {left[n]}")
+            click.echo(safe(f"{n}: {left[n]}"))
     if left:
         raise RuntimeFailure("unlock: not cleared on " + "; ".join(f"{n} ({why})" for n, why in left.items()),
                              hint="run `ddp-deploy unlock` again once they answer")

@@ -14,6 +14,7 @@ others only confirm it; a node that does not share it gets its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -76,6 +77,10 @@ class Sent:
     bytes: int = 0
     present: bool = False
     """The snapshot was already there (sent by an earlier launch, or via another node's copy)."""
+    moved: tuple[str, ...] = ()
+    """The node's word on a snapshot it found differing from its code and moved aside before
+    building it again: where it is now and what differed (paths JSON-quoted: they are the
+    program's names, not ours)."""
 
 
 class _Ignore:
@@ -106,30 +111,60 @@ class _Ignore:
 
 
 def scan(root: Path, ignore: Sequence[str] = ()) -> Snapshot:
-    """The snapshot of ``root`` (raises CodeError naming the path that cannot be read)."""
+    """The snapshot of ``root`` (raises CodeError naming the path that cannot be read, or a link
+    that leads outside the project: what it points to would be published on every node)."""
     if not root.is_dir():
         raise CodeError(f"train.code: {root} is not a directory on this machine")
+    real_root = root.resolve()
     rules = _Ignore(ignore)
     files: list[FileEntry] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         rel_dir = "" if rel_dir == "." else rel_dir
         rules.add_dir(root, rel_dir)
         join = (lambda n: f"{rel_dir}/{n}") if rel_dir else (lambda n: n)
         dirnames[:] = sorted(d for d in dirnames if not rules.ignored(join(d), True))
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                _check_dir_link(root, real_root, join(name))
         for name in sorted(filenames):
             rel = join(name)
             if rules.ignored(rel, False):
                 continue
             if any(ord(c) < 32 for c in rel):
                 raise CodeError(f"train.code: {rel!r} has a control character in its name; rename it or ignore it")
-            files.append(_entry(root, rel))
+            files.append(_entry(root, real_root, rel))
     return Snapshot(root, tuple(sorted(files, key=lambda f: f.path)))
 
 
-def _entry(root: Path, rel: str) -> FileEntry:
+def _outside(real_root: Path, path: Path) -> Path | None:
+    """Where ``path`` really leads, when that is outside the project; None when inside."""
+    target = path.resolve()
+    return None if target.is_relative_to(real_root) else target
+
+
+def _check_dir_link(root: Path, real_root: Path, rel: str) -> None:
+    """A symlinked directory is followed (its files under the link's name) when it leads to
+    another directory of the project; a link outside, or to a directory the walk is in (a loop,
+    which os.walk would follow until the path is too long), is refused by name, never dropped."""
+    target = _outside(real_root, root / rel)
+    if target is not None:
+        raise CodeError(f"train.code: {rel} is a link to {target}, outside the project: its files would be "
+                        "published on every node; copy what you need into the project, or ignore it (train.code.ignore)")
+    parts = Path(rel).parts[:-1]
+    walked = [(root / Path(*parts[:i])).resolve() for i in range(len(parts) + 1)]
+    if (root / rel).resolve() in walked:
+        raise CodeError(f"train.code: {rel} is a link to a directory that holds it (a loop); "
+                        "remove it or ignore it (train.code.ignore)")
+
+
+def _entry(root: Path, real_root: Path, rel: str) -> FileEntry:
     path = root / rel
     try:
+        target = _outside(real_root, path)
+        if target is not None:
+            raise CodeError(f"train.code: {rel} is a link to {target}, outside the project: it would be published "
+                            "on every node; copy the file into the project, or ignore it (train.code.ignore)")
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
             raise CodeError(f"train.code: {rel} is not a regular file; ignore it (train.code.ignore)")
@@ -182,11 +217,13 @@ def sync(inv: Inventory, remote: Remote, snap: Snapshot, on_node=lambda node, se
         asked = remote.send(node.name, [snap.manifest()], node_argv(inv, "need", snap))
         if not asked.ok:
             raise RemoteFailure("code sync", {node.name: asked}, hint=_hint(inv))
-        missing = set(asked.stdout.split())
+        lines = asked.stdout.splitlines()
+        moved = tuple(line[len("moved "):] for line in lines if line.startswith("moved "))
+        missing = {line.strip() for line in lines if not line.startswith("moved ")}
         if "present" in missing:
             out[node.name] = Sent(present=True)
         else:
-            out[node.name] = _put(inv, remote, node.name, snap, missing)
+            out[node.name] = dataclasses.replace(_put(inv, remote, node.name, snap, missing), moved=moved)
         on_node(node.name, out[node.name])
     return out
 
@@ -196,7 +233,10 @@ def _put(inv: Inventory, remote: Remote, node: str, snap: Snapshot, missing: set
     send = [f for f in {f.key: f for f in snap.files}.values() if f.key in missing]
     with tempfile.TemporaryFile() as buf:
         with tarfile.open(fileobj=buf, mode="w|", dereference=True) as tar:  # a symlinked file: its content
+            real_root = snap.root.resolve()
             for f in send:
+                if _outside(real_root, snap.root / f.path) is not None:  # changed into a link since the scan
+                    raise CodeError(f"train.code: {f.path} now links outside the project; launch again")
                 tar.add(snap.root / f.path, arcname=f"objects/{f.key}", recursive=False)
             info = tarfile.TarInfo("manifest.json")
             manifest = snap.manifest()

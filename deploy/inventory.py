@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.masking import SECRET_NAMES_ENV
+
 from .errors import Issue, InventoryError
 
 # Names end up in container names, file names and command lines: keep them boring.
@@ -99,11 +101,11 @@ def _no_nul(v: str) -> str:
 
 # Set by the tool: GPU selection (nodes[].gpu_ids), the job's contract with its program (node name,
 # directories, run id, device, code snapshot: README, "Your own training code"), the marker `stop`
-# finds a host run's processes by. Overriding them would bypass what check verified or what stop
-# and the program rely on.
+# finds a host run's processes by, the secrets' names the launcher masks. Overriding them would
+# bypass what check verified or what stop and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
-                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR")
+                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", SECRET_NAMES_ENV)
 
 
 def _identifier(v: str) -> str:
@@ -428,8 +430,10 @@ class Train(_Model):
     script: ScriptPath | None = None
     """Or a script path (relative to the working directory: the code snapshot, or the image's WORKDIR)."""
     args: tuple[Arg, ...] = ()
-    """The program's arguments. For the built-in trainer, checked with its own parser before any
-    connection; --data-dir/--ckpt-dir, --device and --backend are added by the tool."""
+    """The program's arguments. The built-in trainer gets --data-dir/--ckpt-dir, --device and
+    --backend from the tool first, then these, checked with its own parser before any connection;
+    a module or script gets these alone, as they are, and reads DDP_DATA_DIR, DDP_CKPT_DIR,
+    DDP_DEVICE and DDP_BACKEND from its environment."""
     env: Env = Field(default_factory=dict)
     """Extra environment for every node's processes; nodes[].env overrides it per node. Shown by
     --dry-run: not for secrets (see secrets)."""
@@ -438,6 +442,16 @@ class Train(_Model):
     code: Code | None = None
     """Sync this local directory as the job's working directory; none: the code is in the image
     (docker) or installed for train.python (host)."""
+
+    @field_validator("python")
+    @classmethod
+    def _interpreter(cls, v: str) -> str:
+        # It heads a command line that `env NAME=VALUE ...` may precede: env reads a word with '='
+        # as one more assignment and a leading '-' as its own option, and runs something else.
+        if "=" in v or v.startswith("-"):
+            raise ValueError("an interpreter path can neither contain '=' nor start with '-' "
+                             "(env would read it as a variable or an option); give the path of the python to run")
+        return v
 
     @field_validator("code", mode="before")
     @classmethod

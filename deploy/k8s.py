@@ -21,6 +21,8 @@ import shlex
 
 import yaml
 
+from trainer.entry import RUN_MODULE
+
 from .errors import InputError
 from .inventory import Inventory
 from .payload import payload
@@ -49,7 +51,7 @@ inside it (--max-restarts) before that."""
 # name may not resolve yet when the pod starts), so is_host=1 is given to index 0 alone, as on a
 # fleet. Execs what the image's ENTRYPOINT runs.
 LAUNCH = ('node=$1; conf=$2; shift 2; [ "$node" = 0 ] && conf="is_host=1,$conf"; '
-          'exec python -m trainer.launch --rdzv-conf "$conf" --node-rank "$node" "$@"')
+          f'exec python -c {shlex.quote(RUN_MODULE)} trainer.launch --rdzv-conf "$conf" --node-rank "$node" "$@"')
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")

@@ -7,11 +7,20 @@ the node's interpreter. The store on the shared volume holds
     STORE/snapshots/ID/...          a read-only tree of hard links to objects, ``.ddp-manifest.json``
 
 MODE ``need``: stdin is the manifest (JSON: [[path, key, size], ...]); prints ``present`` when the
-snapshot exists, else every key the store lacks, one per line.
+snapshot exists and holds exactly the manifest's files, else every key the store lacks, one per line.
 
 MODE ``put``: stdin is a tar of ``objects/KEY`` members and ``manifest.json``. Every object is
 checked against its key's sha256 before it enters the store, then the snapshot is built in a
 temporary directory and renamed into place, so a snapshot that exists is complete.
+
+Nothing already in the store is trusted: anyone who can write the shared volume could have put a
+file there. An object is used only when it is a regular file of ours (or root's), writable by no
+one else (a snapshot's files are hard links to it: another owner could change it after the check)
+and its content has its key's sha256; ``need`` lists one that is not as lacking, and the build
+checks each object again before linking it. A snapshot that differs from the manifest (a file
+changed, missing, or added: a program run as root wrote into it) is moved aside, never deleted
+(what a program wrote may be a checkpoint), and built again; ``need`` prints
+``moved PATH: ...`` naming it and what differed.
 """
 
 import hashlib
@@ -22,6 +31,7 @@ import stat
 import sys
 import tarfile
 import tempfile
+import time
 
 MANIFEST = ".ddp-manifest.json"
 
@@ -39,14 +49,88 @@ def digest(path):
     return h.hexdigest()
 
 
+OWNERS = set()
+"""Who a file we trust in the store may belong to (``learn_owners``)."""
+
+
+def learn_owners(store):
+    """Root, us, and whoever a file this process makes in the store belongs to (a root-squashing
+    NFS server gives root's files to nobody)."""
+    objects = os.path.join(store, "objects")
+    OWNERS.update({0, os.geteuid()})
+    try:
+        os.makedirs(objects, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".owner-", dir=objects)
+        OWNERS.add(os.fstat(fd).st_uid)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        fail("cannot write the code store %s: %s" % (objects, e.strerror or e))
+
+
+def sound(path, key=None):
+    """Whether the file at ``path`` can be trusted as the content of ``key`` (``key`` None: only
+    that it is a regular file of ours, writable by no one else)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid not in OWNERS:
+        return False
+    return key is None or digest(path) == key.split(".")[0]
+
+
+def discard(path):
+    """Removes a bad store entry, whatever it is (a file, a link, a directory)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def differences(tree, entries, limit=5):
+    """How the snapshot at ``tree`` differs from the manifest: up to ``limit`` paths, each with
+    what is wrong; [] when it holds exactly the manifest's files."""
+    wanted = dict((e[0], e[1]) for e in entries)
+    wanted[MANIFEST] = None
+    found = []
+    for root, dirs, files in os.walk(tree):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            if name in files or os.path.islink(full):
+                found.append(os.path.relpath(full, tree).replace(os.sep, "/"))
+    said = []
+    for rel in sorted(set(found) - set(wanted)):
+        said.append("%s (not part of the code: written there)" % json.dumps(rel))
+    for rel in sorted(set(wanted) - set(found)):
+        said.append("%s (missing)" % json.dumps(rel))
+    for rel in sorted(set(found) & set(wanted)):
+        if not sound(os.path.join(tree, rel), wanted[rel]):
+            said.append("%s (changed)" % json.dumps(rel))
+    return said[:limit] + (["and %d more" % (len(said) - limit)] if len(said) > limit else [])
+
+
 def need(store, snapshot):
     entries = json.load(sys.stdin)
-    if os.path.isfile(os.path.join(store, "snapshots", snapshot, MANIFEST)):
-        print("present")
-        return
+    final = os.path.join(store, "snapshots", snapshot)
+    if os.path.lexists(final):
+        said = differences(final, entries)
+        if not said:
+            print("present")
+            return
+        # Beside it (a read-only directory cannot move to another parent), under a name no sync uses.
+        aside = "%s.moved-%d-%d" % (final, int(time.time()), os.getpid())
+        os.rename(final, aside)
+        print("moved %s: %s" % (aside, "; ".join(said)))
     objects = os.path.join(store, "objects")
     for key in sorted({e[1] for e in entries}):
-        if not os.path.isfile(os.path.join(objects, key)):
+        path = os.path.join(objects, key)
+        if not sound(path, key):
+            try:
+                discard(path)
+            except OSError as e:
+                fail("object %s in the store is not what its name says and cannot be replaced (%s); "
+                     "remove it as its owner" % (path, e.strerror or e))
             print(key)
 
 
@@ -55,6 +139,7 @@ def receive_objects(store, tar):
     objects = os.path.join(store, "objects")
     os.makedirs(objects, exist_ok=True)
     manifest = None
+    received = set()
     for member in tar:
         if member.name == "manifest.json" and member.isfile():
             manifest = json.loads(tar.extractfile(member).read().decode())
@@ -69,13 +154,17 @@ def receive_objects(store, tar):
             os.unlink(tmp)
             fail("object %s arrived damaged (sha256 differs); nothing was kept" % key)
         os.chmod(tmp, 0o555 if key.endswith(".x") else 0o444)
+        discard(os.path.join(objects, key))  # os.replace cannot replace a directory planted there
         os.replace(tmp, os.path.join(objects, key))
+        received.add(key)
     if manifest is None:
         fail("the code stream has no manifest")
-    return manifest
+    return manifest, received
 
 
-def build(store, snapshot, entries):
+def build(store, snapshot, entries, received=()):
+    """The snapshot from the store's objects; those not ``received`` (checked on arrival) just
+    now are checked again first."""
     snapshots = os.path.join(store, "snapshots")
     final = os.path.join(snapshots, snapshot)
     if os.path.isfile(os.path.join(final, MANIFEST)):
@@ -87,8 +176,15 @@ def build(store, snapshot, entries):
         if path.startswith("/") or ".." in path.split("/"):
             fail("unsafe path in the manifest: %r" % path)
         source = os.path.join(objects, key)
-        if not os.path.isfile(source):
-            fail("object %s for %s is missing from the store" % (key, path))
+        if not os.path.lexists(source):
+            remove_tree(work)
+            fail("object %s for %s is missing from the store; launch again" % (key, path))
+        if key not in received and not sound(source, key):
+            discard(source)
+            remove_tree(work)
+            fail("object %s for %s in the store was not what its name says (content, owner or mode: "
+                 "something wrote there); removed it, launch again to send it anew" % (key, path))
+        received = set(received) | {key}
         target = os.path.join(work, path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         try:
@@ -120,12 +216,13 @@ def main():
     if len(sys.argv) != 4 or sys.argv[1] not in ("need", "put"):
         fail("usage: node_code need|put STORE SNAPSHOT")
     mode, store, snapshot = sys.argv[1:]
+    learn_owners(store)
     if mode == "need":
         need(store, snapshot)
         return
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
-        entries = receive_objects(store, tar)
-    build(store, snapshot, entries)
+        entries, received = receive_objects(store, tar)
+    build(store, snapshot, entries, received)
     print("stored")
 
 

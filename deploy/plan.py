@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from .inventory import Inventory, Node
@@ -147,6 +148,8 @@ def contract_env(inv: Inventory, data: str, ckpt: str, code: CodeDir | None = No
         env[RUN_ID_ENV] = run
     if code is not None:
         env["DDP_CODE_SNAPSHOT"] = code.snapshot
+    if inv.train.secrets:  # names only: the launcher masks their values in the job's output
+        env[SECRET_NAMES_ENV] = ",".join(inv.train.secrets)
     return env
 
 
@@ -269,6 +272,12 @@ def json_line(stdout: str, prefix: str) -> dict | None:
     return None
 
 
+def count(text: str) -> int:
+    """A small count a node printed (restarts): its decimal digits, else 0. A file on the shared
+    volume may hold anything: thousands of digits, or digits of other scripts that int() reads."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
+
+
 def parse_status(stdout: str) -> NodeState:
     """Parse the output of HOST_STATUS / DOCKER_STATUS: the state (``exited CODE`` for an end),
     then ``restarts N`` and the last METRICS line, each if any."""
@@ -280,8 +289,8 @@ def parse_status(stdout: str) -> NodeState:
     restarts, metrics = 0, ""
     for line in lines[1:]:
         word, _, value = line.strip().partition(" ")
-        if word == "restarts" and value.isdigit():
-            restarts = int(value)
+        if word == "restarts":
+            restarts = count(value)
         elif line.strip():
             metrics = line.strip()
     return NodeState(head, metrics, restarts)

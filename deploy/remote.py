@@ -72,7 +72,8 @@ class Remote:
         commands: Mapping[str, Sequence[str]],
         on_line: Callable[[str, str], None],
     ) -> dict[str, Result]:
-        """Run long commands (``logs --follow``), calling ``on_line(node, line)`` per line."""
+        """Run long commands, or ones with large outputs (``logs``), calling ``on_line(node, line)``
+        per line as it comes; none of the output is kept (a result's stdout is its last line)."""
         return self._fan_out(commands, lambda n, argv: self._via(n).stream(self.inv.node(n), argv, on_line))
 
     def send(

@@ -19,6 +19,7 @@ parsing of what they print. Nothing here connects anywhere.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import time
@@ -65,6 +66,7 @@ NODES_OF = r"""nodes_of() {
     [ -d "$n" ] || continue
     echo "@@node $(basename "$n")"
     cat "$n/exits" 2>/dev/null
+    [ -e "$n/stopped" ] && { echo; head -c 300 "$n/stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
   done
 }
@@ -96,19 +98,147 @@ def log_argv(inv: Inventory, run: str, node: str, *, tail: int | None, follow: b
     return tail_argv(f"{kept_dir(inv, run, node)}/log", tail=tail, follow=follow)
 
 
+LAST_TIME = 253402300799.0
+"""The last second of year 9999: a time past it (or before 1970, or not a number) is none a run
+had, and reads as unknown."""
+
+
+def _time(value) -> float | None:
+    """A UNIX time read from the volume, or None where it is none: NaN, infinite, 400 digits."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        t = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return t if math.isfinite(t) and 0 <= t <= LAST_TIME else None
+
+
+def _exit_code(word: str) -> int | None:
+    """An exit status as a shell (0-255) or Python (minus a signal's number) reports it; None for
+    any other word (``nan``, ``1e999``, 23 digits)."""
+    if not re.fullmatch(r"-?[0-9]{1,3}", word):
+        return None
+    code = int(word)
+    return code if -255 <= code <= 255 else None
+
+
+def _finite(word: str) -> float | None:
+    value = float(word)
+    return value if math.isfinite(value) else None
+
+
+def _json(text: str):
+    """The JSON value of ``text``, NaN and infinite numbers (``NaN``, ``1e999``) as None, so that
+    ``--json`` stays JSON; None where ``text`` is not JSON (or nested past the parser's depth)."""
+    try:
+        return json.loads(text, parse_float=_finite, parse_constant=lambda word: None)
+    except (ValueError, RecursionError):
+        return None
+
+
+_STOP = re.compile(r"([0-9]{1,11}) (node|job) (graceful|now) (-|[0-9]{1,18}) "
+                   r"([A-Za-z0-9_.?-]{1,64}@[A-Za-z0-9_.?-]{1,64})")
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop of the run on a node, as ``stop`` kept it: ``<node>/stopped`` (runtime.RECORD_STOP),
+    one line ``TIME SCOPE MODE STEP BY``. The job can write that file too: a line that is not
+    exactly that is no record."""
+
+    time: int
+    """When the stop began, UNIX seconds on the node's clock."""
+    by: str
+    """Who stopped it: the operator's user@host."""
+    graceful: bool
+    """SIGTERM and time for a checkpoint; False: ``stop --now``."""
+    step: int | None = None
+    """The step the program said it checkpointed at; None: it said none."""
+    found_running: bool = True
+    """The stop found the job running on the node (docker, host). False (Slurm): the job was
+    active, but this node's part may have ended before."""
+
+    @classmethod
+    def parse(cls, line: str) -> "Stop | None":
+        m = _STOP.fullmatch(line.strip())
+        if m is None:
+            return None
+        when, scope, mode, step, by = m.groups()
+        return cls(int(when), by, mode == "graceful", None if step == "-" else int(step), scope == "node")
+
+    def ended(self, exits) -> bool:
+        """Whether this stop ended the node's part: it found it running, or the node had not
+        ended before it began (an exit since is the stop's)."""
+        last = exits[-1][0] if exits else None
+        return self.found_running or last is None or last >= self.time - 1
+
+    def as_data(self) -> dict:
+        return {"time": self.time, "by": self.by, "graceful": self.graceful, "step": self.step}
+
+
+def _clock(t: float, day_of: float | None) -> str:
+    """``t`` in local time: the time of day, with the date when it is not the day of ``day_of``."""
+    try:
+        same_day = day_of is not None and time.localtime(t)[:3] == time.localtime(day_of)[:3]
+        return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+def describe_stop(stops: list[Stop], day_of: float | None = None) -> str:
+    """``stopped by root@op at 12:01:03 (graceful, checkpoint at step 40)``: the first of ``stops``
+    (one per node; the same ``stop`` on each), with the step each program said (``day_of``: the
+    run's start; the date shows when the stop was on another day)."""
+    first = min(stops, key=lambda s: s.time)
+    steps = sorted({s.step for s in stops if s.step is not None})
+    if not all(s.graceful for s in stops):
+        how = "--now, no checkpoint" if not any(s.graceful for s in stops) else "--now on some nodes"
+    elif len(steps) == 1:
+        how = f"graceful, checkpoint at step {steps[0]}"
+    elif steps:
+        how = f"graceful, checkpoints at steps {', '.join(map(str, steps))}"
+    else:
+        how = "graceful, no checkpoint reported"
+    return f"stopped by {first.by} at {_clock(first.time, day_of)} ({how})"
+
+
 @dataclass(frozen=True)
 class NodeRun:
     """What a node left in a run's directory."""
 
-    exits: tuple[tuple[float, int], ...] = ()
-    """(time, exit code) at each end of its launcher."""
+    exits: tuple[tuple[float | None, int | None], ...] = ()
+    """(time, exit code) at each end of its launcher; None where its ``exits`` line said no
+    number that fits (``_time``, ``_exit_code``)."""
     metrics: str = ""
     """Its last METRICS line."""
+    stopped: Stop | None = None
+    """How ``stop`` ended it, if it did (kept in ``<node>/stopped``)."""
+
+    @property
+    def stop(self) -> Stop | None:
+        """The stop that ended the node's part of the run, if one did."""
+        return self.stopped if self.stopped is not None and self.stopped.ended(self.exits) else None
+
+    @property
+    def ended(self) -> float | None:
+        """When the node's part ended: its last exit, or its stop (None: not yet, or unknown)."""
+        last = self.exits[-1][0] if self.exits else None
+        if self.stop is not None and (last is None or last < self.stop.time - 1):
+            return float(self.stop.time)
+        return last
 
     def state(self) -> NodeState:
+        if self.stop is not None:
+            s = self.stop
+            how = ("--now" if not s.graceful else "no checkpoint reported" if s.step is None
+                   else f"checkpoint at step {s.step}")
+            before = sum(1 for t, _ in self.exits if t is not None and t < s.time - 1)
+            return NodeState(f"stopped ({how})", self.metrics, before)
         if not self.exits:
             return NodeState("no exit recorded", self.metrics)
-        return NodeState(f"exited({self.exits[-1][1]})", self.metrics, len(self.exits) - 1)
+        code = self.exits[-1][1]
+        return NodeState(f"exited({'?' if code is None else code})", self.metrics, len(self.exits) - 1)
 
 
 @dataclass(frozen=True)
@@ -120,24 +250,66 @@ class Run:
     @property
     def start(self) -> float | None:
         t = self.record.get("time")
-        return float(t) if isinstance(t, (int, float)) else None
+        return _time(t) if isinstance(t, (int, float)) else None
 
     @property
     def end(self) -> float | None:
-        """When the last node ended, once every node has."""
-        if not self.nodes or any(not n.exits for n in self.nodes.values()):
+        """When the last node ended, once every node has (None: one has not, or its time is unknown)."""
+        if not self.nodes or any(n.ended is None for n in self.nodes.values()):
             return None
-        return max(n.exits[-1][0] for n in self.nodes.values())
+        return max(n.ended for n in self.nodes.values())
+
+    @property
+    def stops(self) -> dict[str, Stop]:
+        """The nodes a ``stop`` ended, and how."""
+        return {n: r.stop for n, r in self.nodes.items() if r.stop is not None}
+
+    def stop_data(self) -> dict | None:
+        """How ``stop`` ended the run, as data (--json): the first node's stop (who, when), graceful
+        on every node, and the step the program said it checkpointed at where every node that said
+        one agrees (None otherwise; each node's own is in its ``stopped``)."""
+        stops = list(self.stops.values())
+        if not stops:
+            return None
+        steps = {s.step for s in stops if s.step is not None}
+        return {**min(stops, key=lambda s: s.time).as_data(), "graceful": all(s.graceful for s in stops),
+                "step": steps.pop() if len(steps) == 1 else None}
+
+    def field(self, key: str) -> str | None:
+        """The record's ``key`` where it is a string (the record is data from the volume)."""
+        value = self.record.get(key)
+        return value if isinstance(value, str) else None
+
+    @property
+    def image_id(self) -> str | None:
+        image = self.record.get("image")
+        return image.get("id") if isinstance(image, dict) and isinstance(image.get("id"), str) else None
+
+    def procs(self, node: str) -> int | None:
+        """How many processes ``node`` ran, as its record says (None: it does not say)."""
+        listed = self.record.get("nodes")
+        for n in listed if isinstance(listed, list) else ():
+            if isinstance(n, dict) and n.get("name") == node:
+                procs = n.get("procs")
+                return procs if isinstance(procs, int) and not isinstance(procs, bool) and 0 <= procs < 2 ** 31 else None
+        return None
 
     def outcome(self) -> str:
-        """``exit 0`` | ``exit 1 (node2)`` | ``no exit recorded (node1)``: what its nodes ended with."""
+        """``exit 0`` | ``exit 1 (node2)`` | ``stopped by root@op at 12:01:03 (graceful, checkpoint at
+        step 40)`` | ``no exit recorded (node1)``: what its nodes ended with."""
         if not self.nodes:
             return "no node started"
-        open_ = [n for n, r in self.nodes.items() if not r.exits]
-        failed = {n: r.exits[-1][1] for n, r in self.nodes.items() if r.exits and r.exits[-1][1] != 0}
+        stops = self.stops
+        stopped = describe_stop(list(stops.values()), self.start) if stops else ""
+        open_ = [n for n, r in self.nodes.items() if not r.exits and n not in stops]
+        failed = {n: r.exits[-1][1] for n, r in self.nodes.items()
+                  if r.exits and r.exits[-1][1] != 0 and n not in stops}
         if failed:
             code = next(iter(failed.values()))
-            return f"exit {code} ({', '.join(failed)})"
+            return (f"exit {'?' if code is None else code} ({', '.join(failed)})"
+                    + (f"; {stopped}" if stopped else ""))
+        if stopped:
+            return stopped + (f"; no exit recorded ({', '.join(open_)})" if open_ else "")
         if open_:
             return f"no exit recorded ({', '.join(open_)})"
         return "exit 0"
@@ -147,18 +319,16 @@ def parse(stdout: str) -> list[Run]:
     """The runs LIST_RUNS printed, oldest first."""
     runs: list[Run] = []
     run_id, record_lines, nodes, node, exits, metrics = None, [], {}, None, [], ""
+    stops: dict[str, Stop | None] = {}
 
     def close_node():
         if node is not None:
-            nodes[node] = NodeRun(tuple(exits), metrics)
+            nodes[node] = NodeRun(tuple(exits), metrics, stops.pop(node, None))
 
     def close_run():
         if run_id is not None:
             close_node()
-            try:
-                record = json.loads("\n".join(record_lines) or "{}")
-            except ValueError:
-                record = {}
+            record = _json("\n".join(record_lines) or "{}")
             runs.append(Run(run_id, record if isinstance(record, dict) else {}, dict(nodes)))
 
     for line in stdout.splitlines():
@@ -168,15 +338,14 @@ def parse(stdout: str) -> list[Run]:
         elif line.startswith("@@node "):
             close_node()
             node, exits, metrics = line[7:].strip(), [], ""
+        elif line.startswith("@@stopped ") and node is not None:
+            stops[node] = Stop.parse(line[len("@@stopped "):])
         elif node is not None:
             parts = line.split()
             if line.startswith("METRICS "):
                 metrics = line.strip()
-            elif len(parts) == 2 and parts[1].lstrip("-").isdigit():
-                try:
-                    exits.append((float(parts[0]), int(parts[1])))
-                except ValueError:
-                    pass
+            elif len(parts) == 2:  # TIME CODE: an end of the launcher, whether or not its words are numbers
+                exits.append((_time(parts[0]), _exit_code(parts[1])))
         elif run_id is not None:
             record_lines.append(line)
     close_run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.entry import module_argv
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory, Node
@@ -24,10 +25,12 @@ RUN_SUBDIR = ".ddp-deploy"
 
 # A shell function: kill_run RUNDIR [PID] kills every process whose environment carries the run's
 # DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live in sessions of their own),
-# except PID. No single quote in it: the supervisor's script below is one quoted word.
+# except PID. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
+# directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
+# No single quote in it: the supervisor's script below is one quoted word.
 KILL_RUN = r"""kill_run() {
   for p in /proc/[0-9]*; do
-    [ "${p#/proc/}" = "$2" ] || ! grep -qzx "DDP_DEPLOY_RUN=$1" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
+    [ "${p#/proc/}" = "$2" ] || ! grep -qzxF -e "DDP_DEPLOY_RUN=$1" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
   done
 }
 """
@@ -38,6 +41,20 @@ KILL_RUN = r"""kill_run() {
 LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*//'"""
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
 STOPPED_LINE = r"""grep -h ': stopped by ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*/: /'"""
+
+# A shell function: record_stop KEPT SCOPE MODE BY TIME, stdin: what the program printed since the
+# stop began. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY" (runs.Stop
+# reads it), STEP the step the program said it checkpointed at ("-": it said none). Only the number
+# is kept of the program's line: its text is the job's, and may hold anything. Prints what the
+# program said (STOPPED_LINE), and that the stop is not recorded where KEPT cannot be written.
+RECORD_STOP = r"""record_stop() {
+  said=$(""" + STOPPED_LINE + r""")
+  step=$(printf '%s\n' "$said" | sed -n -E 's/.*stopped by .* at step ([0-9]{1,18})([^0-9].*)?$/\1/p')
+  if [ -n "$1" ] && { echo "$5 $2 $3 ${step:--} $4" > "$1/stopped.tmp" && mv "$1/stopped.tmp" "$1/stopped"; } 2>/dev/null
+  then printf '%s' "$said"
+  else printf '%s (the stop is not recorded%s)' "$said" "${1:+ in $1}"; fi
+}
+"""
 
 # $1 = the node's state dir, $2 = its directory of this run (runs.py), $3 = max restarts, $4... =
 # the command. Refuses when a previous run is recorded. The command's output goes to the run's
@@ -90,22 +107,30 @@ echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 exit 0
 """
 
-# $1 = run dir, $2 = grace in seconds (0: kill at once). SIGTERM to the process group if it
-# still runs: torchrun passes it to its workers, which finish their step, write a checkpoint
-# and exit (trainer/stopping.py) within torchrun's 30 s; after the grace, SIGKILL. torchrun
-# starts each worker in a session of its own, so the group does not hold them: every process
-# still carrying this run's DDP_DEPLOY_RUN marker in its environment is killed last. Then the
-# run is forgotten (log kept). Prints what the program said on stopping, if anything.
-HOST_STOP = KILL_RUN + r"""run=$1; grace=$2
+# $1 = run dir, $2 = grace in seconds (0: kill at once), $3 = who stops it (user@host). SIGTERM
+# to the process group if it still runs: torchrun passes it to its workers, which finish their
+# step, write a checkpoint and exit (trainer/stopping.py) within torchrun's 30 s; after the
+# grace, SIGKILL. torchrun starts each worker in a session of its own, so the group does not hold
+# them: every process still carrying this run's DDP_DEPLOY_RUN marker in its environment is
+# killed last. A job found running has its stop kept with the run (RECORD_STOP: the run's
+# directory is where STATE/log links). Then the run is forgotten (log kept). Prints what the
+# program said on stopping, if anything: only what it printed after the SIGTERM, never a line of
+# an earlier stop in the same log.
+HOST_STOP = KILL_RUN + RECORD_STOP + r"""run=$1; grace=$2; by=$3
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
-  pid=$(cat "$run/pid")
+  pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+  from=$( { wc -c < "$run/log"; } 2>/dev/null ) || from=0
+  kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
+  alive=no; kill -0 "-$pid" 2>/dev/null && alive=yes
   if [ "$grace" -gt 0 ]; then
     kill -TERM "-$pid" 2>/dev/null
     i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
   fi
   kill -KILL "-$pid" 2>/dev/null
   kill_run "$run" ""
-  echo "stopped$(cat "$run/log" 2>/dev/null | """ + STOPPED_LINE + r""")"
+  said=""
+  [ $alive = yes ] && said=$(tail -c +$((from + 1)) "$run/log" 2>/dev/null | record_stop "$kept" node "$mode" "$by" "$t0")
+  echo "stopped$said"
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
 fi
@@ -127,18 +152,42 @@ docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
 exit 0
 """
 
-# $1 = container, $2 = grace in seconds (0: remove at once). Idempotent. `docker stop` sends
+# $1 = container, $2 = grace in seconds (0: remove at once), $3 = who stops it (user@host), $4 =
+# the job's directory (as the node sees it), $5 = the node. Idempotent. `docker stop` sends
 # SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
-# and SIGKILL after the grace; a container stopped so is never restarted by its policy.
-DOCKER_STOP = r"""if docker inspect --type container "$1" > /dev/null 2>&1; then
+# and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
+# container found running has its stop kept with its run (RECORD_STOP; the run's id is the
+# container's DDP_LAUNCH_ID), with what it printed since the stop began.
+DOCKER_STOP = RECORD_STOP + r"""c=$1; grace=$2; by=$3; job=$4; node=$5
+if s=$(docker inspect --type container --format '{{.State.Status}}' "$c" 2>/dev/null); then
+  t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+  run=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$c" 2>/dev/null |
+        sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
+  printf '%s\n' "$run" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' && kept=$job/runs/$run/$node || kept=""
+  [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
   said=""
-  if [ "$2" -gt 0 ]; then
-    docker stop --time "$2" "$1" > /dev/null 2>&1
-    said=$(docker logs --tail 200 "$1" 2>&1 | """ + STOPPED_LINE + r""")
-  fi
-  docker rm -f "$1" > /dev/null && echo "stopped$said"
+  case "$s" in running|restarting)
+    said=$(if [ "$grace" -gt 0 ]; then docker logs --since "$t0" "$c" 2>&1; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
+  esac
+  docker rm -f "$c" > /dev/null && echo "stopped$said"
 else echo absent; fi
 """
+
+
+def operator() -> str:
+    """Who runs this tool, as ``user@host``, for the stop record (RECORD_STOP): letters, digits and
+    ``_.-`` only, so that it stays one word on the node's command line and in the record."""
+    import getpass
+    import re
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name, no passwd entry (a bare container)
+        user = "?"
+    clean = lambda word: re.sub(r"[^A-Za-z0-9_.-]", "?", word)[:64] or "?"  # noqa: E731
+    return f"{clean(user)}@{clean(socket.gethostname())}"
+
 
 STOP_GRACE_S = 45
 """How long a stop waits after SIGTERM before SIGKILL (`stop`, and Docker's own stop of the
@@ -152,7 +201,25 @@ MERGE_STDERR = 'exec "$@" 2>&1'
 SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
 
 # $1 = directory, then the command: the host runtime's working directory (the code snapshot).
-IN_DIR = 'cd "$1" || exit 1; shift; exec "$@"'
+# File modes do not stop root (the default ssh.user): for root the snapshot is made read-only by a
+# bind mount in a mount namespace of the command's own (util-linux unshare), so that a program
+# saving into its working directory fails at once instead of writing into the snapshot, where the
+# next code change leaves its file behind. Mounts the node makes later still reach the command
+# (slave propagation); nothing of the namespace reaches the node. Where root cannot (no unshare,
+# no CAP_SYS_ADMIN: a node that is itself an unprivileged container), the log says so and the
+# command runs in the writable snapshot.
+IN_DIR = r"""dir=$1; shift
+if [ "$(id -u)" = 0 ]; then
+  if why=$(unshare --mount --propagation slave true 2>&1); then
+    exec unshare --mount --propagation slave sh -c '
+      { mount --bind "$1" "$1" && mount -o remount,bind,ro "$1"; } ||
+        echo "ddp-deploy: warning: the code snapshot $1 stays writable for root on this node (mount failed)" >&2
+      cd "$1" || exit 1; shift; exec "$@"' sh "$dir" "$@"
+  fi
+  echo "ddp-deploy: warning: the code snapshot $dir stays writable for root on this node (unshare: $why)" >&2
+fi
+cd "$dir" || exit 1; exec "$@"
+"""
 
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only, the working directory)."""
@@ -212,7 +279,7 @@ class CodeDir:
 def probe_args(node: Node, program: tuple[str, ...] = ()) -> tuple[str, ...]:
     """``python -m trainer.probe`` and what it checks: the node's GPUs and processes, and that the
     program imports (``program``: the payload's probe options)."""
-    return ("-m", "trainer.probe", "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
+    return (*module_argv("trainer.probe"), "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
 
 
 class Runtime:
@@ -292,9 +359,10 @@ class Runtime:
     def status_argv(self, node: Node) -> tuple[str, ...]:
         raise NotImplementedError
 
-    def stop_argv(self, node: Node, grace: int = 0) -> tuple[str, ...]:
+    def stop_argv(self, node: Node, grace: int = 0, by: str | None = None) -> tuple[str, ...]:
         """Ends the job on the node: SIGTERM, ``grace`` seconds for a checkpoint, then SIGKILL
-        (0: at once); removes what the run left (container, pid files)."""
+        (0: at once); removes what the run left (container, pid files). A job it finds running
+        has the stop kept with its run, ``by`` (default: :func:`operator`) as who stopped it."""
         raise NotImplementedError
 
     def logs_argv(self, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
@@ -391,8 +459,9 @@ class DockerRuntime(Runtime):
     def status_argv(self, node):
         return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node))
 
-    def stop_argv(self, node, grace=0):
-        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace))
+    def stop_argv(self, node, grace=0, by=None):
+        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(), job_dir(self.inv),
+                node.name)
 
     def logs_argv(self, node, *, tail, follow):
         argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
@@ -439,10 +508,10 @@ class HostRuntime(Runtime):
 
     def start_argv(self, node, launcher, env, facts):
         return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node), self.kept_dir(node),
-                str(self.inv.job.max_restarts), *self._command(node, env, ["-m", "trainer.launch", *launcher])]
+                str(self.inv.job.max_restarts), *self._command(node, env, [*module_argv("trainer.launch"), *launcher])]
 
     def run_argv(self, node, launcher, env, facts):
-        return self._command(node, env, ["-m", "trainer.launch", *launcher])
+        return self._command(node, env, [*module_argv("trainer.launch"), *launcher])
 
     def probe_argv(self, node, env, program=()):
         return self._command(node, env, probe_args(node, program))
@@ -450,8 +519,8 @@ class HostRuntime(Runtime):
     def status_argv(self, node):
         return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node))
 
-    def stop_argv(self, node, grace=0):
-        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace))
+    def stop_argv(self, node, grace=0, by=None):
+        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace), by or operator())
 
     def logs_argv(self, node, *, tail, follow):
         return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)

@@ -4,21 +4,25 @@ hosts.yaml names where each value comes from (``train.secrets``: the operator's 
 a file), never the value. The values travel to the nodes as ``NAME=VALUE`` lines on the start
 command's stdin (runtime.SECRETS_FROM_STDIN), so no command line, ``--dry-run`` output or debug
 log holds them; what the tool prints (logs, status, errors, the debug log) passes through
-:class:`Redactor`, which shows each value as ``***``.
+:class:`Redactor`, which shows each value as ``***``. On the node the launcher masks the job's
+output the same way before it is written anywhere (trainer.masking, SECRET_NAMES_ENV).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from trainer.masking import MASK, Mask
 
 from .errors import InputError
 from .inventory import Inventory
 
 MIN_LENGTH = 6
 """Shorter values cannot be redacted from output without hiding ordinary text."""
-MASK = "***"
 
 
 def source(inv: Inventory, name: str) -> str:
@@ -66,18 +70,17 @@ def stdin_lines(values: dict[str, str]) -> bytes:
 
 
 class Redactor:
-    """Replaces every known secret value in a text with ``***`` (longest first)."""
+    """Shows every known secret value in a text as ``***``, in each spelling a program may print
+    it (trainer.masking.forms: as is, JSON / repr / ascii-escaped, percent-encoded, base64)."""
 
     def __init__(self, values: dict[str, str] | None = None) -> None:
-        self._values = sorted({v for v in (values or {}).values() if v}, key=len, reverse=True)
+        self._mask = Mask((values or {}).values())
 
     def __bool__(self) -> bool:
-        return bool(self._values)
+        return bool(self._mask)
 
     def __call__(self, text: str) -> str:
-        for v in self._values:
-            text = text.replace(v, MASK)
-        return text
+        return self._mask(text)
 
     def logging_filter(self) -> logging.Filter:
         redact = self
@@ -89,6 +92,28 @@ class Redactor:
                 return True
 
         return _Filter()
+
+
+PARSED_WORDS = frozenset({"state"})
+"""Fields that hold the tool's own reading of a node (running, exited(1)), never the job's text."""
+
+
+def masked(value, redact: Callable[[str], str]):
+    """``value`` parsed from a node's output (a NodeState, Failure, kept Run, SlurmState, or the
+    dicts, lists and tuples in them) with ``redact`` applied to each string in it but PARSED_WORDS.
+    Parse first, mask after: a secret equal to a word the parser reads (``running``, ``exited``,
+    an exit time) then changes what is shown, never what is decided."""
+    if isinstance(value, str):
+        return redact(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: masked(getattr(value, f.name), redact)
+                                             for f in dataclasses.fields(value)
+                                             if f.init and f.name not in PARSED_WORDS})
+    if isinstance(value, dict):
+        return {k: masked(v, redact) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(masked(v, redact) for v in value)
+    return value
 
 
 def redactor_for(inv: Inventory) -> Redactor:

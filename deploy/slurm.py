@@ -20,13 +20,14 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from trainer.entry import RUN_MODULE
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory
 from .payload import payload
-from .plan import contract_env, device_flags, rdzv_conf
+from .plan import contract_env, count, device_flags, rdzv_conf
 from .runs import NODES_OF, parse as parse_runs
-from .runtime import STOP_GRACE_S, STOPPED_LINE, CodeDir, job_dir, runtime
+from .runtime import RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime
 
 # $1 = "NAME=ADDR ..." of every allocated node, $2 = the first node's name, $3 = the rendezvous
 # port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, then
@@ -49,7 +50,7 @@ case "$head_addr" in *:*) endpoint="[$head_addr]:$port" ;; *) endpoint="$head_ad
 DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME
 export DDP_NODE_NAME """ + LOG_DIR_ENV + r"""
 mkdir -p "$kept/$SLURMD_NODENAME" || exit 1
-exec "$py" -m trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
+exec "$py" -c """ + shlex.quote(RUN_MODULE) + r""" trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
 """
 
 # The batch script's body, after its #SBATCH lines and exports: the nodes' addresses from
@@ -92,10 +93,12 @@ nodes_of "$job/runs/$run"
 exit 0
 """
 
-# $1 = job dir, $2 = grace (s; 0: at once). A job still queued or running: SIGTERM to its tasks
-# (each launcher's workers finish their step and write a checkpoint: trainer/stopping.py), the
-# job ends by itself; past the grace, scancel. Prints what the program said on stopping, if anything.
-STOP = r"""job=$1; grace=$2
+# $1 = job dir, $2 = grace (s; 0: at once), $3 = who stops it (user@host). A job still queued or
+# running: SIGTERM to its tasks (each launcher's workers finish their step and write a checkpoint:
+# trainer/stopping.py), the job ends by itself; past the grace, scancel. The stop is kept in each
+# node's directory of the run (RECORD_STOP, scope "job": a node's part may have ended before),
+# with what that node printed since the stop began. Prints what the program said on stopping, if anything.
+STOP = RECORD_STOP + r"""job=$1; grace=$2; by=$3
 [ -s "$job/slurm-job" ] || { echo absent; exit 0; }
 read -r id run < "$job/slurm-job"
 active() {
@@ -105,13 +108,19 @@ active() {
   return 1
 }
 if ! active "$id"; then echo "absent (Slurm job $id has ended)"; exit 0; fi
+t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+sizes=$(for n in "$job/runs/$run"/*/; do [ -d "$n" ] && echo "$( { wc -c < "$n/log"; } 2>/dev/null || echo 0) ${n%/}"; done)
 if [ "$grace" -gt 0 ] && [ "$(squeue -h -j "$id" -o %T)" = RUNNING ]; then
   scancel --signal=TERM "$id" || exit 1
   i=0; while active "$id" && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
 fi
 if active "$id"; then scancel "$id" || exit 1; fi
 i=0; while active "$id" && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-echo "stopped Slurm job $id$(cat "$job/runs/$run"/*/log 2>/dev/null | """ + STOPPED_LINE + r""")"
+said=$(printf '%s\n' "$sizes" | while read -r from n; do
+  [ -n "$n" ] || continue
+  tail -c +$((from + 1)) "$n/log" 2>/dev/null | record_stop "$n" job "$mode" "$by" "$t0"; echo
+done | grep -v '^$' | tail -n 1)
+echo "stopped Slurm job $id$said"
 """
 
 # What the login node offers: the Slurm commands, the partition, the shared volume, the interpreter.
@@ -228,8 +237,9 @@ def status_argv(inv: Inventory) -> tuple[str, ...]:
     return ("sh", "-c", STATUS, "sh", job_dir(inv))
 
 
-def stop_argv(inv: Inventory, grace: int = 0) -> tuple[str, ...]:
-    return ("sh", "-c", STOP, "sh", job_dir(inv), str(grace))
+def stop_argv(inv: Inventory, grace: int = 0, by: str | None = None) -> tuple[str, ...]:
+    """Ends the job's Slurm job; ``by`` (default: runtime.operator()) is kept as who stopped it."""
+    return ("sh", "-c", STOP, "sh", job_dir(inv), str(grace), by or operator())
 
 
 def check_argv(inv: Inventory) -> tuple[str, ...]:
@@ -289,4 +299,4 @@ def parse_status(stdout: str) -> SlurmState:
     reason = fields.get("Reason", "")
     return SlurmState(job_id, run, state, "" if reason in ("None", "(null)") else reason, fields.get("ExitCode", ""),
                       fields.get("RunTime", ""), fields.get("NodeList", ""),
-                      int(restarts) if (restarts := fields.get("Restarts", "")).isdigit() else 0, nodes)
+                      count(fields.get("Restarts", "")), nodes)

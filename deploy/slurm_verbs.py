@@ -10,11 +10,12 @@ import time
 
 import click
 from . import codesync, plan, record, runs, runtime, secretenv, slurm, view
-from .cli import _kept_failure, _print_checks, _refuse_failed_checks, _show, _start_run, _sync_code, out
+from .cli import _kept_failure, _print_checks, _refuse_failed_checks, _show, _start_run, _sync_code, out, witnesses
 from .errors import InputError, RemoteFailure, RuntimeFailure
 from .payload import payload
 from .preflight import Check
 from .remote import Remote
+from .text import safe
 
 
 def _login(inv) -> str:
@@ -99,7 +100,7 @@ def deploy(st, dry_run: bool, build: bool) -> None:
 
 
 def _state(inv, remote, redact=str) -> slurm.SlurmState:
-    return slurm.parse_status(redact(_on_login(remote, inv, slurm.status_argv(inv), "status").stdout))
+    return secretenv.masked(slurm.parse_status(_on_login(remote, inv, slurm.status_argv(inv), "status").stdout), redact)
 
 
 def launch(st, dry_run: bool, wait: bool, timeout: float | None) -> None:
@@ -162,7 +163,7 @@ def _line(s: slurm.SlurmState) -> str:
     metrics = next((n.metrics for n in s.nodes.values() if n.metrics), "")
     cells = view.Progress.from_line(metrics).cells()
     shown = "  ".join(f"{k} {v}" for k, v in cells.items() if v != "-")
-    return f"Slurm job {s.job_id}: {s.state}{why}" + (f"  {shown}" if shown else "")
+    return safe(f"Slurm job {s.job_id}: {s.state}{why}" + (f"  {shown}" if shown else ""))
 
 
 def _verdict(inv, remote, s: slurm.SlurmState, redact) -> None:
@@ -177,8 +178,8 @@ def _verdict(inv, remote, s: slurm.SlurmState, redact) -> None:
 
 
 def _first_failure(inv, remote, s: slurm.SlurmState, redact):
-    failed = [n for n, r in s.nodes.items() if r.exits and r.exits[-1][1] != 0]
-    return _kept_failure(inv, remote, _login(inv), s.run, failed, redact)
+    return _kept_failure(inv, remote, _login(inv), s.run, witnesses({n: r.state() for n, r in s.nodes.items()}),
+                         redact)
 
 
 def status(st, as_json: bool, follow: bool, run_id: str | None) -> None:
@@ -209,10 +210,10 @@ def status(st, as_json: bool, follow: bool, run_id: str | None) -> None:
     if s.job_id is None:
         click.echo(f"{inv.job.name}: never submitted (ddp-deploy launch)")
         return
-    click.echo(f"{inv.job.name} run {s.run}: Slurm job {s.job_id} {s.state}"
-               + (f" ({s.reason})" if s.reason else "") + (f", exit {s.exit_code}" if s.exit_code else "")
-               + (f", {s.elapsed}" if s.elapsed else "") + (f" on {s.nodelist}" if s.nodelist else "")
-               + (f", requeued {s.restarts}x" if s.restarts else ""))
+    click.echo(safe(f"{inv.job.name} run {s.run}: Slurm job {s.job_id} {s.state}"
+                    + (f" ({s.reason})" if s.reason else "") + (f", exit {s.exit_code}" if s.exit_code else "")
+                    + (f", {s.elapsed}" if s.elapsed else "") + (f" on {s.nodelist}" if s.nodelist else "")
+                    + (f", requeued {s.restarts}x" if s.restarts else "")))
     if states:
         out.print(view.table(inv.job.name, {n: inv.slurm.nprocs for n in states}, states))
     if first:
@@ -261,15 +262,10 @@ def logs(st, follow: bool, tail: int | None, only_nodes, only_ranks, run_id: str
             if only_ranks and rank not in only_ranks:
                 return
             with lock:
-                click.echo(st.redact(f"{view.log_label(current['node'], rank):<{width}} | {text}"))
+                click.echo(safe(st.redact(f"{view.log_label(current['node'], rank):<{width}} | {text}")))
 
         full = ("sh", "-c", runtime.MERGE_STDERR, "sh", *argv)
-        if follow:
-            results = remote.stream({_login(inv): full}, emit)
-        else:
-            results = remote.run({_login(inv): full}, check=False, timeout=120)
-            for line in results[_login(inv)].stdout.splitlines():
-                emit(_login(inv), line)
+        results = remote.stream({_login(inv): full}, emit)  # line by line: none of the logs held here
     if not all(r.ok for r in results.values()):
         raise RemoteFailure("logs", results, hint="no output on the shared volume yet, or the login node is unreachable")
 
@@ -283,7 +279,7 @@ def stop(st, dry_run: bool, now: bool) -> None:
         return
     with Remote(inv) as remote:
         got = _on_login(remote, inv, argv, "stop", timeout=grace + 120)
-    click.echo(st.redact(f"{_login(inv)}: {got.stdout.strip()}"))
+    click.echo(safe(st.redact(f"{_login(inv)}: {got.stdout.strip()}")))
 
 
 def running(inv, remote) -> bool:

@@ -32,7 +32,7 @@ from fabric import Config, Connection
 from invoke.exceptions import CommandTimedOut
 
 from .inventory import Inventory, Node, Ssh
-from .transport import NodeError, Result, Session, TimedOut, Transport, command_line
+from .transport import NodeError, Result, Session, TimedOut, Transport, command_line, each_line
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +151,20 @@ class SshTransport(Transport):
         return Result(node.name, r.exited, r.stdout, r.stderr)
 
     def stream(self, node, argv, on_line):
+        # A channel of its own, not fabric's run: invoke keeps every byte of the output for its
+        # result, which is the whole log for `logs`.
         conn = self._connect(node)
-        writer = _LineWriter(node.name, on_line)
         with _talking(conn, "connection lost", None):
-            r = conn.run(command_line(argv), hide=False, warn=True, in_stream=False,
-                         out_stream=writer, err_stream=writer)
-        writer.flush_rest()
+            chan = conn.transport.open_session()
+            try:
+                chan.set_combine_stderr(True)
+                chan.exec_command(command_line(argv))
+                last = each_line(chan.makefile("rb").readline, node.name, on_line)
+                code = chan.recv_exit_status()
+            finally:
+                chan.close()
         _still_there(conn)
-        return Result(node.name, r.exited)
+        return Result(node.name, code, last)
 
     def send(self, node, source, argv, on_bytes, timeout):
         conn = self._connect(node)
@@ -348,29 +354,6 @@ def _still_there(conn: Connection) -> None:
     why = _silence(conn)
     if why:
         raise NodeError(f"connection lost: {why}")
-
-
-class _LineWriter:
-    """A file-like sink for invoke's out_stream that hands over whole lines."""
-
-    def __init__(self, node: str, on_line) -> None:
-        self.node, self.on_line, self.buf = node, on_line, ""
-        self.lock = threading.Lock()
-
-    def write(self, text: str) -> None:
-        with self.lock:
-            self.buf += text
-            *lines, self.buf = self.buf.split("\n")
-        for line in lines:
-            self.on_line(self.node, line)
-
-    def flush(self) -> None:
-        pass
-
-    def flush_rest(self) -> None:
-        if self.buf:
-            self.on_line(self.node, self.buf)
-            self.buf = ""
 
 
 class _SshSession(Session):

@@ -8,6 +8,7 @@ in ``ssh.py``, the only module that imports fabric and paramiko.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import shlex
 import subprocess
@@ -23,6 +24,24 @@ log = logging.getLogger(__name__)
 def command_line(argv: Sequence[str]) -> str:
     """The exact string a remote shell receives for ``argv``."""
     return shlex.join(argv)
+
+
+MAX_LINE = 1 << 20
+"""The longest piece of a line a stream hands over (bytes): a program that prints megabytes
+without a newline comes in pieces of this size, so that a stream's memory stays bounded."""
+
+
+def each_line(readline: Callable[[int], bytes], node: str, on_line: Callable[[str, str], None]) -> str:
+    """``on_line(node, line)`` for every line ``readline(limit)`` reads, until it returns ``b""``;
+    the last non-empty line (what a failed command's summary shows)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a piece may end mid-character
+    last = ""
+    while piece := readline(MAX_LINE):
+        line = decoder.decode(piece)
+        line = line[:-1] if line.endswith("\n") else line
+        on_line(node, line)
+        last = line or last
+    return last
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,9 @@ class Transport:
         raise NotImplementedError
 
     def stream(self, node: Node, argv: Sequence[str], on_line: Callable[[str, str], None]) -> Result:
-        """Run a long command (``logs --follow``), calling ``on_line(node, line)`` per line."""
+        """Run a long command or one with a large output (``logs``), calling ``on_line(node, line)``
+        per line of its stdout and stderr as they come (:func:`each_line`), holding none of it; the
+        result's stdout is the last line."""
         raise NotImplementedError
 
     def send(self, node: Node, source: Iterable[bytes], argv: Sequence[str],
@@ -113,13 +134,11 @@ class LocalTransport(Transport):
         return _run_process(node.name, argv, timeout)
 
     def stream(self, node, argv, on_line):
-        p = _popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                   text=True, errors="replace")
+        p = _popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._procs.add(p)
         try:
-            for line in p.stdout:
-                on_line(node.name, line.rstrip("\n"))
-            return Result(node.name, p.wait())
+            last = each_line(p.stdout.readline, node.name, on_line)
+            return Result(node.name, p.wait(), last)
         finally:
             self._procs.discard(p)
 

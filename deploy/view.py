@@ -6,8 +6,9 @@ A node's status (plan.NodeState: its state, restarts, last ``METRICS`` line) bec
 output is not a terminal: CI logs, pipes). Nothing here connects anywhere.
 
 The fields read from the program's METRICS line (README, "Your own training code"); any may be
-missing and shows as ``-``: ``epoch`` (with ``epochs``, the total), ``step``, ``loss``, ``acc``,
-``samples_per_s``, and for the ETA ``eta_s``, or ``steps_left`` with ``step_time_s``.
+missing, or not a number that fits (:data:`LARGEST`), and shows as ``-``: ``epoch`` (with
+``epochs``, the total), ``step``, ``loss``, ``acc``, ``samples_per_s``, and for the ETA ``eta_s``,
+or ``steps_left`` with ``step_time_s``. Everything the job wrote is shown as text (deploy/text.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rich.table import Table
 from trainer.output import RANK_PREFIXES
 
 from .plan import NodeState
+from .text import DataTable, cell, safe
 
 METRICS_PREFIX = "METRICS "
 
@@ -37,10 +39,32 @@ def log_label(node: str, rank: int | None) -> str:
     return node if rank is None else f"{node} rank{rank}"
 
 
+LARGEST = 2 ** 53
+"""The largest magnitude a field may have to be shown (a float holds every integer up to it): no
+count, rate or duration of a real job comes near it; beyond it, or not finite, a field is ``-``.
+A loss may be any finite number (a diverging run's is huge): it shows in 4 digits."""
+
+
 def _number(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        value = float(value)  # a 400-digit integer overflows
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _fits(value: float | None) -> float | None:
+    return value if value is not None and abs(value) <= LARGEST else None
+
+
+def _load(text: str):
+    """A METRICS line's JSON, or None where it is none (or nested past the parser's depth)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -60,23 +84,20 @@ class Progress:
     def from_line(cls, line: str) -> "Progress":
         if not line.startswith(METRICS_PREFIX):
             return cls()
-        try:
-            m = json.loads(line[len(METRICS_PREFIX):])
-        except ValueError:
-            return cls()
+        m = _load(line[len(METRICS_PREFIX):])
         if not isinstance(m, dict):
             return cls()
         num = {k: _number(m.get(k)) for k in ("epoch", "epochs", "step", "loss", "acc", "eval_loss", "eval_acc",
                                                "samples_per_s", "eta_s", "steps_left", "step_time_s")}
         eta = num["eta_s"]
         if eta is None and num["steps_left"] is not None and num["step_time_s"] is not None:
-            eta = num["steps_left"] * num["step_time_s"]
-        whole = lambda v: None if v is None else int(v)  # noqa: E731
+            eta = _number(num["steps_left"] * num["step_time_s"])  # inf where the product overflows
+        whole = lambda v: None if _fits(v) is None else int(v)  # noqa: E731
         return cls(kind=m["kind"] if isinstance(m.get("kind"), str) else None, epoch=whole(num["epoch"]),
                    epochs=whole(num["epochs"]), step=whole(num["step"]),
                    loss=num["loss"] if num["loss"] is not None else num["eval_loss"],
-                   acc=num["acc"] if num["acc"] is not None else num["eval_acc"],
-                   samples_per_s=num["samples_per_s"], eta_s=eta)
+                   acc=_fits(num["acc"] if num["acc"] is not None else num["eval_acc"]),
+                   samples_per_s=_fits(num["samples_per_s"]), eta_s=_fits(eta))
 
     def cells(self) -> dict[str, str]:
         """The columns of ``status``, formatted."""
@@ -92,7 +113,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def duration(seconds: float) -> str:
-    """12s, 4m05s, 2h03m."""
+    """12s, 4m05s, 2h03m; ``-`` for a time that is no number (from the volume: NaN, infinite)."""
+    if _fits(_number(seconds)) is None:
+        return "-"
     s = max(0, int(round(seconds)))
     if s < 60:
         return f"{s}s"
@@ -111,12 +134,14 @@ def state_text(s: NodeState) -> str:
 COLUMNS = ("node", "state", "ranks", "epoch", "step", "loss", "acc", "samples/s", "ETA")
 
 
-def table(job: str, ranks: dict[str, int], states: dict[str, NodeState]) -> Table:
-    t = Table(*COLUMNS, title=f"job {job}")
+def table(job: str, ranks: dict[str, int | None], states: dict[str, NodeState]) -> Table:
+    """The ``status`` table; a node's ranks None: not known (a kept run's record does not say)."""
+    t = DataTable(*COLUMNS, title=f"job {job}")
     for n, s in states.items():
         color = {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
         cells = Progress.from_line(s.metrics).cells()
-        t.add_row(n, f"[{color}]{state_text(s)}[/]", str(ranks[n]), *(cells[c] for c in COLUMNS[3:]))
+        t.add_row(n, cell(state_text(s), style=color), "-" if ranks[n] is None else str(ranks[n]),
+                  *(cells[c] for c in COLUMNS[3:]))
     return t
 
 
@@ -131,7 +156,7 @@ def line(node: str, s: NodeState, width: int = 0) -> str:
     """One plain line for a node: ``node1  running  epoch 1/8  step 37  loss 0.12 ...``."""
     cells = Progress.from_line(s.metrics).cells()
     shown = "  ".join(f"{k} {v}" for k, v in cells.items() if v != "-")
-    return f"{node:<{width}}  {state_text(s)}" + (f"  {shown}" if shown else "")
+    return safe(f"{node:<{width}}  {state_text(s)}" + (f"  {shown}" if shown else ""))
 
 
 class PlainFollower:

@@ -119,10 +119,11 @@ def test_a_manifest_path_leaving_the_snapshot_is_refused(tmp_path):
     assert not (tmp_path / "store/evil").exists() and not (tmp_path / "store/snapshots/s1").exists()
 
 
-def test_a_symlinked_file_travels_as_its_content(tmp_path):
+def test_a_symlinked_file_inside_the_project_travels_as_its_content(tmp_path):
     _project(tmp_path / "proj")
-    (tmp_path / "shared.py").write_text("X = 1\n")
-    (tmp_path / "proj/pkg/shared.py").symlink_to(tmp_path / "shared.py")
+    (tmp_path / "proj/lib").mkdir()
+    (tmp_path / "proj/lib/shared.py").write_text("X = 1\n")
+    (tmp_path / "proj/pkg/shared.py").symlink_to("../lib/shared.py")
     inv = _inv(tmp_path)
     snap = codesync.snapshot_of(inv)
     with Remote(inv) as remote:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from deploy.failure import Failure, first_failure, program_error
+from deploy.failure import Failure, LeftEarly, first_failure, program_error
 from fakes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +76,83 @@ def test_torchrun_s_own_log_lines_are_never_taken_for_the_program_s_error_whatev
         log = (f"W{month_day} 06:51:16.655000 14689 torch/distributed/run.py:982] error: not the program\n"
                "trainer: error: the program's words\n")
         assert program_error(log) == ("trainer: error: the program's words", None)
+
+
+# What torch 2.14's torchrun (trainer.launch: --tee 3, gloo on CPU) printed, captured from real
+# runs: rank 1 of 2 returns while rank 0 is in all_reduce; rank 2 of 3 returns while rank 0 is in
+# an all_reduce with it and rank 1 sleeps (torchrun stops rank 1 itself: exit -15, listed); rank
+# 1 of 2 ends with os._exit(3) instead (a crash: the others see the same broken connection); and
+# the first case on two torchruns of one process each (two nodes), each node's log.
+SAMPLES = Path(__file__).resolve().parent / "failure_logs"
+
+RANK_ONE_RETURNS_EARLY = """
+import time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} up", flush=True)
+if dist.get_rank() == 0:
+    t = torch.ones(1)
+    for _ in range(3000):
+        dist.all_reduce(t)
+        time.sleep(0.01)
+"""
+
+
+def test_a_rank_that_exited_0_while_the_other_was_in_all_reduce_is_named_not_the_one_that_lost_it():
+    first = first_failure({"node2": (SAMPLES / "rank1_of_2_exits_0_early.log").read_text()})
+    assert isinstance(first, LeftEarly)
+    assert (first.node, first.rank, first.exit_code, first.lost_by) == ("node2", 1, "0", "node2 rank 0")
+    assert "Connection closed by peer" in first.says and first.time == "2026-11-25_16:07:26"
+    assert first.describe().startswith("rank 1 on node2 exited 0 before 2026-11-25_16:07:26 while the others "
+                                       "still trained; the others then lost their connection to it "
+                                       "(node2 rank 0: RuntimeError: ")
+
+
+def test_a_rank_torchrun_stopped_itself_is_not_taken_for_the_one_that_left():
+    first = first_failure({"node1": (SAMPLES / "rank2_of_3_exits_0_early_rank1_stopped.log").read_text()})
+    assert isinstance(first, LeftEarly) and (first.node, first.rank) == ("node1", 2)
+
+
+def _raised(rank: int, message: str) -> str:
+    return (f"[rank{rank}]: Traceback (most recent call last):\n[rank{rank}]:   File \"t.py\", line 9\n"
+            f"[rank{rank}]: RuntimeError: {message}\n")
+
+
+def test_the_rank_that_left_is_found_on_another_node_than_the_first_failure():
+    lost = "[rank0]: epoch 1\n" + _raised(0, "Connection closed by peer [10.0.0.2]:4444") + _summary(
+        "2026-11-23_06:51:21", 0, 1)
+    left = "[rank2]: epoch 1\n[rank3]: epoch 1\n" + _raised(2, "Connection reset by peer") + _summary(
+        "2026-11-23_06:51:30", 2, 1)
+    first = first_failure({"node1": lost, "node2": left})
+    assert isinstance(first, LeftEarly) and (first.node, first.rank, first.lost_by) == ("node2", 3, "node1 rank 0")
+
+
+def test_a_rank_that_crashed_is_named_by_torchrun_s_summary_without_the_words_of_the_rank_it_cut_off():
+    first = first_failure({"node1": (SAMPLES / "rank1_of_2_exits_3.log").read_text()})
+    assert first == Failure("node1", 1, "3", "2026-11-25_16:18:02", None)  # rank 0's "Connection reset" is not its
+
+
+def test_a_lost_connection_with_every_rank_accounted_for_blames_no_one_else():
+    log = "[rank0]: epoch 1\n" + _raised(0, "Connection closed by peer [10.0.0.2]:4444") + _summary(
+        "2026-11-23_06:51:21", 0, 1)
+    assert first_failure({"node1": log}) == Failure("node1", 0, "1", "2026-11-23_06:51:21",
+                                                    "RuntimeError: Connection closed by peer [10.0.0.2]:4444")
+
+
+def test_a_real_rank_that_returns_early_is_named_as_the_cause(torch_python, tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(RANK_ONE_RETURNS_EARLY)
+    first = first_failure({"node1": _torchrun(torch_python.python, "--script", str(script), "--")})
+    assert isinstance(first, LeftEarly), first
+    assert (first.node, first.rank, first.lost_by) == ("node1", 1, "node1 rank 0")
+
+
+def test_a_node_whose_rank_exited_0_is_named_with_the_time_its_torchrun_s_exit_barrier_dates():
+    first = first_failure({"node1": (SAMPLES / "node_of_rank0_loses_rank1.log").read_text(),
+                           "node2": (SAMPLES / "node_of_rank1_exits_0_early.log").read_text()})
+    assert isinstance(first, LeftEarly)
+    assert (first.node, first.rank, first.left_at, first.lost_by) == ("node2", 1, "16:39:20", "node1 rank 0")
+    assert first.describe().startswith("rank 1 on node2 exited 0 at 16:39:20 while the others still trained; ")
+    alone = first_failure({"node1": (SAMPLES / "node_of_rank0_loses_rank1.log").read_text()})
+    assert type(alone) is Failure and (alone.node, alone.rank) == ("node1", 0)  # no word of node2: no guess

@@ -12,6 +12,7 @@ from deploy.inventory import loads
 from deploy.remote import command_line
 from deploy.runtime import HOST_START, STOP_GRACE_S
 from fakes import install_command
+from trainer.entry import module_argv
 
 THREE_NODES = """
 job: {name: demo, runtime: docker, max_restarts: 2}
@@ -155,7 +156,7 @@ def test_network_check_runs_the_job_s_launcher_in_the_foreground_with_its_own_re
     assert _opt(a, "--entry") == "trainer.netcheck"
     assert a[a.index("--", a.index("--entry")):] == ["--", "--device", "cuda", "--backend", "nccl", "--size-mb", "4"]
     host = list(plan.netcheck_plan(_inv(**{"runtime: docker": "runtime: host"}), {}, ())["b"])
-    assert host[:1] == ["env"] and host[host.index("python3"):][:3] == ["python3", "-m", "trainer.launch"]
+    assert host[:1] == ["env"] and host[host.index("python3"):][:4] == ["python3", *module_argv("trainer.launch")]
 
 
 def test_the_probe_runs_with_the_job_s_torch_and_gpus():
@@ -163,11 +164,11 @@ def test_the_probe_runs_with_the_job_s_torch_and_gpus():
     a = plan.probe_argv(inv, inv.node("a"))
     assert a[:3] == ("docker", "run", "--rm") and _opt(a, "--entrypoint") == "python"
     assert _opt(a, "--gpus") == '"device=0,1"' and _opt(a, "--network") == "none"
-    assert a[a.index("ddp-trainer:latest") + 1:] == ("-m", "trainer.probe", "--gpus", "2", "--procs", "2",
+    assert a[a.index("ddp-trainer:latest") + 1:] == (*module_argv("trainer.probe"), "--gpus", "2", "--procs", "2",
                                                      "--import", "trainer.__main__")
     host = _inv(**{"runtime: docker": "runtime: host"})
     c = plan.probe_argv(host, host.node("c"))
-    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-8:-2] == ("-m", "trainer.probe", "--gpus", "1", "--procs", "1")
+    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-9:-2] == (*module_argv("trainer.probe"), "--gpus", "1", "--procs", "1")
 
 
 def test_host_runtime_runs_torchrun_with_host_paths_detached():
@@ -180,9 +181,9 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     cmd = argv[7:]
     assert cmd[:12] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[12:15] == ["python3", "-m", "trainer.launch"]
+    assert cmd[12:16] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
-    assert tuple(cmd[15:t]) == spec.torchrun
+    assert tuple(cmd[16:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -201,11 +202,17 @@ def test_hostile_but_valid_trainer_args_survive_quoting_as_one_argument():
 def test_stop_status_logs_target_the_job_container():
     inv = _inv()
     a = inv.node("a")
-    assert plan.stop_argv(inv, a)[-2:] == ("demo-a", "0")
-    assert plan.stop_argv(inv, a, STOP_GRACE_S)[-2:] == ("demo-a", str(STOP_GRACE_S))
+    assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
+    assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
     assert plan.status_argv(inv, a)[-1] == "demo-a"
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
+
+
+@pytest.mark.parametrize("restarts", ["9" * 5000, "\u00b2", "\u0663", "-1", "1e9"])
+def test_a_restarts_count_that_is_no_small_number_reads_as_none_without_failing(restarts):
+    s = plan.parse_status(f"running\nrestarts {restarts}\n")
+    assert (s.state, s.restarts) == ("running", 0)
 
 
 def test_parse_status_reads_state_and_last_metrics_line():

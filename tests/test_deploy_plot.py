@@ -14,6 +14,7 @@ import numpy
 import pytest
 
 from deploy.errors import InputError, RuntimeFailure
+from deploy import plot as plotting
 from deploy.plot import NO_RUN, PANELS, SIZE_IN, DPI, records_by_run, render, series
 from trainer.output import RUN_ID_ENV
 from trainer_helpers import ROOT, SMALL, trainer_env
@@ -154,3 +155,108 @@ def test_importing_the_module_imports_neither_matplotlib_nor_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# Any program's METRICS lines, as its node's kept log holds them: rank 0's, rank 1's (the same
+# program printing on every rank), torchrun's own lines, and lines no parser should trust.
+PROGRAM_LOG = "\n".join([
+    "W1125 16:07:26.473000 8395 torch/distributed/run.py:982] setting OMP_NUM_THREADS",
+    '[rank0]: METRICS {"step": 1, "loss": 2.5, "lr": 0.1, "note": "warming up", "$\\\\frac{": 1}',
+    '[rank1]: METRICS {"step": 1, "loss": 9.9, "lr": 0.1}',
+    "[rank0]: METRICS not json {",
+    '[rank0]: METRICS ["a", "list"]',
+    '[rank0]: METRICS {"step": 2, "loss": "NaN", "lr": 1e308, "huge": ' + "9" * 400 + '}',
+    '[rank0]: METRICS {"step": 3, "loss": 1.5, "lr": 0.05, "flag": true, "inf": Infinity}',
+    "[rank0]: epoch 1 done",
+    '[rank0]: [rank0]: METRICS {"step": 4, "loss": 1.0, "lr": 0.05}',
+    "",
+])
+RUN = "20261125-120000-beef"
+
+
+def test_a_program_s_metrics_lines_are_read_from_its_log_skipping_what_is_not_a_json_object():
+    runs = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}@@run 20261125-130000-0000\n")
+    assert list(runs) == [RUN]  # a run without a METRICS line is left out
+    assert [r["step"] for r in runs[RUN]] == [1, 2, 3, 4]  # rank 0's alone, prefixed once or twice
+    assert plotting.numeric_fields(runs) == ["loss", "lr", "$\\frac{"]
+
+
+def test_a_field_is_drawn_against_the_step_and_values_that_are_not_numbers_are_left_out():
+    records = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}")[RUN]
+    assert plotting.field_series(records, "loss") == ([1.0, 3.0, 4.0], [2.5, 1.5, 1.0])  # "NaN" is a string
+    assert plotting.field_series(records, "lr") == ([1.0, 3.0, 4.0], [0.1, 0.05, 0.05])  # 1e308 is beyond LARGEST
+    assert plotting.field_series(records, "huge") == ([], [])  # 400 digits: no float holds it
+
+
+def test_a_secret_equal_to_the_metrics_prefix_is_masked_after_the_lines_are_read_not_before():
+    from deploy.secretenv import Redactor
+
+    redact = Redactor({"TOKEN": "METRICS", "KEY": "s3cr3t-field"})
+    log = f'@@run {RUN}\n[rank0]: METRICS {{"step": 1, "s3cr3t-field": 2.0, "note": "METRICS"}}\n'
+    runs = plotting.masked(plotting.log_records(log), redact)
+    assert runs == {RUN: [{"step": 1, "***": 2.0, "note": "***"}]}
+
+
+def test_lines_without_a_step_are_drawn_in_their_order():
+    records = [{"loss": 3.0}, {"loss": 2.0, "step": 7}, {"acc": 0.5}, {"loss": 1.0}]
+    assert plotting.field_series(records, "loss") == ([1.0, 2.0, 4.0], [3.0, 2.0, 1.0])
+
+
+def test_any_program_s_fields_make_a_panel_each_with_job_data_drawn_as_text(tmp_path):
+    runs = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}")
+    fig = render(runs, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["loss", "lr", "$\\frac{"]
+    assert plotted(fig)[("loss", RUN)] == ([1.0, 3.0, 4.0], [2.5, 1.5, 1.0])
+    assert fig.axes[-1].get_xlabel() == "step"
+
+
+def test_a_run_of_strings_alone_is_a_one_line_failure(tmp_path):
+    with pytest.raises(RuntimeFailure, match="no numeric field to plot in run"):
+        render({RUN: [{"step": 1, "status": "ok"}]}, tmp_path / "x.png")
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """A one-node local inventory whose shared volume holds one kept run of a program of its own:
+    a log with METRICS lines, no metrics.jsonl."""
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(json.dumps({
+        "job": {"name": "anyprog", "runtime": "host"}, "rendezvous": {"node": "here"},
+        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local"}],
+        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
+                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
+    }))
+    kept = tmp_path / "ckpt/.ddp-deploy/anyprog/runs" / RUN / "here"
+    kept.mkdir(parents=True)
+    (kept.parent / "run.json").write_text('{"program": "-m mine"}')
+    (kept / "log").write_text(PROGRAM_LOG)
+    return hosts
+
+
+def _plot(hosts, *args):
+    from click.testing import CliRunner
+
+    from deploy.cli import cli
+
+    return CliRunner().invoke(cli, ["--hosts", str(hosts), "plot", *args],
+                              env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
+
+
+def test_plot_draws_a_run_from_its_log_s_metrics_lines_without_metrics_jsonl_and_says_so(fleet, tmp_path):
+    r = _plot(fleet, "-o", str(tmp_path / "out.png"))
+    assert r.exit_code == 0, r.output
+    assert r.stdout == f"wrote {tmp_path / 'out.png'}: 1 run ({RUN} from its logs' METRICS lines)\n"
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_takes_a_run_from_metrics_jsonl_when_it_has_the_run_s_records(fleet, tmp_path, job):
+    (tmp_path / "ckpt/metrics.jsonl").write_text(job)
+    r = _plot(fleet, "-o", str(tmp_path / "out.png"), "--run", FIRST, "--run", RUN)
+    assert r.exit_code == 0, r.output
+    said, _, left_out = r.stdout.partition("; ")
+    assert said == (f"wrote {tmp_path / 'out.png'}: 2 runs ({FIRST} from metrics.jsonl, "
+                    f"{RUN} from its logs' METRICS lines)")
+    fields = plotting.numeric_fields({FIRST: records_by_run(job)[FIRST], RUN: plotting.log_records(
+        f"@@run {RUN}\n{PROGRAM_LOG}")[RUN]})  # the trainer's and the program's: more than a picture holds
+    assert left_out == f"{len(fields) - plotting.MAX_PANELS} more fields not drawn ({', '.join(fields[12:])})\n"

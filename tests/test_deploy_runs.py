@@ -180,7 +180,7 @@ def test_relaunches_keep_every_run_s_logs_and_outcome_until_pruned_by_count(ddp,
     assert set(by_run) == {first, third}
     png = tmp_path / "both.png"
     made = ddp(good, "plot", "--run", first, "--run", third[:-3], "-o", str(png))
-    assert made.exit_code == 0 and made.stdout.strip() == f"wrote {png}: 2 runs ({first}, {third})", made.output
+    assert made.exit_code == 0 and made.stdout.strip() == f"wrote {png}: 2 runs ({first} from metrics.jsonl, {third} from metrics.jsonl)", made.output
     from matplotlib.image import imread
     assert imread(str(png)).shape[:2] == (800, 800)
     none = ddp(good, "plot", "--run", second)

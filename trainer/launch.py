@@ -17,15 +17,23 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from .compat import binds_stores
+from . import snapshot_hint
+from .entry import module_argv
+from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
 
 
@@ -36,6 +44,8 @@ def default_nproc() -> str:
 
 
 DEFAULT_ENTRY = "trainer"
+RUN_MARKER_ENV = "DDP_DEPLOY_RUN"
+"""The host runtime's run directory, in the environment of every process of the run (deploy/runtime.py)."""
 
 
 # Each worker's lines, echoed by torchrun (--tee), start with its global rank: `logs` shows and
@@ -192,10 +202,12 @@ def keep_rendezvous_open_on_failure() -> None:
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def run_teed(directory: str, argv: list[str]) -> int:
+def run_teed(directory: str | None, argv: list[str], mask: Mask | None = None) -> int:
     """Runs ``argv`` with its output (stdout and stderr, in order) printed here and appended to
     ``directory/log``; then appends ``TIME CODE`` to ``directory/exits``. Its exit code (128+N
-    after signal N), as a shell reports it.
+    after signal N), as a shell reports it. With ``mask``, the output is masked before either:
+    no secret value the job prints reaches a log at rest (the run's, Docker's, Slurm's, the
+    host runtime's), in any spelling ``mask`` knows. ``directory`` None: printed here only.
 
     A container's own log goes with the container (a relaunch removes it); this copy stays with
     the run on the shared volume, and a node lost mid-run keeps its lines up to the loss. Signals
@@ -205,12 +217,17 @@ def run_teed(directory: str, argv: list[str]) -> int:
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda number, frame: child.send_signal(number))
-    copy = _append(os.path.join(directory, "log"))
+    copy = _append(os.path.join(directory, "log")) if directory else None
     out = sys.stdout.buffer
-    while True:
+    masking = StreamMask(mask) if mask else None
+    done = False
+    while not done:
         chunk = os.read(child.stdout.fileno(), 1 << 16)
+        done = not chunk
+        if masking is not None:  # holds back an unfinished line's end, which may be part of a value
+            chunk = masking.end() if done else masking.feed(chunk)
         if not chunk:
-            break
+            continue
         out.write(chunk)
         out.flush()
         if copy is not None:
@@ -222,6 +239,8 @@ def run_teed(directory: str, argv: list[str]) -> int:
                 copy = None
     code = child.wait()
     code = code if code >= 0 else 128 - code
+    if not directory:
+        return code
     ended = _append(os.path.join(directory, "exits"))
     if ended is not None:
         try:
@@ -245,10 +264,42 @@ def _warn(message: str) -> None:
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def torch_log_dir(args: list[str], owner: str | None = None):
+    """``["--log-dir", DIR]`` for torchrun, DIR new and private to this run and removed with
+    everything in it at the end; ``[]`` when the options (before ``--``) name a log directory.
+
+    torchrun otherwise makes a new ``$TMPDIR/torchelastic_*`` per run and leaves it: each
+    worker's raw output (with --tee), secrets a program printed included, piling up. ``owner``
+    (the run's directory) names it, so that a launcher of the same run that was killed before it
+    could remove its own (``stop --now``) has it removed by the next one.
+    """
+    if "--" in args and option(args[:args.index("--")], "--log-dir") is not None:
+        yield []
+        return
+    prefix = "ddp-torchelastic-"
+    if owner:
+        prefix += hashlib.sha256(owner.encode()).hexdigest()[:16] + "-"
+        for left in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), prefix + "*")):
+            shutil.rmtree(left, ignore_errors=True)
+    directory = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield ["--log-dir", directory]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
+    argv = sys.argv[1:]
     directory = os.environ.pop(LOG_DIR_ENV, None)
-    if directory:  # the job is this process's child, and its output goes to the run's log too
-        sys.exit(run_teed(directory, [sys.executable, "-m", "trainer.launch", *sys.argv[1:]]))
+    mask = Mask.from_environ(os.environ.pop(SECRET_NAMES_ENV, ""))
+    owner = os.environ.get(RUN_MARKER_ENV) or directory
+    if directory or mask:
+        # The job (torchrun) is this process's child: its output is masked and copied to the run's
+        # log, and torch's log directory is made here (the child gets it named, and runs torchrun
+        # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
+        with torch_log_dir(argv, owner) if "--" in argv else contextlib.nullcontext([]) as log_dir:
+            sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask))
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
     # MASTER_ADDR in that round, which group rank 0 only publishes in its first round: the
@@ -265,7 +316,11 @@ def main() -> None:
     watch_rendezvous(args)
     from torch.distributed.run import main as torchrun
 
-    torchrun(args)
+    with torch_log_dir(argv, owner) as log_dir:
+        try:
+            torchrun([*log_dir, *args])
+        finally:  # a write into the code snapshot: say so, where the worker's error may name no path
+            snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))
 
 
 if __name__ == "__main__":

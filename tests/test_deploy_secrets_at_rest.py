@@ -1,0 +1,130 @@
+"""Secrets at rest: what a program prints of a secret is masked on the node, before any log holds
+it (the run's log on the shared volume, Docker's, Slurm's), and torch's own per-worker log
+folders go with the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy.cli import cli
+from fakes import free_port
+from test_deploy_local import LONG_ARGS, _records, _wait_for
+from trainer import launch
+
+SECRET = 's3cr"et\\-välue-7f3a'
+SPELLINGS = {"as is": SECRET, "json.dumps": json.dumps(SECRET)[1:-1], "repr": repr(SECRET)[1:-1]}
+
+LEAK = """
+import json, os, sys
+value = os.environ["API_TOKEN"]
+print("plain:", value, flush=True)
+print("METRICS " + json.dumps({"kind": "train", "epoch": 0, "step": 1, "loss": 1.0, "token": value}), flush=True)
+print("repr:", repr({"token": value}), file=sys.stderr, flush=True)
+"""
+
+
+def _files_holding(root: Path, text: str) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and text.encode() in p.read_bytes()]
+
+
+def _job(tmp_path: Path, monkeypatch, train: dict) -> Path:
+    """A one-node host-runtime job here with the secret API_TOKEN, its TMPDIR its own (the
+    launcher's torch log folders, apart from other tests')."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    monkeypatch.setenv("TEST_API_TOKEN", SECRET)
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(json.dumps({
+        "job": {"name": "atrest", "runtime": "host", "max_restarts": 0},
+        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
+        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": 1}],
+        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
+                    "min_free_gb": 0.01},
+        "train": {"python": sys.executable, "secrets": {"API_TOKEN": {"env": "TEST_API_TOKEN"}}, **train},
+    }))
+    return hosts
+
+
+def _ddp(hosts: Path, *args: str):
+    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
+
+
+def _torch_folders(tmp_path: Path) -> list[str]:
+    return [p.name for p in (tmp_path / "tmp").iterdir() if "torchelastic" in p.name]
+
+
+@pytest.mark.e2e
+def test_a_printed_secret_is_masked_in_every_file_the_run_leaves_and_torchs_log_folders_are_gone(tmp_path, monkeypatch):
+    project = tmp_path / "leaky"
+    project.mkdir()
+    (project / "leak.py").write_text(LEAK)
+    hosts = _job(tmp_path, monkeypatch, {"script": "leak.py", "code": str(project)})
+    launched = _ddp(hosts, "launch", "--wait", "--timeout", "240")
+    assert launched.exit_code == 0, launched.output
+
+    logs = _ddp(hosts, "logs").stdout
+    assert "plain: ***" in logs and "repr: {'token': '***'}" in logs and '"token": "***"' in logs, logs
+    kept = list((tmp_path / "nas/ckpt/.ddp-deploy/atrest/runs").glob("*/here/log"))
+    assert len(kept) == 1 and "plain: ***" in kept[0].read_text()
+    for how, spelt in SPELLINGS.items():
+        assert spelt not in logs, how
+        assert not _files_holding(tmp_path, spelt), how  # the kept log, records, the debug log, torch's folders
+    assert not _torch_folders(tmp_path)
+
+
+@pytest.mark.e2e
+def test_a_job_with_secrets_still_checkpoints_when_stopped_and_leaves_no_torch_folder(tmp_path, monkeypatch):
+    hosts = _job(tmp_path, monkeypatch, {"args": LONG_ARGS})
+    assert _ddp(hosts, "launch").exit_code == 0
+    _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
+    assert _torch_folders(tmp_path)  # while it runs
+    stopped = _ddp(hosts, "stop")
+    assert stopped.exit_code == 0 and "trainer: stopped by SIGTERM at step" in stopped.stdout, stopped.output
+    assert _records(tmp_path)[-1]["kind"] == "stopped"
+    assert not _torch_folders(tmp_path)
+
+
+def _teed(tmp_path: Path, script: str, names: str, env: dict[str, str]) -> tuple[int, str]:
+    """The launcher's tee (run_teed) with the mask main() gives it, around ``python -c script``."""
+    code = ("import sys; from trainer.launch import run_teed; from trainer.masking import Mask; "
+            f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}], Mask.from_environ({names!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+    return proc.returncode, proc.stdout
+
+
+def test_the_launchers_output_and_its_copy_in_the_run_log_are_masked_as_printed(tmp_path):
+    script = ("import json, os, sys; v = os.environ['TOKEN']; print('a', v); print(json.dumps([v]), file=sys.stderr); "
+              "sys.stdout.write('no newline at the end ' + repr(v)); sys.exit(4)")
+    rc, out = _teed(tmp_path, script, "TOKEN", {"TOKEN": SECRET})
+    log = (tmp_path / "log").read_text()
+    assert rc == 4 and out == log
+    assert log.splitlines() == ["a ***", '["***"]', "no newline at the end '***'"]
+
+
+def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_of_the_same_run_with_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = ["--nnodes", "1", "--", "--epochs", "1"]
+    with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/a/node1") as killed:
+        left = Path(killed[1])
+        (left / "stdout.log").write_text(SECRET)
+    left.mkdir()  # as a launcher killed by SIGKILL leaves it
+    with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/b/node1") as other:
+        Path(other[1], "stdout.log").write_text("another job's, running")
+        with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/a/node1") as mine:
+            assert mine[0] == "--log-dir" and not left.exists()
+            assert Path(other[1], "stdout.log").exists()  # only its own run's
+        assert not Path(mine[1]).exists()
+    assert list(tmp_path.iterdir()) == []
+    with launch.torch_log_dir(["--log-dir", "/var/log/mine", "--", "x"]) as given:
+        assert given == []  # the operator's own choice, left to them
