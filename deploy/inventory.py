@@ -50,9 +50,17 @@ def _safe_name(v: str) -> str:
     return v
 
 
+RESERVED_JOBS = ("code",)
+"""Names of the tool's own directories beside the jobs' in <checkpoints>/.ddp-deploy (the code
+store: codesync.STORE_SUBDIR): a job of that name would have its runs inside the store."""
+
+
 def _job_name(v: str) -> str:
     if not _JOB.fullmatch(v):
         raise ValueError("lower-case letters, digits, '_', '.' and '-', starting with a letter or digit")
+    if v in RESERVED_JOBS:
+        raise ValueError(f"'{v}' is the name of the tool's own directory beside the jobs' (the code store); "
+                         "choose another name")
     return v
 
 

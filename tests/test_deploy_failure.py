@@ -156,3 +156,13 @@ def test_a_node_whose_rank_exited_0_is_named_with_the_time_its_torchrun_s_exit_b
     assert first.describe().startswith("rank 1 on node2 exited 0 at 16:39:20 while the others still trained; ")
     alone = first_failure({"node1": (SAMPLES / "node_of_rank0_loses_rank1.log").read_text()})
     assert type(alone) is Failure and (alone.node, alone.rank) == ("node1", 0)  # no word of node2: no guess
+
+
+def test_once_a_node_failed_the_nodes_that_exited_0_are_read_too_for_a_rank_that_left_early():
+    from deploy.cli import witnesses
+    from deploy.plan import NodeState
+
+    states = {"n1": NodeState("exited(1)"), "n2": NodeState("exited(0)"), "n3": NodeState("running"),
+              "n4": NodeState("exited(?)")}
+    assert witnesses(states) == ["n1", "n2", "n4"]
+    assert witnesses({"n1": NodeState("exited(0)"), "n2": NodeState("running")}) == []  # nothing failed

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from fakes import free_port
+from local_job import local_hosts
 from procs import alive, parent_of
 
 pytestmark = pytest.mark.e2e
@@ -24,17 +24,7 @@ TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "25
 
 
 def _inventory(tmp_path: Path, args: list[str], procs: int = 2) -> Path:
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({  # JSON is YAML
-        "job": {"name": "localtest", "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.01},
-        "train": {"python": sys.executable, "args": args},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job="localtest", train={"args": args}, procs=procs)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from click.testing import CliRunner
 from deploy import runs, runtime, slurm, view
 from deploy.cli import cli
 from deploy.inventory import loads
-from fakes import free_port
+from local_job import local_hosts
 from procs import alive
 from test_deploy_local import _tagged, _wait_for
 
@@ -50,17 +49,7 @@ def _hosts(tmp_path: Path, job: str) -> Path:
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
     (code / "sleeper.py").write_text(SLEEPER)
-    hosts = tmp_path / f"{job}.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": job, "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": 1}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.01},
-        "train": {"python": sys.executable, "script": "sleeper.py", "code": str(code)},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job=job, name=f"{job}.yaml", train={"script": "sleeper.py", "code": str(code)})
 
 
 @pytest.fixture
@@ -158,7 +147,7 @@ def test_kill_run_spares_a_process_whose_run_directory_differs_where_a_pattern_w
     mine, other = tagged_sleep("/nas/.ddp-deploy/exp.1/here"), tagged_sleep("/nas/.ddp-deploy/exp-1/here")
     longer = tagged_sleep("/nas/.ddp-deploy/exp.1/here2")
     try:
-        _wait_for(lambda: all(f"DDP_DEPLOY_RUN=" in Path(f"/proc/{p.pid}/environ").read_text()
+        _wait_for(lambda: all("DDP_DEPLOY_RUN=" in Path(f"/proc/{p.pid}/environ").read_text()
                               for p in (mine, other, longer)), "the processes to start", 10)
         subprocess.run(["sh", "-c", runtime.KILL_RUN + 'kill_run "$1" ""', "sh", "/nas/.ddp-deploy/exp.1/here"],
                        check=True, timeout=30)

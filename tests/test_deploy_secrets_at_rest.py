@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from fakes import free_port
+from local_job import local_hosts
 from test_deploy_local import LONG_ARGS, _records, _wait_for
 from trainer import launch
 
@@ -42,17 +42,7 @@ def _job(tmp_path: Path, monkeypatch, train: dict) -> Path:
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     monkeypatch.setenv("TEST_API_TOKEN", SECRET)
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": "atrest", "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": 1}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.01},
-        "train": {"python": sys.executable, "secrets": {"API_TOKEN": {"env": "TEST_API_TOKEN"}}, **train},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job="atrest", train={"secrets": {"API_TOKEN": {"env": "TEST_API_TOKEN"}}, **train})
 
 
 def _ddp(hosts: Path, *args: str):

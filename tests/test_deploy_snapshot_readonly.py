@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from fakes import free_port
+from local_job import local_hosts
 from trainer import snapshot_hint
 from trainer.entry import module_argv
 
@@ -22,17 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _hosts(tmp_path: Path, train: dict) -> Path:
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": "snapro", "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": 1}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.01},
-        "train": {"python": sys.executable, **train},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job="snapro", train=train)
 
 
 @pytest.fixture

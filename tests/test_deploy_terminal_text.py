@@ -187,7 +187,7 @@ def test_markup_in_a_state_a_program_name_or_a_node_directory_is_printed_literal
     assert f"exited(2 {MARKUP})" in r.stdout and f"first failure: here rank 0 failed first: trainer: error: {MARKUP}" \
         in r.stdout
     run = _kept(tmp_path, {"time": 1_700_000_000, "program": f"prog {MARKUP}", "code_snapshot": "[b]c[/b]",
-                           "image": {"id": "sha256:[i]x[/i]"}}, f"1700000100 1\n", node="[bold]n")
+                           "image": {"id": "sha256:[i]x[/i]"}}, "1700000100 1\n", node="[bold]n")
     listed = ddp(hosts, "runs")
     assert listed.exit_code == 0, listed.output
     assert f"prog {MARKUP}" in listed.stdout and "│ [b]c[/b] │" in listed.stdout and "[i]x[/i]" in listed.stdout

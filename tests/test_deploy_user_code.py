@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from fakes import free_port
+from local_job import local_hosts
 
 pytestmark = pytest.mark.e2e
 
@@ -23,17 +22,7 @@ SECRET = "s3cr3t-value-for-the-test"
 
 
 def _hosts(tmp_path: Path, train: dict) -> Path:
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": "usercode", "runtime": "host", "max_restarts": 0},
-        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": 2}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.01},
-        "train": {"python": sys.executable, **train},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job="usercode", train=train, procs=2)
 
 
 @pytest.fixture

@@ -1,0 +1,28 @@
+"""A one-node job on this machine (`connection: local`, the host runtime, the real trainer's or a
+program's torchrun), its shared volume under the test's directory: the inventory the real CLI
+tests write."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fakes import free_port
+
+
+def local_hosts(tmp_path: Path, *, job: str, train: dict, procs: int = 1, name: str = "hosts.yaml",
+                max_restarts: int = 0) -> Path:
+    """hosts.yaml in ``tmp_path`` for node ``here`` (127.0.0.1), data and checkpoints under
+    ``tmp_path/nas``; ``train``: the train section but for its python (this interpreter)."""
+    hosts = tmp_path / name
+    hosts.write_text(json.dumps({  # JSON is YAML
+        "job": {"name": job, "runtime": "host", "max_restarts": max_restarts},
+        "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
+        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs}],
+        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
+                    "min_free_gb": 0.01},
+        "train": {"python": sys.executable, **train},
+    }))
+    return hosts
