@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from deploy.cli import cli
 from local_job import local_hosts
 from procs import alive, parent_of
+from trainer.entry import module_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -277,8 +279,7 @@ def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_p
     # An interpreter that passes the preflight checks (python -m trainer.probe, python -c LISTENER)
     # but cannot start the job.
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] || [ "$2" = trainer.probe ] && exec {sys.executable} "$@"\n'
-                    'exit 127\n')
+    fake.write_text(f'#!/bin/sh\n[ "$3" = trainer.launch ] && exit 127\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     hosts.write_text(hosts.read_text().replace(sys.executable, str(fake)))
@@ -312,7 +313,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
     r = ddp(hosts, "launch", "--dry-run")
     assert r.exit_code == 0
     assert "\n[here] sh -c " in r.stdout
-    assert "-m trainer.launch" in r.stdout and "is_host=1" in r.stdout
+    assert shlex.join(module_argv("trainer.launch")) in r.stdout and "is_host=1" in r.stdout
     assert not (tmp_path / "nas").exists()
 
 
