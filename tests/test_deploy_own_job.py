@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from deploy import runs, runtime, slurm, view
-from deploy.cli import cli
 from deploy.inventory import loads
 from local_job import local_hosts
 from procs import alive
-from test_deploy_local import _tagged, _wait_for
+from test_deploy_local import _tagged, _wait_for, ddp  # noqa: F401  (ddp: the fixture)
+from test_deploy_runs import _inv
 
 # A program that runs until told to end (a file named after its job appears) and, on SIGTERM,
 # says at which step it stopped, as the built-in trainer does (trainer/stopping.py).
@@ -50,17 +49,6 @@ def _hosts(tmp_path: Path, job: str) -> Path:
     code.mkdir(exist_ok=True)
     (code / "sleeper.py").write_text(SLEEPER)
     return local_hosts(tmp_path, job=job, name=f"{job}.yaml", train={"script": "sleeper.py", "code": str(code)})
-
-
-@pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
-
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
-
-    return run
 
 
 def _ok(r):
@@ -185,19 +173,6 @@ def test_a_stop_that_cannot_be_recorded_says_so_and_the_stop_goes_on(tmp_path):
 
 
 # --- reading the record: runs.parse of what LIST_RUNS prints, and its display ----------------------
-
-
-def _inv(ckpt: Path):
-    return loads(f"""
-job: {{name: demo}}
-rendezvous: {{node: a}}
-nodes:
-  - {{name: a, address: 198.18.0.11}}
-  - {{name: b, address: 198.18.0.12}}
-storage:
-  data: {{host: /nas/data, container: /data}}
-  checkpoints: {{host: {ckpt}, container: /ckpt}}
-""")
 
 
 START = 1_764_072_000  # the run's start, and its stop 63 s later
