@@ -17,7 +17,7 @@ from deploy.inventory import loads
 from deploy.remote import Remote
 
 INVENTORY = """
-job: {{name: code, runtime: host}}
+job: {{name: codejob, runtime: host}}
 rendezvous: {{node: a}}
 nodes:
   - {{name: a, address: 127.0.0.1, connection: local}}
