@@ -12,7 +12,7 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-fast clean
+.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-fast test-area clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
@@ -81,6 +81,15 @@ test: install install-oldest
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -ra -m "not e2e and not cluster" $(PYTEST_ARGS)
+
+## The quick loop while changing one area: the test files whose names hold AREA, the cluster's too
+## (make test-area AREA=chain); the oldest torch end runs where it is installed, else it is skipped.
+AREA_TESTS = $(wildcard tests/test_*$(AREA)*.py tests/cluster/test_*$(AREA)*.py)
+test-area: install
+	$(if $(AREA),,$(error name the area: make test-area AREA=chain (the test files whose names hold it)))
+	$(if $(AREA_TESTS),,$(error no test file's name holds '$(AREA)': ls tests/test_*.py tests/cluster/test_*.py))
+	$(if $(wildcard $(OLDEST_VENV)/bin/python),DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python) \
+	    $(VENV)/bin/python -m pytest -ra $(AREA_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

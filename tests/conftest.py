@@ -8,6 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_ends import torch_python  # noqa: E402,F401  (the fixture: both ends of the torch range)
 
+pytest_plugins = ("budget",)  # the suite's time budget, reported at the end of every run (budget.py)
+
 # The Ctrl-C tests press Ctrl-C for real (SIGINT to this process or to a CLI it starts). A suite
 # started in the background of a non-interactive shell (`./.ci/run &`, nohup) inherits SIGINT
 # ignored, and Python then installs no KeyboardInterrupt handler here or in any child: those

@@ -1,0 +1,57 @@
+"""tests/budget.py: the suite's time budget is reported, never enforced by failing a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+INNER = '''
+import time
+import pytest
+
+@pytest.mark.budget(0.05)
+def test_slow_beyond_its_own_limit():
+    time.sleep(0.3)
+
+def test_quick():
+    pass
+
+@pytest.mark.e2e
+def test_an_e2e_within_its_kinds_limit():
+    pass
+'''
+
+
+def _run(tmp_path: Path, budget_s: str) -> tuple[subprocess.CompletedProcess, dict]:
+    (tmp_path / "test_inner.py").write_text(INNER)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    e2e: x\n")
+    times = tmp_path / "times.json"
+    env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_BUDGET_S": budget_s, "DDP_TEST_TIMES": str(times)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return proc, json.loads(times.read_text())
+
+
+def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_nothing_fails(tmp_path):
+    proc, times = _run(tmp_path, "0.1")
+    assert proc.returncode == 0, proc.stdout  # a report, not a failure
+    report = proc.stdout[proc.stdout.index("time budget"):]
+    over = report[report.index("over their own limit (1):"):].splitlines()
+    assert over[1].endswith("> 0 s  test_inner.py::test_slow_beyond_its_own_limit")
+    assert "the suite is over its limit" in report and "min > 0.0 min ($DDP_TEST_BUDGET_S)" in report
+    assert report.index("test_slow_beyond_its_own_limit") < report.index("test_quick")  # slowest first
+    assert times["tests"]["test_inner.py::test_slow_beyond_its_own_limit"]["s"] >= 0.3
+    assert times["tests"]["test_inner.py::test_an_e2e_within_its_kinds_limit"]["kind"] == "e2e"
+
+
+def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):
+    proc, _ = _run(tmp_path, "600")
+    report = proc.stdout[proc.stdout.index("time budget"):]
+    assert "within the suite's limit" in report
+    assert "over their own limit (1):" in report  # only the test that sets a tiny limit of its own
+    assert "test_quick" not in report[report.index("over their own limit"):]
