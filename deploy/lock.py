@@ -52,6 +52,7 @@ PATH_ENV = "DDP_DEPLOY_LOCK_PATH"
 HEARTBEAT_EVERY = 10
 STALE_AFTER = 60
 UNLOCK = "`ddp-deploy unlock`"
+UNLOCK_LIVE = "`ddp-deploy unlock --force`"  # plain unlock refuses a live lock
 MACHINE_ID = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 """Where this machine's id is (systemd's, then D-Bus's): unique per installation, unlike hostnames."""
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -271,7 +272,7 @@ def refusal(command: str, seen: Seen) -> RuntimeFailure:
     why = seen.stale()
     if why is None:
         return RuntimeFailure(f"{command} refused, nothing started: {seen.describe()}",
-                              hint=f"wait for it to finish, or if that command no longer runs: {UNLOCK}")
+                              hint=f"wait for it to finish, or if that command no longer runs: {UNLOCK_LIVE}")
     return RuntimeFailure(f"{command} refused, nothing started: {seen.describe()}; the lock is stale: {why}",
                           hint=f"clear it with {UNLOCK}, then run {command} again")
 

@@ -169,7 +169,7 @@ def test_two_operators_starting_at_the_same_moment_exactly_one_proceeds_the_othe
         assert loser.proc.wait(timeout=60) == 1
         assert refusal.startswith("refused launch refused, nothing started: ")
         assert f" is locked by launch of job locktest by {WHO} (pid {pid}), started " in refusal
-        assert "`ddp-deploy unlock`" in refusal
+        assert refusal.endswith("if that command no longer runs: `ddp-deploy unlock --force`)")
         # The loser left nothing behind: only the winner's nodes are locked, by the winner.
         won = load(tmp_path / ("first.yaml" if winner is racers[0] else "second.yaml"))
         assert _locks(per_node_locks) == sorted(n.address for n in won.nodes)
@@ -264,6 +264,9 @@ def test_unlock_refuses_a_live_lock_without_force(ddp, tmp_path, holders, fleet_
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     live = holders(hosts)
     pid = live.take()
+    refused = ddp(hosts, "launch")  # its hint is what clears a live lock: plain unlock would refuse it
+    assert refused.exit_code == 1
+    assert refused.stderr.rstrip().endswith("if that command no longer runs: `ddp-deploy unlock --force`)")
 
     r = ddp(hosts, "unlock")
     assert r.exit_code == 1
