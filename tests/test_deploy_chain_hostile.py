@@ -326,14 +326,19 @@ def _relay_doomed(tmp_path: Path, what: str) -> tuple[tuple[str, ...], Path]:
     return (argv[0], argv[1], source, *argv[3:]), doomed
 
 
-def test_a_forwarder_that_fails_mid_stream_is_reported_and_the_node_after_the_lost_one_gets_the_stream(tmp_path):
-    argv, doomed = _relay_doomed(tmp_path, "fail")
+def _chain_a_to_d_dooming_c(tmp_path: Path, what: str):
+    """A chain a -> b -> c -> d whose relays' first socket to c fails or sticks (``_relay_doomed``)."""
+    argv, doomed = _relay_doomed(tmp_path, what)
 
     def doom_c(link):
         if link.name == "c":
             doomed.write_text(str(link.port))
 
-    run, remote, stream = _chain(tmp_path, ("a", "b", "c", "d"), argv, doom_c)
+    return _chain(tmp_path, ("a", "b", "c", "d"), argv, doom_c)
+
+
+def test_a_forwarder_that_fails_mid_stream_is_reported_and_the_node_after_the_lost_one_gets_the_stream(tmp_path):
+    run, remote, stream = _chain_a_to_d_dooming_c(tmp_path, "fail")
     with remote:
         _go_within(run, 30)
     _loaded_everywhere_but(run, stream, {"c"})
@@ -345,13 +350,7 @@ def test_a_forwarder_that_fails_mid_stream_is_reported_and_the_node_after_the_lo
 
 def test_a_relay_stuck_mid_forward_while_it_still_reports_is_passed_over_within_the_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(chain, "STUCK_FLOOR", 0.0)  # the bound is then 3 x stall_seconds
-    argv, doomed = _relay_doomed(tmp_path, "stick")
-
-    def doom_c(link):
-        if link.name == "c":
-            doomed.write_text(str(link.port))
-
-    run, remote, stream = _chain(tmp_path, ("a", "b", "c", "d"), argv, doom_c)
+    run, remote, stream = _chain_a_to_d_dooming_c(tmp_path, "stick")
     with remote:
         _go_within(run, 40)
     _loaded_everywhere_but(run, stream, {"b"})
