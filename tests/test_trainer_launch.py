@@ -221,6 +221,26 @@ def test_sigterm_reaches_the_job_through_the_tee_and_its_planned_stop_is_logged(
     assert rc == 0 and "stopped by SIGTERM" in (tmp_path / "log").read_text()
 
 
+def test_a_sigterm_to_the_launchers_whole_group_reaches_the_job_once(tmp_path):
+    """As the host runtime's stop signals the group: the job gets it from the tee alone, not twice."""
+    import os
+    import signal
+
+    script = ("import signal, sys, time\n"
+              "got = []\nsignal.signal(signal.SIGTERM, lambda n, f: got.append(n))\n"
+              "print('ready', flush=True)\nend = time.monotonic() + 30\n"
+              "while not got and time.monotonic() < end: time.sleep(0.05)\n"
+              "time.sleep(1); print('SIGTERMs:', len(got), flush=True)")
+    code = ("import sys; from trainer.launch import run_teed; "
+            f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.splitlines() == ["SIGTERMs: 1"]
+
+
 def test_a_run_log_that_cannot_be_written_costs_the_copy_not_the_job(tmp_path):
     rc, out = _teed(tmp_path / "missing", "print('still runs')")
     assert rc == 0 and "still runs" in out and "warning: cannot write" in out

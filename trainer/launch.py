@@ -214,7 +214,12 @@ def run_teed(directory: str | None, argv: list[str], mask: Mask | None = None) -
     to this process (``docker stop``'s SIGTERM) are passed on. A log that cannot be written (disk
     full) costs the copy, never the job.
     """
-    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The child in a session of its own: a signal to this process's whole group (the host runtime's
+    # stop, Ctrl-C in a terminal) reaches it once, forwarded from here, never twice. torchrun's
+    # agent, hit again while it handles the first SIGTERM, drops its workers' last lines and leaves
+    # a traceback in the log. What outlives this process is the run's own (kill_run's marker).
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda number, frame: child.send_signal(number))
     copy = _append(os.path.join(directory, "log")) if directory else None
