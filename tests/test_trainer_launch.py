@@ -182,11 +182,17 @@ def test_an_elastic_agent_that_fails_leaves_the_rendezvous_open_and_one_that_fin
     assert proc.stdout.splitlines() == ["after a failed agent: joined", "after a finished agent: closed"], proc.stderr[-3000:]
 
 
-def _teed(tmp_path, script: str, *, signal_after: float | None = None):
-    """trainer.launch's run_teed around ``python -c script``, in a process of its own."""
+def _teed_process(tmp_path, script: str) -> subprocess.Popen:
+    """trainer.launch's run_teed around ``python -c script``, started in a session (and group) of its own."""
     code = ("import sys; from trainer.launch import run_teed; "
             f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _teed(tmp_path, script: str, *, signal_after: float | None = None):
+    """trainer.launch's run_teed around ``python -c script``, in a process of its own."""
+    proc = _teed_process(tmp_path, script)
     if signal_after is not None:
         import signal
         import time
@@ -231,10 +237,7 @@ def test_a_sigterm_to_the_launchers_whole_group_reaches_the_job_once(tmp_path):
               "print('ready', flush=True)\nend = time.monotonic() + 30\n"
               "while not got and time.monotonic() < end: time.sleep(0.05)\n"
               "time.sleep(1); print('SIGTERMs:', len(got), flush=True)")
-    code = ("import sys; from trainer.launch import run_teed; "
-            f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _teed_process(tmp_path, script)
     assert proc.stdout.readline().strip() == "ready"
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
