@@ -609,8 +609,8 @@ def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
     """Every node's state; ``redact`` hides secret values in the metrics (a program may print them),
     once parsed: what a node's state is never depends on them."""
     res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
-    return {n: secretenv.masked(plan.parse_status(r.stdout) if r.ok
-                                else plan.NodeState("unknown" if r.connected else "unreachable", r.summary()), redact)
+    return {n: plan.with_stall(secretenv.masked(plan.parse_status(r.stdout) if r.ok else plan.NodeState(
+                "unknown" if r.connected else "unreachable", r.summary()), redact), inv.job.stall_timeout)
             for n, r in res.items()}
 
 

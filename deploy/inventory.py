@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.heartbeat import HEARTBEAT_DIR_ENV
 from trainer.masking import SECRET_NAMES_ENV
 
 from .errors import Issue, InventoryError
@@ -113,7 +115,7 @@ def _no_nul(v: str) -> str:
 # bypass what check verified or what stop and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
-                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", SECRET_NAMES_ENV)
+                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, SECRET_NAMES_ENV)
 
 
 def _identifier(v: str) -> str:
@@ -148,6 +150,14 @@ def _env_value(v: str) -> str:
     return v
 
 
+def _stall_timeout(v):
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 7 * 24 * 3600:
+        raise ValueError("must be a number of seconds (more than 0, at most a week), auto or null")
+    return float(v)
+
+
 SafeName = Annotated[str, AfterValidator(_safe_name)]
 JobName = Annotated[str, AfterValidator(_job_name)]
 Address = Annotated[str, AfterValidator(_address)]
@@ -156,6 +166,7 @@ PathStr = Annotated[str, AfterValidator(_path)]
 LocalPath = Annotated[str, AfterValidator(_local_path)]
 """A path only ever opened on the operator's machine (never sent to a shell)."""
 ImageRef = Annotated[str, AfterValidator(_image)]
+StallTimeout = Annotated[object, BeforeValidator(_stall_timeout)]
 Arg = Annotated[str, AfterValidator(_no_nul)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
@@ -181,6 +192,11 @@ class Job(_Model):
     then costs a rendezvous round, not the job: the others go on without it from the newest
     checkpoint, and take it in again when it is back (or ``ddp-deploy join`` starts it). The
     most is every node listed, those left out with --without too. None: every node."""
+    stall_timeout: StallTimeout = "auto"
+    """Seconds without progress on a node (no rank's step moved; without heartbeats, no output)
+    before ``status`` and ``launch --wait`` call it stalled. ``auto``: ten times the longest
+    interval the ranks' heartbeats have shown, at least 300 s (a program without heartbeats: 1800 s
+    of silence); ``null``: never (README, "When a job hangs")."""
     keep_runs: int = Field(default=20, ge=1)
     """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
     TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""

@@ -9,14 +9,16 @@ constant script that receives every value as a positional argument (never interp
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from trainer.heartbeat import HEARTBEAT_DIR_ENV, parse_beat
 from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from .inventory import Inventory, Node
 from .payload import payload
-from .runtime import CodeDir, NodeFacts, runtime
+from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
+from .stall import Beat, Stall, judge
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
@@ -173,7 +175,8 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
     program = program_args(inv)
-    env = node_env(inv, node, facts, code, run)
+    # The started job's alone: a probe or a network check beside it never touches its heartbeats.
+    env = (*node_env(inv, node, facts, code, run), (HEARTBEAT_DIR_ENV, heartbeat_dir(inv, node)))
     rt = runtime(inv, code, run)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,
@@ -244,6 +247,12 @@ class NodeState:
     """The last METRICS line (an unreachable node's: why)."""
     restarts: int = 0
     """How often the node's torchrun was started again (Docker's policy, the host supervisor)."""
+    beats: tuple[Beat, ...] = ()
+    """A running job's heartbeats on the node, one per rank that writes them (deploy/stall.py)."""
+    quiet_s: float | None = None
+    """A running job's seconds since its log was last written."""
+    stall: Stall | None = None
+    """Judged by the operator's tool against job.stall_timeout (:func:`with_stall`)."""
 
     @property
     def exists(self) -> bool:
@@ -286,11 +295,24 @@ def parse_status(stdout: str) -> NodeState:
     if head.startswith("exited"):
         code = head.split(" ", 1)[1] if " " in head else "?"
         head = f"exited({code})"
-    restarts, metrics = 0, ""
+    restarts, metrics, beats, quiet = 0, "", [], None
     for line in lines[1:]:
         word, _, value = line.strip().partition(" ")
         if word == "restarts":
             restarts = count(value)
+        elif word == "beat":  # "beat LOCAL_RANK AGE LINE" (runtime.PROGRESS)
+            name, _, rest = value.partition(" ")
+            age, _, text = rest.partition(" ")
+            found = parse_beat(name, age, text)
+            if found is not None:
+                beats.append(Beat(*found))
+        elif word == "quiet":
+            quiet = float(count(value)) if value.isdigit() else None
         elif line.strip():
             metrics = line.strip()
-    return NodeState(head, metrics, restarts)
+    return NodeState(head, metrics, restarts, tuple(beats), quiet)
+
+
+def with_stall(s: NodeState, setting, now: float | None = None) -> NodeState:
+    """``s`` judged against ``job.stall_timeout`` (``setting``)."""
+    return replace(s, stall=judge(s.state, s.beats, s.quiet_s, setting, now))

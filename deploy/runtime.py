@@ -94,12 +94,28 @@ fi
 cat "$run/pid"
 """
 
-# $1 = run dir. Line 1: absent | running | exited CODE; then "restarts N" (the supervisor's count)
-# and the last METRICS line, if any.
-HOST_STATUS = r"""run=$1
+# A shell function: progress HEARTBEAT_DIR LOG. The evidence of progress of a running job on this
+# node, its ages in seconds as this node's clock has them: "beat LOCAL_RANK AGE LINE" for each
+# rank's heartbeat file (trainer/heartbeat.py; LINE: its first line's digits and spaces, the file
+# being the job's), and "quiet AGE", the time since the run's log was last written.
+PROGRESS = r"""progress() {
+  now=$(date +%s)
+  for f in "$1"/*; do
+    name=${f##*/}
+    case $name in ''|*[!0-9]*) continue ;; esac
+    [ -f "$f" ] && [ ! -L "$f" ] && m=$(stat -c %Y "$f" 2>/dev/null) || continue
+    echo "beat $name $((now - m)) $(head -c 64 "$f" 2>/dev/null | head -n 1 | tr -cd '0-9 ')"
+  done
+  m=$(stat -L -c %Y "$2" 2>/dev/null) && echo "quiet $((now - m))"
+}
+"""
+
+# $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | exited CODE; then
+# "restarts N" (the supervisor's count), a running job's PROGRESS, and the last METRICS line, if any.
+HOST_STATUS = PROGRESS + r"""run=$1
 if [ ! -e "$run/pid" ]; then echo absent; exit 0
 elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
-elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running
+elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running; progress "$2" "$run/log"
 else echo "exited ?"
 fi
 echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
@@ -107,7 +123,16 @@ echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 exit 0
 """
 
-# $1 = run dir, $2 = grace in seconds (0: kill at once), $3 = who stops it (user@host). SIGTERM
+# A shell function: drop_beats DIR removes a stopped job's heartbeat directory (a launcher killed
+# at once leaves it), where it is a directory and not a link.
+DROP_BEATS = r"""drop_beats() {
+  if [ -d "$1" ] && [ ! -L "$1" ]; then rm -rf -- "$1"; fi
+  return 0
+}
+"""
+
+# $1 = run dir, $2 = grace in seconds (0: kill at once), $3 = who stops it (user@host), $4 = the job's
+# heartbeat dir. SIGTERM
 # to the process group if it still runs: torchrun passes it to its workers, which finish their
 # step, write a checkpoint and exit (trainer/stopping.py) within torchrun's 30 s; after the
 # grace, SIGKILL. torchrun starts each worker in a session of its own, so the group does not hold
@@ -116,7 +141,7 @@ exit 0
 # directory is where STATE/log links). Then the run is forgotten (log kept). Prints what the
 # program said on stopping, if anything: only what it printed after the SIGTERM, never a line of
 # an earlier stop in the same log.
-HOST_STOP = KILL_RUN + RECORD_STOP + r"""run=$1; grace=$2; by=$3
+HOST_STOP = KILL_RUN + RECORD_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   from=$( { wc -c < "$run/log"; } 2>/dev/null ) || from=0
@@ -130,6 +155,7 @@ if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   kill_run "$run" ""
   said=""
   [ $alive = yes ] && said=$(tail -c +$((from + 1)) "$run/log" 2>/dev/null | record_stop "$kept" node "$mode" "$by" "$t0")
+  drop_beats "$beats"
   echo "stopped$said"
 elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
 else echo absent
@@ -137,28 +163,35 @@ fi
 rm -f "$run/pid" "$run/exit"
 """
 
-# $1 = container. The same lines as HOST_STATUS (restarts: Docker's RestartCount), and
-# "restarting" while Docker starts it again. Only "No such container" is absent: any other failure
-# of the engine (busy) fails the command, so it reads as a node that did not answer this time,
-# never as a job that ended.
-DOCKER_STATUS = r"""c=$1
+# $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
+# the node. The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
+# named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
+# such container" is absent: any other failure of the engine (busy) fails the command, so it reads
+# as a node that did not answer this time, never as a job that ended.
+DOCKER_STATUS = PROGRESS + r"""c=$1; beats=$2; job=$3; node=$4
 s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
   case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
   echo "$s" >&2; exit 1; }
 set -- $s
 case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
+if [ "$1" = running ]; then
+  run=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$c" 2>/dev/null |
+        sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
+  printf '%s\n' "$run" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' || run=none
+  progress "$beats" "$job/runs/$run/$node/log"
+fi
 echo "restarts ${3:-0}"
 docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
 exit 0
 """
 
 # $1 = container, $2 = grace in seconds (0: remove at once), $3 = who stops it (user@host), $4 =
-# the job's directory (as the node sees it), $5 = the node. Idempotent. `docker stop` sends
+# the job's directory (as the node sees it), $5 = the node, $6 = the job's heartbeat dir. Idempotent. `docker stop` sends
 # SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
 # and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
 # container's DDP_LAUNCH_ID), with what it printed since the stop began.
-DOCKER_STOP = RECORD_STOP + r"""c=$1; grace=$2; by=$3; job=$4; node=$5
+DOCKER_STOP = RECORD_STOP + DROP_BEATS + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
 if s=$(docker inspect --type container --format '{{.State.Status}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   run=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$c" 2>/dev/null |
@@ -169,7 +202,7 @@ if s=$(docker inspect --type container --format '{{.State.Status}}' "$c" 2>/dev/
   case "$s" in running|restarting)
     said=$(if [ "$grace" -gt 0 ]; then docker logs --since "$t0" "$c" 2>&1; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
   esac
-  docker rm -f "$c" > /dev/null && echo "stopped$said"
+  docker rm -f "$c" > /dev/null && drop_beats "$beats" && echo "stopped$said"
 else echo absent; fi
 """
 
@@ -247,6 +280,13 @@ def job_dir(inv: Inventory, base: str | None = None) -> str:
 def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> str:
     """A node's directory of a run on the shared volume (deploy/runs.py)."""
     return f"{job_dir(inv, base)}/runs/{run}/{node}"
+
+
+def heartbeat_dir(inv: Inventory, node: Node) -> str:
+    """Where the job's ranks on ``node`` keep their heartbeats (trainer/heartbeat.py): in the node's
+    memory, shared with a container by ``--ipc host``; ``@`` is in neither a job's nor a node's name,
+    so no two jobs or nodes (network namespaces of one machine in the tests) share one."""
+    return f"/dev/shm/ddp-heartbeat-{inv.job.name}@{node.name}"
 
 
 def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
@@ -457,11 +497,12 @@ class DockerRuntime(Runtime):
                 self.inv.image.name, *probe_args(node, program)]
 
     def status_argv(self, node):
-        return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node))
+        return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node), heartbeat_dir(self.inv, node),
+                job_dir(self.inv), node.name)
 
     def stop_argv(self, node, grace=0, by=None):
         return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(), job_dir(self.inv),
-                node.name)
+                node.name, heartbeat_dir(self.inv, node))
 
     def logs_argv(self, node, *, tail, follow):
         argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
@@ -517,10 +558,11 @@ class HostRuntime(Runtime):
         return self._command(node, env, probe_args(node, program))
 
     def status_argv(self, node):
-        return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node))
+        return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node), heartbeat_dir(self.inv, node))
 
     def stop_argv(self, node, grace=0, by=None):
-        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace), by or operator())
+        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace), by or operator(),
+                heartbeat_dir(self.inv, node))
 
     def logs_argv(self, node, *, tail, follow):
         return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)

@@ -23,6 +23,7 @@ from rich.table import Table
 from trainer.output import RANK_PREFIXES
 
 from .plan import NodeState
+from .stall import Stall
 from .text import DataTable, cell, safe
 
 METRICS_PREFIX = "METRICS "
@@ -125,10 +126,24 @@ def duration(seconds: float) -> str:
 
 
 def state_text(s: NodeState) -> str:
-    """running | running (2 restarts) | restarting (3 restarts) | exited(1) | unreachable ..."""
+    """running | running (2 restarts) | restarting (3 restarts) | exited(1) | unreachable ...
+    | stalled 3m12s (last step 1234 since 12:01:03): a running node where nothing moved (deploy/stall.py)."""
+    state = s.state if s.stall is None else stall_text(s.stall)
     if s.restarts and (s.running or s.state.startswith("exited")):
-        return f"{s.state} ({s.restarts} restart{'s' * (s.restarts != 1)})"
-    return s.state
+        return f"{state} ({s.restarts} restart{'s' * (s.restarts != 1)})"
+    return state
+
+
+def stall_text(st: Stall) -> str:
+    """``stalled 3m12s (last step 1234 since 12:01:03)``; a program without heartbeats:
+    ``stalled 31m00s (no output since 12:01:03)``."""
+    what = "no output" if st.evidence == "output" else "no step" if st.last_step is None else f"last step {st.last_step}"
+    return f"stalled {duration(st.for_s)} ({what} since {time.strftime('%H:%M:%S', time.localtime(st.since))})"
+
+
+def _key(s: NodeState) -> str:
+    """What a plain follower shows a line for when it changes: the state, stalled or not."""
+    return f"{s.state} {s.restarts} {s.stall is not None}"
 
 
 COLUMNS = ("node", "state", "ranks", "epoch", "step", "loss", "acc", "samples/s", "ETA")
@@ -138,7 +153,7 @@ def table(job: str, ranks: dict[str, int | None], states: dict[str, NodeState]) 
     """The ``status`` table; a node's ranks None: not known (a kept run's record does not say)."""
     t = DataTable(*COLUMNS, title=f"job {job}")
     for n, s in states.items():
-        color = {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
+        color = "yellow" if s.stall else {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
         cells = Progress.from_line(s.metrics).cells()
         t.add_row(n, cell(state_text(s), style=color), "-" if ranks[n] is None else str(ranks[n]),
                   *(cells[c] for c in COLUMNS[3:]))
@@ -149,7 +164,9 @@ def as_data(node: str, ranks: int, s: NodeState) -> dict:
     """One node of ``status --json``: its state, restarts, progress fields, and the raw METRICS
     line (``metrics``; an unreachable node's: why)."""
     return {"node": node, "state": s.state, "restarts": s.restarts, "ranks": ranks,
-            **asdict(Progress.from_line(s.metrics)), "metrics": s.metrics}
+            **asdict(Progress.from_line(s.metrics)), "metrics": s.metrics,
+            "stalled": None if s.stall is None else asdict(s.stall),
+            "heartbeats": [asdict(b) for b in s.beats], "quiet_s": s.quiet_s}
 
 
 def line(node: str, s: NodeState, width: int = 0) -> str:
@@ -171,7 +188,7 @@ class PlainFollower:
         width = max((len(n) for n in states), default=0)
         now = self.clock()
         for n, s in states.items():
-            text = state_text(s)
+            text = _key(s)
             last = self._shown.get(n)
             if last is None or last[0] != text or (last[1] != s.metrics and now - last[2] >= self.every):
                 self.echo(line(n, s, width))

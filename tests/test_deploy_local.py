@@ -59,6 +59,7 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     assert "all nodes finished with exit code 0" in r.stdout
     # not a terminal: plain lines as the state changes (the live table is for terminals)
     assert any(line.startswith("here  exited(0)") for line in r.stdout.splitlines()), r.stdout
+    assert not Path("/dev/shm/ddp-heartbeat-localtest@here").exists()  # the run's heartbeats went with it
 
     st = _state(ddp, hosts)
     assert st["state"] == "exited(0)" and st["ranks"] == 2
@@ -161,6 +162,9 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     # status shows how far it is, from the trainer's METRICS lines
     shown = _wait_for(lambda: (lambda s: s if s.get("step") else None)(_state(ddp, hosts)), "a step in status")
     assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
+    # and that it moves, from its rank's heartbeat (trainer/heartbeat.py): one per rank, never stalled
+    assert [(b["local_rank"], b["rank"]) for b in shown["heartbeats"]] == [(0, 0)] and shown["stalled"] is None
+    assert shown["heartbeats"][0]["step"] >= 1 and shown["heartbeats"][0]["gap_s"] is not None
 
     r = ddp(hosts, "check")
     assert r.exit_code == 1 and "still running" in r.stdout

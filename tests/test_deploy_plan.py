@@ -35,6 +35,11 @@ def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
             f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_LAUNCH_ID=RUN_ID"]
 
 
+def beats(node):
+    """Where the started job's ranks keep their heartbeats: the node's memory, this job's and node's alone."""
+    return f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-demo@{node}"
+
+
 def kept_log(node, ckpt="/ckpt"):
     """The variable that makes a container's launcher copy its output to the run's directory."""
     return f"DDP_DEPLOY_LOG_DIR={ckpt}/.ddp-deploy/demo/runs/RUN_ID/{node}"
@@ -90,7 +95,7 @@ def test_docker_command_for_a_gpu_node():
     assert _opt(argv, "--gpus") == '"device=0,1"'  # which GPUs is explicit: the first `procs` by default
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("a"), *contract("a"), "GLOO_SOCKET_IFNAME=eth0",
-                                                                     "NCCL_SOCKET_IFNAME=eth0"]
+                                                                     "NCCL_SOCKET_IFNAME=eth0", beats("a")]
     image_at = argv.index("ddp-trainer:latest")
     sep = argv.index("--")
     assert tuple(argv[image_at + 1:sep]) == spec.torchrun
@@ -113,7 +118,7 @@ def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
     argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
     assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("c"), *contract("c", device="cpu",
-                                                                                              backend="gloo")]
+                                                                                              backend="gloo"), beats("c")]
     assert argv[argv.index("--", argv.index("ddp-trainer:latest")) + 5:][:4] == ["--device", "cpu", "--backend", "gloo"]
 
 
@@ -179,11 +184,12 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[4:7] == ["/nas/ckpt/.ddp-deploy/demo/a", "/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/a",
                          str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
     cmd = argv[7:]
-    assert cmd[:12] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
-                        *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert cmd[12:16] == ["python3", *module_argv("trainer.launch")]
+    assert cmd[:13] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+                        *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
+                        beats("a")]
+    assert cmd[13:17] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
-    assert tuple(cmd[16:t]) == spec.torchrun
+    assert tuple(cmd[17:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -204,7 +210,7 @@ def test_stop_status_logs_target_the_job_container():
     a = inv.node("a")
     assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
     assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
-    assert plan.status_argv(inv, a)[-1] == "demo-a"
+    assert plan.status_argv(inv, a)[4:] == ("demo-a", "/dev/shm/ddp-heartbeat-demo@a", "/nas/ckpt/.ddp-deploy/demo", "a")
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
 
@@ -239,7 +245,7 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
     specs = plan.launch_plan(_inv(), {"a": plan.NodeFacts("eth7"), "b": plan.NodeFacts("eth8")})
     assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
     assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
-    assert [f"{k}={v}" for k, v in specs[2].env] == contract("c")  # no NIC known: left to gloo/NCCL
+    assert [f"{k}={v}" for k, v in specs[2].env] == [*contract("c"), beats("c")]  # no NIC known: left to gloo/NCCL
 
 
 @pytest.mark.parametrize("said, absent", [("Error response from daemon: No such container: demo-a", True),

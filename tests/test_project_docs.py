@@ -117,5 +117,5 @@ def test_every_variable_the_readme_promises_a_program_is_set_by_the_plan():
                 "  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n")
     from deploy.runtime import CodeDir
 
-    env = dict(plan.node_env(inv, inv.nodes[0], code=CodeDir("abc", "/c/x"), run="20261123-101341-6d79"))
+    env = dict(plan.launch_spec(inv, 0, code=CodeDir("abc", "/c/x"), run="20261123-101341-6d79").env)
     assert promised and promised <= set(env) and promised <= set(RESERVED_ENV)

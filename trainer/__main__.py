@@ -13,6 +13,7 @@ from .build import build
 from .checkpoint import CheckpointError, CheckpointManager, Found, save_final_model
 from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
+from .heartbeat import Heartbeat
 from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
 from .metrics import MetricsWriter
 from .stopping import STOPPED_EXIT, Stopped, StopSignal
@@ -35,6 +36,7 @@ def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal) -> Context:
         checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
         metrics=MetricsWriter(env, cfg.ckpt_dir),
         stop=stop,
+        heartbeat=Heartbeat.from_environ(rank=env.rank),
     )
 
 
@@ -47,6 +49,7 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
     try:
         return resume_and_train(ctx)
     finally:
+        ctx.heartbeat.close()
         ctx.metrics.close()  # the TensorBoard files' last events, after a stop or a failure too
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 
 from .compat import binds_stores
-from . import snapshot_hint
+from . import heartbeat, snapshot_hint
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -321,10 +321,15 @@ def main() -> None:
     watch_rendezvous(args)
     from torch.distributed.run import main as torchrun
 
+    # The workers' heartbeats (trainer/heartbeat.py): this run's alone, gone with it.
+    beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
+    if beats is None:
+        os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
     with torch_log_dir(argv, owner) as log_dir:
         try:
             torchrun([*log_dir, *args])
         finally:  # a write into the code snapshot: say so, where the worker's error may name no path
+            heartbeat.remove(beats)
             snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .config import TrainConfig
 from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
 from .dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+from .heartbeat import Heartbeat
 from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
 from .stopping import Stopped, StopSignal
 
@@ -41,6 +42,8 @@ class Context:
     checkpoints: CheckpointManager
     metrics: MetricsWriter
     stop: StopSignal
+    heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None))
+    """This rank's progress for `status` (trainer/heartbeat.py): every step, evaluation batch, checkpoint."""
 
 
 # --- checkpoint state -----------------------------------------------------------------------------
@@ -71,6 +74,7 @@ def save_checkpoint(ctx: Context, pos: Position) -> None:
         except Exception as exc:  # any failure must reach every rank, or they wait in a collective
             error = f"checkpoint for step {pos.global_step} not written to {ctx.checkpoints.dir}: {exc}"
     error = broadcast_object(ctx.env, error)
+    ctx.heartbeat.beat()
     if error:
         raise CheckpointError(error)
 
@@ -141,6 +145,7 @@ def evaluate(ctx: Context) -> dict:
         sums[0] += F.cross_entropy(out.float(), y, reduction="sum").double()
         sums[1] += (out.argmax(1) == y).sum().double()
         sums[2] += y.numel()
+        ctx.heartbeat.beat()
     loss_sum, correct, count = all_reduce_sum(ctx.env, sums).tolist()
     return {"eval_loss": loss_sum / count, "eval_acc": correct / count, "eval_samples": int(count)}
 
@@ -185,6 +190,7 @@ def train(ctx: Context, pos: Position) -> Position:
             pos.global_step += 1
             pos.micro = i + 1
             timer.tick()
+            ctx.heartbeat.beat(pos.global_step)
             if pos.global_step % cfg.log_every == 0:
                 _log_train(ctx, pos, stats, timer)
             if done():

@@ -1,0 +1,300 @@
+"""A job that stops making progress is shown as stalled, never as running (issue 23, first part):
+each rank's heartbeat, the node's status script that reads it, and the judgment against
+job.stall_timeout. The status scripts run for real in sh; the jobs in the e2e tests run under the
+real launcher and torchrun on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy import plan, stall, view
+from deploy.cli import cli
+from deploy.runtime import HOST_STATUS
+from local_job import local_hosts
+from trainer import heartbeat
+from trainer.heartbeat import Heartbeat, parse_beat
+
+
+def _beat(age: float, step: int | None = 7, gap: float | None = 0.5, local: int = 0) -> stall.Beat:
+    return stall.Beat(local_rank=local, step=step, rank=local, gap_s=gap, age_s=age)
+
+
+# --- the heartbeat a rank writes ----------------------------------------------------------------
+
+def test_a_rank_beats_in_place_with_its_step_rank_and_longest_interval(tmp_path):
+    now = [100.0]
+    hb = Heartbeat(str(tmp_path), local_rank=1, rank=3, clock=lambda: now[0])
+    hb.beat(1)
+    now[0] += 2.5
+    hb.beat(2)
+    now[0] += 0.5
+    hb.beat()  # an evaluation batch: the same step
+    text = (tmp_path / "1").read_bytes()
+    assert len(text) == heartbeat.LINE_BYTES and text.split() == [b"2", b"3", b"2500"]
+    hb.beat(10 ** 15)  # a longer number is written in the same fixed width: nothing of the old line is left
+    assert (tmp_path / "1").read_bytes().split() == [b"1000000000000000", b"3", b"2500"]
+    hb.close()
+
+
+def test_without_a_directory_a_beat_writes_nothing_and_an_unwritable_one_costs_a_warning_not_the_job(tmp_path, capsys):
+    Heartbeat(None).beat(1)
+    gone = Heartbeat(str(tmp_path / "missing"), 0, 0)
+    gone.beat(1)
+    gone.beat(2)
+    assert capsys.readouterr().err.count("no heartbeat") == 1
+
+
+def test_the_launcher_empties_its_own_directory_and_refuses_a_link_or_a_file_in_its_place(tmp_path, capsys):
+    mine = tmp_path / "beats"
+    assert heartbeat.prepare(str(mine)) == str(mine) and mine.is_dir()
+    (mine / "0").write_text("9 9 9\n")
+    assert heartbeat.prepare(str(mine)) == str(mine) and list(mine.iterdir()) == []  # a run's beats are its own
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("theirs")
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    assert heartbeat.prepare(str(link)) is None and (elsewhere / "keep").exists()
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert heartbeat.prepare(str(plain)) is None
+    assert capsys.readouterr().err.count("heartbeats off") == 2
+    heartbeat.remove(str(mine))
+    assert not mine.exists()
+
+
+@pytest.mark.parametrize("name, age, text, read", [
+    ("0", "5", "12 3 1500", (0, 12, 3, 1.5, 5.0)),
+    ("1", "-2", "12", (1, 12, None, None, 0.0)),  # written after the node's clock was read: new
+    ("2", "5", "", (2, None, None, None, 5.0)),  # a user's empty beat: its time alone
+    ("3", "5", "9" * 400, (3, None, None, None, 5.0)),  # no number that fits
+    ("x", "5", "1", None), ("0", "five", "1", None), ("0", "9" * 30, "1", None),
+])
+def test_a_beat_as_the_node_printed_it_is_read_as_numbers_or_not_at_all(name, age, text, read):
+    assert parse_beat(name, age, text) == read
+
+
+# --- the node's status script, run for real ---------------------------------------------------------
+
+def _running_host_run(tmp_path: Path) -> tuple[Path, subprocess.Popen]:
+    """A host runtime's run directory whose recorded process group is alive."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    (run / "pid").write_text(f"{proc.pid}\n")
+    (run / "log").write_text('[rank0]: METRICS {"kind": "train", "step": 4}\n')
+    return run, proc
+
+
+def _host_status(run: Path, beats: Path) -> plan.NodeState:
+    out = subprocess.run(["sh", "-c", HOST_STATUS, "sh", str(run), str(beats)], capture_output=True, text=True,
+                         check=True).stdout
+    return plan.parse_status(out)
+
+
+def test_the_status_script_reports_each_ranks_beat_by_the_nodes_clock_and_the_log_s_age(tmp_path):
+    run, proc = _running_host_run(tmp_path)
+    try:
+        beats = tmp_path / "beats"
+        beats.mkdir()
+        for local, (step, age) in enumerate([(41, 100), (40, 130)]):
+            Heartbeat(str(beats), local, 10 + local).beat(step)
+            os.utime(beats / str(local), (time.time() - age, time.time() - age))
+        os.utime(run / "log", (time.time() - 50, time.time() - 50))
+        s = _host_status(run, beats)
+        assert s.state == "running" and s.metrics.startswith("METRICS ")
+        assert [(b.local_rank, b.step, b.rank) for b in s.beats] == [(0, 41, 10), (1, 40, 11)]
+        assert 99 <= s.beats[0].age_s <= 102 and 129 <= s.beats[1].age_s <= 132 and 49 <= s.quiet_s <= 52
+
+        judged = plan.with_stall(s, 60)
+        assert judged.stall is not None and judged.stall.last_step == 41 and 99 <= judged.stall.for_s <= 102
+        assert view.state_text(judged).startswith("stalled 1m4") and "(last step 41 since " in view.state_text(judged)
+        assert plan.with_stall(s, 120).stall is None  # rank 0 moved 100 s ago: within 120 s
+        assert plan.with_stall(s, None).stall is None
+    finally:
+        proc.kill()
+
+
+def test_names_in_the_heartbeat_directory_cannot_add_lines_to_the_status(tmp_path):
+    run, proc = _running_host_run(tmp_path)
+    try:
+        beats = tmp_path / "beats"
+        beats.mkdir()
+        (beats / "0\nrestarts 7").write_text("1\n")
+        (beats / "0\nMETRICS {}").write_text("1\n")
+        (beats / "x").write_text("1\n")
+        (beats / "1").write_text("5\nrestarts 9\nMETRICS {\"step\": 999}\n")  # a line of the job's, not of the script's
+        os.symlink("/etc/hostname", beats / "2")
+        s = _host_status(run, beats)
+        assert s.restarts == 0 and s.metrics == 'METRICS {"kind": "train", "step": 4}'
+        assert [(b.local_rank, b.step) for b in s.beats] == [(1, 5)]
+    finally:
+        proc.kill()
+
+
+def test_a_job_that_is_not_running_reports_no_progress(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pid").write_text("1\n")
+    (run / "exit").write_text("0\n")
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    (beats / "0").write_text("3\n")
+    s = _host_status(run, beats)
+    assert s.state == "exited(0)" and s.beats == () and s.quiet_s is None
+
+
+# --- the judgment ------------------------------------------------------------------------------------
+
+def test_auto_allows_ten_times_the_longest_interval_a_rank_has_shown_and_never_less_than_the_floor():
+    assert stall.timeout("auto", (_beat(1, gap=2.0),)) == stall.FLOOR_S
+    assert stall.timeout("auto", (_beat(1, gap=45.0), _beat(1, gap=90.0, local=1))) == 900.0  # a slow, healthy step
+    assert stall.timeout("auto", (_beat(1, gap=None),)) == stall.FLOOR_S  # a user's beat says no interval
+    assert stall.timeout("auto", ()) == stall.QUIET_S  # output alone says less
+    assert stall.timeout(30.0, ()) == 30.0 and stall.timeout(None, (_beat(1),)) is None
+
+
+def test_a_node_is_stalled_only_when_none_of_its_ranks_moved_and_only_while_it_runs():
+    one_moves = (_beat(500, step=9), _beat(3, step=10, local=1))
+    assert stall.judge("running", one_moves, None, 60) is None
+    both_still = (_beat(500, step=9), _beat(400, step=10, local=1))
+    found = stall.judge("running", both_still, 5.0, 60, now=1000.0)
+    assert (found.for_s, found.last_step, found.since, found.evidence) == (400, 10, 600.0, "heartbeats")
+    assert stall.judge("restarting", both_still, None, 60) is None
+    assert stall.judge("exited(0)", both_still, None, 60) is None
+
+
+def test_a_program_without_heartbeats_is_judged_by_its_output_and_says_so():
+    found = stall.judge("running", (), 2000.0, "auto")
+    assert found is not None and found.evidence == "output" and found.last_step is None
+    assert view.stall_text(found).startswith("stalled 33m20s (no output since ")
+    assert stall.judge("running", (), 1000.0, "auto") is None
+    assert stall.judge("running", (), None, 5) is None  # nothing tells: never a guess
+
+
+def test_a_plain_follower_prints_a_node_once_when_it_stalls_and_once_when_it_moves_again():
+    shown = []
+    follow = view.PlainFollower(shown.append, every=1e9)
+    moving = plan.NodeState("running", 'METRICS {"step": 4}')
+    stalled = lambda age: plan.with_stall(plan.NodeState("running", 'METRICS {"step": 4}',  # noqa: E731
+                                                         beats=(_beat(age, step=4),)), 10)
+    for s in (moving, stalled(11), stalled(12), stalled(13), moving):
+        follow.update({"node1": s})
+    assert [line.split("  ")[1].split(" (")[0] for line in shown] == ["running", "stalled 11s", "running"]
+
+
+def test_stall_timeout_is_a_number_auto_or_null_and_anything_else_is_named(tmp_path):
+    hosts = local_hosts(tmp_path, job="stalljob", train={"args": []})
+    data = json.loads(hosts.read_text())
+    for bad in ("soon", 0, -5, True):
+        data["job"]["stall_timeout"] = bad
+        hosts.write_text(json.dumps(data))
+        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "validate"])
+        assert r.exit_code == 2 and "job.stall_timeout" in r.stderr and "auto or null" in r.stderr, r.output
+
+
+# --- jobs on this machine, for real ------------------------------------------------------------------
+
+# Rank 1 stops taking part before the all-reduce of step 5 (it sleeps), while rank 0 waits in it:
+# the hang of a lost rank. Each rank writes the documented one-line heartbeat after every step.
+HANGS = textwrap.dedent("""\
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, t = dist.get_rank(), torch.zeros(1)
+    for step in range(1, 1000):
+        if step == 5 and rank == 1:
+            time.sleep(600)
+        dist.all_reduce(t)
+        open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"{step} {os.environ['RANK']}\\n")
+        if rank == 0:
+            print('METRICS {"kind": "train", "step": %d}' % step, flush=True)
+        time.sleep(0.1)
+""")
+
+
+def _ddp(hosts: Path, *args: str):
+    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
+
+
+def _status(hosts: Path) -> dict:
+    r = _ddp(hosts, "status", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)[0]
+
+
+def _until(predicate, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _follow_until(hosts: Path, wanted: str, timeout: float = 60) -> list[str]:
+    """`status --follow`'s plain lines (not a terminal) until one holds ``wanted``; then it is ended."""
+    follow = subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), "status", "--follow"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        for line in follow.stdout:
+            lines.append(line.rstrip("\n"))
+            if wanted in line or time.monotonic() > deadline:
+                break
+    finally:
+        follow.kill()
+        follow.wait()
+    return lines
+
+
+@pytest.mark.e2e
+def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_in_status_and_its_follow(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(HANGS)
+    hosts = local_hosts(tmp_path, job="stalljob", train={"script": "hangs.py", "code": str(code)}, procs=2)
+    data = json.loads(hosts.read_text())
+    data["job"]["stall_timeout"] = 3
+    hosts.write_text(json.dumps(data))
+    beats = Path("/dev/shm/ddp-heartbeat-stalljob@here")
+    try:
+        assert _ddp(hosts, "launch").exit_code == 0
+        moving = _until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), "both ranks' beats")
+        assert moving["state"] == "running" and moving["stalled"] is None
+        assert sorted(b["rank"] for b in moving["heartbeats"]) == [0, 1]
+
+        followed = _follow_until(hosts, "stalled")
+        assert followed[-1].startswith("here  stalled ") and "(last step 4 since " in followed[-1], followed
+
+        stalled = _status(hosts)
+        assert stalled["state"] == "running"  # the processes are there: stalled is what they do
+        assert stalled["stalled"]["last_step"] == 4 and stalled["stalled"]["evidence"] == "heartbeats"
+        assert stalled["stalled"]["timeout_s"] == 3 and stalled["stalled"]["for_s"] > 3
+        assert sorted((b["rank"], b["step"]) for b in stalled["heartbeats"]) == [(0, 4), (1, 4)]
+        shown = _ddp(hosts, "status")
+        assert "stalled " in shown.stdout and "last step 4 since" in shown.stdout
+    finally:
+        assert _ddp(hosts, "stop", "--now").exit_code == 0
+    assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
+
+
+def test_the_heartbeat_benchmark_runs(tmp_path):
+    """bench/bench_heartbeat.py in its smoke mode (tiny sizes, nothing written): it cannot rot."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_heartbeat.py"
+    r = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("beat ") and " us, lenet step " in r.stdout and "beat/step " in r.stdout
