@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column
 
-from . import codesync, delivery, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
+from . import codesync, delivery, doctor, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -565,9 +565,14 @@ def _wait(inv, remote, timeout, redact, show=lambda states: None):
     deadline = None if timeout is None else time.monotonic() + timeout
     silent = {n.name: 0 for n in inv.nodes}
     floor = inv.job.min_nodes or len(inv.nodes)  # an elastic job goes on without lost nodes, down to this
+    diagnosed = False
     while True:
         states = _states(inv, remote, redact)
         show(states)
+        stalled = any(s.stall for s in states.values())
+        if stalled and not diagnosed:  # once per stall: what every rank is doing, the odd ones first
+            click.echo(safe(f"stalled: {_diagnose(inv, remote, redact).summary} (`ddp-deploy doctor` shows each rank)"))
+        diagnosed = stalled
         for n, s in states.items():
             silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
@@ -614,6 +619,19 @@ def _states(inv, remote, redact) -> dict[str, plan.NodeState]:
             for n, r in res.items()}
 
 
+def _diagnose(inv, remote, redact) -> doctor.Diagnosis:
+    """Every node's workers and their stacks, grouped (deploy/doctor.py); what the job's stacks
+    say is masked like its output (a secret in a function's name or a path)."""
+    res = remote.run({n.name: plan.diagnose_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
+    ranks, silent = [], {}
+    for n, r in res.items():
+        if r.ok:
+            ranks += doctor.parse(n, redact(r.stdout))
+        else:
+            silent[n] = redact(r.summary())
+    return doctor.diagnose(ranks, silent, sum(n.nprocs for n in inv.nodes))
+
+
 def _status_table(inv, states):
     return view.table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
 
@@ -653,6 +671,25 @@ def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
         _print_status(inv, states)
         if first:
             click.echo(f"first failure: {first.describe()}")
+
+
+@cli.command(name="doctor")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_state
+@slurm_variant(refused="its ranks run under srun, where this tool does not reach their processes yet; "
+                       "`ddp-deploy status` shows a stall")
+def doctor_(st: _State, as_json: bool) -> None:
+    """What every rank of the running job is doing: its Python stack (py-spy), grouped by where
+    the ranks wait, the ones holding the others up named first (a hung job: README, "When a job hangs")."""
+    inv = st.inv
+    with Remote(inv) as remote:
+        found = _diagnose(inv, remote, st.redact)
+    if as_json:
+        click.echo(json.dumps(asdict(found)))
+        return
+    click.echo(safe(found.summary))
+    for line in doctor.detail(found):
+        click.echo(safe(line))
 
 
 @cli.command()

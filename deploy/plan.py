@@ -218,6 +218,11 @@ def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
     return runtime(inv).status_argv(node)
 
 
+def diagnose_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
+    """The job's workers on ``node`` and their stacks (deploy/doctor.py)."""
+    return runtime(inv).diagnose_argv(node)
+
+
 def stop_argv(inv: Inventory, node: Node, grace: int = 0) -> tuple[str, ...]:
     """Ends the job on ``node``: with ``grace`` (s), a planned stop with a checkpoint; 0 kills at once."""
     return runtime(inv).stop_argv(node, grace)

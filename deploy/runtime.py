@@ -123,6 +123,29 @@ echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 exit 0
 """
 
+# $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
+# on this node, found by exact identity: its environment holds DDP_HEARTBEAT_DIR=$1 (set for the
+# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none).
+# Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
+# it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
+# line (or its error). Last, "workers N". The job's own values are printed only as digits or py-spy's JSON.
+DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0
+[ -x "$spy" ] || spy=py-spy
+for p in /proc/[0-9]*; do
+  pid=${p#/proc/}
+  grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
+  rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  [ -n "$lrank" ] || continue
+  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)
+  found=$((found + 1))
+  echo "rank $pid ${rank:-?} $lrank ${state:-?}"
+  [ "$state" = T ] && continue
+  echo "stack $pid $(timeout 20 "$spy" dump --pid "$pid" --json 2>&1 | tr '\n' ' ')"
+done
+echo "workers $found"
+"""
+
 # A shell function: drop_beats DIR removes a stopped job's heartbeat directory (a launcher killed
 # at once leaves it), where it is a directory and not a link.
 DROP_BEATS = r"""drop_beats() {
@@ -479,6 +502,7 @@ class DockerRuntime(Runtime):
             # next rendezvous round; the survivors' agents restart their workers into that round.
             argv += ["--restart", f"on-failure:{self.inv.job.max_restarts}"]
         argv += ["--stop-timeout", str(STOP_GRACE_S)]  # also when the daemon stops it (reboot, reclaim)
+        argv += ["--cap-add", "SYS_PTRACE"]  # `doctor` reads the workers' stacks (py-spy), in this container only
         for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
             argv += ["-e", name]
         # The launcher keeps a copy of its output and its exit codes with the run (trainer.launch.run_teed).
@@ -503,6 +527,11 @@ class DockerRuntime(Runtime):
     def stop_argv(self, node, grace=0, by=None):
         return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(), job_dir(self.inv),
                 node.name, heartbeat_dir(self.inv, node))
+
+    def diagnose_argv(self, node):
+        # as root in the container, which has CAP_SYS_PTRACE for this (start_argv): py-spy reads the workers
+        return ("docker", "exec", "-u", "0", self.container(node), "sh", "-c", DIAGNOSE, "sh",
+                heartbeat_dir(self.inv, node), "py-spy")
 
     def logs_argv(self, node, *, tail, follow):
         argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
@@ -563,6 +592,11 @@ class HostRuntime(Runtime):
     def stop_argv(self, node, grace=0, by=None):
         return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace), by or operator(),
                 heartbeat_dir(self.inv, node))
+
+    def diagnose_argv(self, node):
+        python = self.inv.python_path()
+        spy = f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy"  # installed beside it
+        return ("sh", "-c", DIAGNOSE, "sh", heartbeat_dir(self.inv, node), spy)
 
     def logs_argv(self, node, *, tail, follow):
         return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)

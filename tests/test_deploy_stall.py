@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import plan, stall, view
+from deploy import doctor, plan, stall, view
 from deploy.cli import cli
 from deploy.runtime import HOST_STATUS
+from deploy.text import safe
 from local_job import local_hosts
 from trainer import heartbeat
 from trainer.heartbeat import Heartbeat, parse_beat
@@ -277,8 +278,10 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
         assert moving["state"] == "running" and moving["stalled"] is None
         assert sorted(b["rank"] for b in moving["heartbeats"]) == [0, 1]
 
-        followed = _follow_until(hosts, "stalled")
-        assert followed[-1].startswith("here  stalled ") and "(last step 4 since " in followed[-1], followed
+        followed = _follow_until(hosts, "stalled: ")  # the node's line, then what every rank does
+        assert followed[-2].startswith("here  stalled ") and "(last step 4 since " in followed[-2], followed
+        assert followed[-1].startswith("stalled: here rank 1 is in <module> (hangs.py:7); the 1 other rank waits "
+                                       "in all_reduce (hangs.py:8)"), followed
 
         stalled = _status(hosts)
         assert stalled["state"] == "running"  # the processes are there: stalled is what they do
@@ -287,6 +290,15 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
         assert sorted((b["rank"], b["step"]) for b in stalled["heartbeats"]) == [(0, 4), (1, 4)]
         shown = _ddp(hosts, "status")
         assert "stalled " in shown.stdout and "last step 4 since" in shown.stdout
+
+        # why: rank 1 is in its sleep, outside any collective; rank 0 waits for it in the all-reduce
+        found = _ddp(hosts, "doctor")
+        assert found.exit_code == 0, found.output
+        first = found.stdout.splitlines()[0]
+        assert first == "here rank 1 is in <module> (hangs.py:7); the 1 other rank waits in all_reduce (hangs.py:8)", found.stdout
+        data = json.loads(_ddp(hosts, "doctor", "--json").stdout)
+        assert data["culprits"] == ["here rank 1"] and data["gone"] == [] and data["silent"] == {}
+        assert {r["rank"]: r["state"] for r in data["ranks"]} == {0: "S", 1: "S"}
     finally:
         assert _ddp(hosts, "stop", "--now").exit_code == 0
     assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
@@ -298,3 +310,68 @@ def test_the_heartbeat_benchmark_runs(tmp_path):
     r = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("beat ") and " us, lenet step " in r.stdout and "beat/step " in r.stdout
+
+
+# --- the diagnosis (deploy/doctor.py) ------------------------------------------------------------
+
+C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+LOGGER = "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
+
+
+def _dump(*frames: tuple[str, str, int], pid: int = 10) -> str:
+    return json.dumps([{"pid": pid, "os_thread_id": pid, "thread_name": None,
+                        "frames": [{"name": n, "filename": f, "line": line} for n, f, line in frames]}])
+
+
+def _node(*workers: tuple[int, int, str, str | None]) -> str:
+    """A node's DIAGNOSE output: (pid, rank, state, py-spy's dump or None)."""
+    lines = []
+    for pid, rank, state, dump in workers:
+        lines.append(f"rank {pid} {rank} {rank % 2} {state}")
+        if dump is not None:
+            lines.append(f"stack {pid} {dump}")
+    return "\n".join([*lines, f"workers {len(workers)}"])
+
+
+WAITS = _dump(("all_reduce", C10D, 2850), ("wrapper", LOGGER, 83), ("step", "/code/train.py", 88))
+
+
+def test_the_rank_outside_any_collective_is_named_first_and_the_waiting_ones_after():
+    ranks = (doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS)))
+             + doctor.parse("node2", _node((10, 2, "S", WAITS), (11, 3, "R", _dump(("spin", "/code/train.py", 40), pid=11)))))
+    d = doctor.diagnose(ranks, {}, 4)
+    assert d.summary == "node2 rank 3 is in spin (train.py:40); the 3 other ranks wait in all_reduce (train.py:88)"
+    assert d.culprits == ("node2 rank 3",) and list(d.groups) == ["all_reduce (train.py:88)", "spin (train.py:40)"]
+
+
+def test_a_stopped_rank_a_gone_rank_and_a_silent_node_are_each_named_as_such():
+    ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "T", None)))
+    d = doctor.diagnose(ranks, {"node3": "ssh: connect timed out"}, 6)
+    assert d.summary.startswith("node1 rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in all_reduce")
+    assert "node3 did not answer (ssh: connect timed out)" in d.summary
+    assert d.gone == ()  # a node did not answer: which ranks are gone is not known
+    alone = doctor.diagnose(doctor.parse("node1", _node((10, 0, "S", WAITS))), {}, 2)
+    assert alone.gone == (1,) and alone.summary == ("the one rank found is in all_reduce (train.py:88); rank 1 runs on "
+                                                     "no node (exited, or never started)")
+
+
+def test_ranks_in_mismatched_collectives_name_the_smaller_group():
+    other = _dump(("broadcast", C10D, 2600), ("sync", "/code/train.py", 120))
+    ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", other)))
+    d = doctor.diagnose(ranks, {}, 3)
+    assert d.summary == "node1 rank 2 is in broadcast (train.py:120); the 2 other ranks wait in all_reduce (train.py:88)"
+
+
+@pytest.mark.parametrize("dump", ["Permission Denied: try running again with elevated permissions", "",
+                                  "[1, 2]", '{"a": 1}', "[" * 100000, json.dumps([{"frames": [{"name": "\x1b[2Jx",
+                                                                                               "filename": "f", "line": 10 ** 40}]}])])
+def test_what_py_spy_or_the_job_printed_never_fails_the_diagnosis(dump):
+    ranks = doctor.parse("node1", _node((10, 0, "S", dump)))
+    d = doctor.diagnose(ranks, {}, 1)
+    assert d.ranks[0].rank == 0 and isinstance(d.summary, str)
+    for line in doctor.detail(d):
+        assert "\x1b" not in safe(line)
+
+
+def test_a_node_whose_output_is_not_the_scripts_adds_no_rank():
+    assert doctor.parse("node1", "rank x 0 0 S\nrank 10 0\nstack 99 []\nworkers 0\n\x1b[2J") == []

@@ -66,7 +66,7 @@ BASE_SUITE = "bookworm"
 BASE_INCLUDE = "python3,python3-venv,python3-pip,ca-certificates"
 # What the Dockerfile's docker/requirements.txt asks for is in the base already: the build has no
 # index to install from (tensorboard: trainer/metrics.py's event files).
-BASE_REQUIREMENTS = ("torch==2.13.0", "numpy", "pyyaml", "tensorboard")
+BASE_REQUIREMENTS = ("torch==2.13.0", "numpy", "pyyaml", "tensorboard", "py-spy")
 BASE_PYTHON_TAG = "311"  # bookworm's python3 is 3.11: the wheels must be cp311
 BASE_PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_RECIPE_VERSION = 1  # bump when the recipe below changes in a way the key does not see

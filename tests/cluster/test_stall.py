@@ -1,6 +1,6 @@
 """A hung job on the real cluster (3 nodes x 2 processes in Docker): one rank stops taking part
 and the others wait in their all-reduce. `status` must call every node stalled at the step where
-it stopped, within job.stall_timeout + 15 s, and the built-in trainer's own heartbeats reach
+it stopped, within job.stall_timeout + 15 s, `doctor` must name the sleeping rank, and the built-in trainer's own heartbeats reach
 `status` from inside its containers (their /dev/shm is the node's: --ipc host)."""
 
 from __future__ import annotations
@@ -66,6 +66,14 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
         assert detect <= STALL_TIMEOUT + 15, f"the stall was shown {detect:.1f} s after the last beat"
         table = ok(ddp(cluster, hosts, "status")).stdout
         assert table.count("stalled ") == 3 and table.count("last step 4 since") == 3
+
+        asked = time.monotonic()
+        found = ok(ddp(cluster, hosts, "doctor")).stdout.splitlines()
+        diagnosed = time.monotonic() - asked
+        assert found[0] == "node2 rank 3 is in <module> (hangs.py:7); the 5 other ranks wait in all_reduce (hangs.py:8)", found
+        data = json.loads(ok(ddp(cluster, hosts, "doctor", "--json")).stdout)
+        assert data["culprits"] == ["node2 rank 3"] and data["gone"] == [] and data["silent"] == {}
+        assert sorted(r["rank"] for r in data["ranks"]) == list(range(6))
     finally:
         ok(ddp(cluster, hosts, "stop", "--now"))
     for h in cluster.hosts:
@@ -73,7 +81,7 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
     record_fault(fault="one rank sleeps before a collective (a hang)", finished="no (stopped)",
                  redone_steps=None, ckpt_every=None, detect_s=round(detect, 1),
                  detect_what=f"the last heartbeat to `status` naming every node stalled at step 4 "
-                             f"(stall_timeout {STALL_TIMEOUT} s)",
+                             f"(stall_timeout {STALL_TIMEOUT} s); `doctor` named node2 rank 3 in {diagnosed:.1f} s",
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
