@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.heartbeat import HEARTBEAT_DIR_ENV
+from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV
 from trainer.masking import SECRET_NAMES_ENV
 
 from .errors import Issue, InventoryError
@@ -115,7 +115,8 @@ def _no_nul(v: str) -> str:
 # bypass what check verified or what stop and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
-                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, SECRET_NAMES_ENV)
+                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
+                STALL_TIMEOUT_ENV, SECRET_NAMES_ENV)
 
 
 def _identifier(v: str) -> str:
@@ -197,9 +198,23 @@ class Job(_Model):
     before ``status`` and ``launch --wait`` call it stalled. ``auto``: ten times the longest
     interval the ranks' heartbeats have shown, at least 300 s (a program without heartbeats: 1800 s
     of silence); ``null``: never (README, "When a job hangs")."""
+    on_stall: Literal["report", "restart"] = "report"
+    """What a stalled node does: ``report`` (status and launch --wait say so); ``restart``: the
+    node's launcher kills its workers and torchrun starts them again from the newest checkpoint,
+    counted against max_restarts (README, "When a job hangs")."""
     keep_runs: int = Field(default=20, ge=1)
     """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
     TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""
+
+
+    @model_validator(mode="after")
+    def _restart_needs_room(self) -> "Job":
+        if self.on_stall == "restart" and self.max_restarts < 1:
+            raise ValueError("job.on_stall: restart starts the workers again, which job.max_restarts 0 forbids; "
+                             "set max_restarts to 1 or more, or on_stall: report")
+        if self.on_stall == "restart" and self.stall_timeout is None:
+            raise ValueError("job.on_stall: restart needs a stall to act on; job.stall_timeout is null")
+        return self
 
 
 class Rendezvous(_Model):

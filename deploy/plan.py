@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from trainer.heartbeat import HEARTBEAT_DIR_ENV, parse_beat
+from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV, parse_beat
 from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
@@ -177,6 +177,8 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
     program = program_args(inv)
     # The started job's alone: a probe or a network check beside it never touches its heartbeats.
     env = (*node_env(inv, node, facts, code, run), (HEARTBEAT_DIR_ENV, heartbeat_dir(inv, node)))
+    if inv.job.on_stall != "report":  # the node's launcher acts on a stall itself (trainer/heartbeat.py, Watchdog)
+        env += ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
     rt = runtime(inv, code, run)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,

@@ -17,9 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-FLOOR_S = 300.0
-GAP_FACTOR = 10
-QUIET_S = 1800.0
+from trainer.heartbeat import FLOOR_S, GAP_FACTOR, QUIET_S, stall_limit  # noqa: F401 (the node's watchdog judges alike)
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,7 @@ class Stall:
 
 def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
     """The timeout a node is judged by; None: never (``stall_timeout: null``)."""
-    if setting is None:
-        return None
-    if setting != "auto":
-        return float(setting)
-    if not beats:
-        return QUIET_S
-    longest = max((b.gap_s for b in beats if b.gap_s is not None), default=0.0)
-    return max(FLOOR_S, GAP_FACTOR * longest)
+    return stall_limit(setting, [b.gap_s for b in beats], bool(beats))
 
 
 def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, now: float | None = None) -> Stall | None:

@@ -375,3 +375,108 @@ def test_what_py_spy_or_the_job_printed_never_fails_the_diagnosis(dump):
 
 def test_a_node_whose_output_is_not_the_scripts_adds_no_rank():
     assert doctor.parse("node1", "rank x 0 0 S\nrank 10 0\nstack 99 []\nworkers 0\n\x1b[2J") == []
+
+
+# --- job.on_stall: restart ---------------------------------------------------------------------------
+
+RESTART_ARGS = ["--dataset", "synthetic", "--epochs", "2", "--synthetic-size", "2048", "--batch-size", "16",
+                "--log-every", "1", "--ckpt-every", "8"]
+
+
+def _restart_job(tmp_path: Path, name: str, **job) -> Path:
+    where = tmp_path / name
+    where.mkdir()
+    hosts = local_hosts(where, job="stallrestart", train={"args": RESTART_ARGS}, procs=2, max_restarts=1)
+    data = json.loads(hosts.read_text())
+    data["job"].update(job)
+    hosts.write_text(json.dumps(data))
+    return hosts
+
+
+def _records(hosts: Path) -> list[dict]:
+    path = hosts.parent / "nas/ckpt/metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _final_weights(hosts: Path) -> dict:
+    import torch
+
+    return torch.load(hosts.parent / "nas/ckpt/final_model.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.e2e
+def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_ends_bit_identical(tmp_path, monkeypatch):
+    import signal
+
+    import torch
+
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    reference = _restart_job(tmp_path, "reference")
+    r = _ddp(reference, "launch", "--wait", "--timeout", "300")
+    assert r.exit_code == 0, r.output
+
+    hosts = _restart_job(tmp_path, "stalled", stall_timeout=3, on_stall="restart")
+    beats = "/dev/shm/ddp-heartbeat-stallrestart@here"
+    try:
+        assert _ddp(hosts, "launch").exit_code == 0
+        # past a complete checkpoint, inside the epoch: then one rank is stopped (SIGSTOP), the other
+        # waits for it in a collective, and no process exits
+        _until(lambda: max((rec["step"] for rec in _records(hosts) if rec["kind"] == "train"), default=0) >= 12,
+               "training past the first checkpoint")
+        one = [pid for pid in heartbeat.workers(beats)
+               if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
+        assert len(one) == 1
+        os.kill(one[0], signal.SIGSTOP)
+        stopped = time.time()
+
+        ended = _until(lambda: (lambda s: s if s["state"].startswith("exited") else None)(_status(hosts)),
+                       "the job's end", 240)
+        assert ended["state"] == "exited(0)"
+    finally:
+        _ddp(hosts, "stop", "--now")
+    log = _ddp(hosts, "logs").stdout
+    assert "trainer.launch: stalled: no rank on this node moved for " in log
+    assert "workers, which torchrun starts again from the newest checkpoint (job.on_stall: restart)" in log
+    resumed = [rec for rec in _records(hosts) if rec["kind"] == "resumed" and rec["time"] > stopped]
+    assert len(resumed) == 1 and resumed[0]["world_size"] == 2
+    final = _records(hosts)[-1]
+    assert final["kind"] == "final" and final["step"] == _records(reference)[-1]["step"]
+    want, got = _final_weights(reference), _final_weights(hosts)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
+    for job, said in (({"on_stall": "restart", "max_restarts": 0}, "which job.max_restarts 0 forbids"),
+                      ({"on_stall": "restart", "max_restarts": 1, "stall_timeout": None}, "job.stall_timeout is null"),
+                      ({"on_stall": "stop"}, "job.on_stall")):
+        hosts = local_hosts(tmp_path, job="stalljob", train={"args": []})
+        data = json.loads(hosts.read_text())
+        data["job"].update(job)
+        hosts.write_text(json.dumps(data))
+        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "validate"])
+        assert r.exit_code == 2 and said in r.stderr, r.output
+
+
+def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_while_ranks_move(tmp_path):
+    said = []
+
+    class Out:
+        def write(self, text):
+            said.append(text)
+
+        def flush(self):
+            pass
+
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, out=Out())
+    assert not dog.check()  # no beat yet: nothing to judge
+    for local in (0, 1):
+        Heartbeat(str(tmp_path), local, local).beat(9)
+    assert not dog.check()
+    old = time.time() - 60
+    os.utime(tmp_path / "0", (old, old))
+    assert not dog.check()  # rank 1 still moves
+    os.utime(tmp_path / "1", (old, old))
+    assert dog.check() and list(tmp_path.iterdir()) == []  # acted, and its beats are gone: the next are the new workers'
+    assert not dog.check() and dog.actions == 1
+    assert said[0].startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
+                              "job.stall_timeout 5 s): killing its 0 workers")

@@ -325,6 +325,9 @@ def main() -> None:
     beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
     if beats is None:
         os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
+    watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall: restart
+    if watchdog is not None:
+        watchdog.start()
     with torch_log_dir(argv, owner) as log_dir:
         try:
             torchrun([*log_dir, *args])
