@@ -322,4 +322,4 @@ def parse_status(stdout: str) -> NodeState:
 
 def with_stall(s: NodeState, setting, now: float | None = None) -> NodeState:
     """``s`` judged against ``job.stall_timeout`` (``setting``)."""
-    return replace(s, stall=judge(s.state, s.beats, s.quiet_s, setting, now))
+    return replace(s, stall=judge(s.state, s.beats, s.quiet_s, setting, now, started=bool(s.metrics)))

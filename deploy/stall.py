@@ -53,8 +53,12 @@ def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
     return stall_limit(setting, [b.gap_s for b in beats], bool(beats))
 
 
-def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, now: float | None = None) -> Stall | None:
-    """A running node's stall, or None (it moves, it is not running, or nothing tells)."""
+def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, now: float | None = None,
+          started: bool = True) -> Stall | None:
+    """A running node's stall, or None (it moves, it is not running, or nothing tells). ``started``:
+    the program has shown progress (a METRICS line); before that, and before any heartbeat, its
+    silence is its start (a container, imports, a dataset, the rendezvous), judged against
+    :data:`QUIET_S` at least, whatever the setting."""
     if state != "running":
         return None
     limit = timeout(setting, beats)
@@ -64,6 +68,7 @@ def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, n
         age, step, evidence = min(b.age_s for b in beats), _furthest(beats), "heartbeats"
     elif quiet_s is not None:
         age, step, evidence = quiet_s, None, "output"
+        limit = limit if started else max(limit, QUIET_S)
     else:
         return None
     if age <= limit:

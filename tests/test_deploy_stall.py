@@ -180,6 +180,11 @@ def test_a_program_without_heartbeats_is_judged_by_its_output_and_says_so():
     assert view.stall_text(found).startswith("stalled 33m20s (no output since ")
     assert stall.judge("running", (), 1000.0, "auto") is None
     assert stall.judge("running", (), None, 5) is None  # nothing tells: never a guess
+    # before its first METRICS line a program is starting (imports, a dataset, the rendezvous):
+    # its silence is not judged by a short setting
+    assert stall.judge("running", (), 60.0, 5, started=False) is None
+    assert stall.judge("running", (), 60.0, 5, started=True) is not None
+    assert stall.judge("running", (), 2000.0, 5, started=False) is not None
 
 
 def test_a_plain_follower_prints_a_node_once_when_it_stalls_and_once_when_it_moves_again():

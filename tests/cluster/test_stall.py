@@ -1,17 +1,24 @@
 """A hung job on the real cluster (3 nodes x 2 processes in Docker): one rank stops taking part
 and the others wait in their all-reduce. `status` must call every node stalled at the step where
-it stopped, within job.stall_timeout + 15 s, `doctor` must name the sleeping rank, and the built-in trainer's own heartbeats reach
-`status` from inside its containers (their /dev/shm is the node's: --ipc host)."""
+it stopped, within job.stall_timeout + 15 s, and `doctor` must name the sleeping rank. With
+job.on_stall: restart, the built-in trainer hung by a stopped rank resumes and ends bit-identical;
+its heartbeats reach `status` from inside its containers (their /dev/shm is the node's: --ipc host)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from .operator_cli import ddp, ok, records, wait_until
+from trainer import heartbeat
+
+from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -85,27 +92,66 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
-def test_the_built_in_trainers_ranks_beat_from_inside_their_containers_and_a_healthy_run_is_never_stalled(
-        cluster, fresh_nas, tmp_path):
-    train = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "2",
-             "--log-every", "2", "--eval-batch-size", "128"]
-    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, train_args=train,
-                                     interface="eth0")
+RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-size", "16", "--epochs", "2",
+                 "--log-every", "1", "--ckpt-every", "8", "--eval-batch-size", "256"]
+
+
+def _final(nas: Path) -> dict:
+    return torch.load(nas / "ckpt" / "final_model.pt", map_location="cpu", weights_only=True)
+
+
+def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_ends_bit_identical(
+        cluster, fresh_nas, tmp_path, record_fault):
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train_args=RESTART_TRAIN,
+                                     job={"stall_timeout": STALL_TIMEOUT, "on_stall": "restart", "max_restarts": 1})
     ok(ddp(cluster, hosts, "deploy"))
+    # The run without a fault: every rank's heartbeat reaches status from inside its container, and a
+    # healthy run is never called stalled nor restarted, even with a 5 s stall_timeout.
+    ok(ddp(cluster, hosts, "launch"))
+    seen = []
+
+    def beating():
+        states = _states(cluster, hosts)
+        seen.append(states)
+        return states if all(len(n["heartbeats"]) == 2 for n in states) else None
+    states = wait_until(beating, 180, "every rank's heartbeat", interval=0.5)
+    assert sorted(b["rank"] for n in states for b in n["heartbeats"]) == list(range(6))
+    assert all(b["gap_s"] is not None for n in states for b in n["heartbeats"])
+    followed = ok(ddp(cluster, hosts, "status", "--follow", timeout=600)).stdout
+    assert "stalled" not in followed and "all nodes finished with exit code 0" in followed
+    assert not any(n["stalled"] for states in seen for n in states)
+    assert [r["kind"] for r in records(fresh_nas)].count("resumed") == 0 and records(fresh_nas)[-1]["kind"] == "final"
+    reference = _final(fresh_nas)
+    ok(ddp(cluster, hosts, "stop"))
+    empty_nas(fresh_nas)
     try:
         ok(ddp(cluster, hosts, "launch"))
-        seen = []
-
-        def beating():
-            states = _states(cluster, hosts)
-            seen.append(states)
-            return states if all(len(n["heartbeats"]) == 2 for n in states) else None
-        states = wait_until(beating, 180, "every rank's heartbeat", interval=0.5)
-        assert sorted(b["rank"] for n in states for b in n["heartbeats"]) == list(range(6))
-        assert all(b["gap_s"] is not None for n in states for b in n["heartbeats"])
-        followed = ok(ddp(cluster, hosts, "status", "--follow", timeout=600)).stdout
-        assert "stalled" not in followed and "all nodes finished with exit code 0" in followed
-        assert not any(n["stalled"] for states in seen for n in states)
-        assert records(fresh_nas)[-1]["kind"] == "final"
+        wait_until(lambda: complete_checkpoint_steps(fresh_nas) and max(
+            r["step"] for r in records(fresh_nas) if r["kind"] == "train") >= complete_checkpoint_steps(fresh_nas)[-1] + 4,
+                   300, "training past a checkpoint", interval=0.2)
+        # node2's second process, seen from the node (the container's processes are the node's too)
+        beats = "/dev/shm/ddp-heartbeat-ddp-test@node2"
+        one = [pid for pid in heartbeat.workers(beats)
+               if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
+        assert len(one) == 1
+        os.kill(one[0], signal.SIGSTOP)
+        stopped = time.time()
+        followed = ddp(cluster, hosts, "status", "--follow", timeout=600)
+        assert followed.returncode == 0, followed.stdout[-3000:] + followed.stderr[-3000:]
     finally:
-        ok(ddp(cluster, hosts, "stop"))
+        ddp(cluster, hosts, "stop", "--now")
+    resumed = [r for r in records(fresh_nas) if r["kind"] == "resumed" and r["time"] > stopped]
+    assert resumed and resumed[0]["world_size"] == 6
+    assert records(fresh_nas)[-1]["kind"] == "final"
+    got = _final(fresh_nas)
+    assert reference.keys() == got.keys() and all(torch.equal(reference[k], got[k]) for k in reference)
+    log = ok(ddp(cluster, hosts, "logs", "--run", json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"])).stdout
+    assert re.search(r"^node2 +\| trainer\.launch: stalled: no rank on this node moved for \d+ s \(last step \d+; "
+                     r"job\.stall_timeout 5 s\): killing its 2 workers", log, re.M), log[-3000:]
+    redone = max(r["step"] for r in records(fresh_nas) if r["kind"] == "train" and r["time"] <= stopped) - resumed[0]["step"]
+    assert 0 <= redone <= 8
+    record_fault(fault="one rank stopped (SIGSTOP), `job.on_stall: restart`", finished=True,
+                 redone_steps=redone, ckpt_every=8, detect_s=round(resumed[0]["time"] - stopped, 1),
+                 detect_what=f"SIGSTOP to the job resumed on all nodes (stall_timeout {STALL_TIMEOUT} s)",
+                 left_running="nothing (all exited 0)", bit_identical=True)
