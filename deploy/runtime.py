@@ -308,8 +308,10 @@ def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> st
 def heartbeat_dir(inv: Inventory, node: Node) -> str:
     """Where the job's ranks on ``node`` keep their heartbeats (trainer/heartbeat.py): in the node's
     memory, shared with a container by ``--ipc host``; ``@`` is in neither a job's nor a node's name,
-    so no two jobs or nodes (network namespaces of one machine in the tests) share one."""
-    return f"/dev/shm/ddp-heartbeat-{inv.job.name}@{node.name}"
+    so no two jobs or nodes (network namespaces of one machine in the tests) share one. The runtime
+    is in the name too: a container's user (uid 1000) and the host runtime's (ssh.user) never meet
+    over one directory, which the launcher would refuse as another user's."""
+    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}"
 
 
 def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     assert "all nodes finished with exit code 0" in r.stdout
     # not a terminal: plain lines as the state changes (the live table is for terminals)
     assert any(line.startswith("here  exited(0)") for line in r.stdout.splitlines()), r.stdout
-    assert not Path("/dev/shm/ddp-heartbeat-localtest@here").exists()  # the run's heartbeats went with it
+    assert not Path("/dev/shm/ddp-heartbeat-host-localtest@here").exists()  # the run's heartbeats went with it
 
     st = _state(ddp, hosts)
     assert st["state"] == "exited(0)" and st["ranks"] == 2

@@ -35,9 +35,9 @@ def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
             f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_LAUNCH_ID=RUN_ID"]
 
 
-def beats(node):
+def beats(node, runtime="docker"):
     """Where the started job's ranks keep their heartbeats: the node's memory, this job's and node's alone."""
-    return f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-demo@{node}"
+    return f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}"
 
 
 def kept_log(node, ckpt="/ckpt"):
@@ -187,7 +187,7 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     cmd = argv[7:]
     assert cmd[:13] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
-                        beats("a")]
+                        beats("a", "host")]
     assert cmd[13:17] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
     assert tuple(cmd[17:t]) == spec.torchrun
@@ -211,7 +211,7 @@ def test_stop_status_logs_target_the_job_container():
     a = inv.node("a")
     assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
     assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
-    assert plan.status_argv(inv, a)[4:] == ("demo-a", "/dev/shm/ddp-heartbeat-demo@a", "/nas/ckpt/.ddp-deploy/demo", "a")
+    assert plan.status_argv(inv, a)[4:] == ("demo-a", "/dev/shm/ddp-heartbeat-docker-demo@a", "/nas/ckpt/.ddp-deploy/demo", "a")
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
 

@@ -276,7 +276,7 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
     data = json.loads(hosts.read_text())
     data["job"]["stall_timeout"] = 3
     hosts.write_text(json.dumps(data))
-    beats = Path("/dev/shm/ddp-heartbeat-stalljob@here")
+    beats = Path("/dev/shm/ddp-heartbeat-host-stalljob@here")
     try:
         assert _ddp(hosts, "launch").exit_code == 0
         moving = _until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), "both ranks' beats")
@@ -421,7 +421,7 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     assert r.exit_code == 0, r.output
 
     hosts = _restart_job(tmp_path, "stalled", stall_timeout=3, on_stall="restart")
-    beats = "/dev/shm/ddp-heartbeat-stallrestart@here"
+    beats = "/dev/shm/ddp-heartbeat-host-stallrestart@here"
     try:
         assert _ddp(hosts, "launch").exit_code == 0
         # past a complete checkpoint, inside the epoch: then one rank is stopped (SIGSTOP), the other

@@ -84,7 +84,7 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
     finally:
         ok(ddp(cluster, hosts, "stop", "--now"))
     for h in cluster.hosts:
-        assert cluster.run_on(h.name, ["ls", "/dev/shm"]).stdout.count(f"ddp-heartbeat-ddp-test@{h.name}") == 0
+        assert cluster.run_on(h.name, ["ls", "/dev/shm"]).stdout.count(f"ddp-heartbeat-docker-ddp-test@{h.name}") == 0
     record_fault(fault="one rank sleeps before a collective (a hang)", finished="no (stopped)",
                  redone_steps=None, ckpt_every=None, detect_s=round(detect, 1),
                  detect_what=f"the last heartbeat to `status` naming every node stalled at step 4 "
@@ -131,7 +131,7 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
             r["step"] for r in records(fresh_nas) if r["kind"] == "train") >= complete_checkpoint_steps(fresh_nas)[-1] + 4,
                    300, "training past a checkpoint", interval=0.2)
         # node2's second process, seen from the node (the container's processes are the node's too)
-        beats = "/dev/shm/ddp-heartbeat-ddp-test@node2"
+        beats = "/dev/shm/ddp-heartbeat-docker-ddp-test@node2"
         one = [pid for pid in heartbeat.workers(beats)
                if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
         assert len(one) == 1
