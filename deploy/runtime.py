@@ -186,21 +186,28 @@ fi
 rm -f "$run/pid" "$run/exit"
 """
 
+# A shell function: launch_id CONTAINER prints the run id (runs.py) in the container's DDP_LAUNCH_ID,
+# and fails where it holds none of that exact shape: the job's kept directory is named by it.
+LAUNCH_ID = r"""launch_id() {
+  lid=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$1" 2>/dev/null |
+       sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
+  printf '%s\n' "$lid" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' && printf '%s' "$lid"
+}
+"""
+
 # $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
 # the node. The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
 # named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
 # such container" is absent: any other failure of the engine (busy) fails the command, so it reads
 # as a node that did not answer this time, never as a job that ended.
-DOCKER_STATUS = PROGRESS + r"""c=$1; beats=$2; job=$3; node=$4
+DOCKER_STATUS = PROGRESS + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4
 s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
   case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
   echo "$s" >&2; exit 1; }
 set -- $s
 case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
 if [ "$1" = running ]; then
-  run=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$c" 2>/dev/null |
-        sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
-  printf '%s\n' "$run" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' || run=none
+  run=$(launch_id "$c") || run=none
   progress "$beats" "$job/runs/$run/$node/log"
 fi
 echo "restarts ${3:-0}"
@@ -214,12 +221,10 @@ exit 0
 # and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
 # container's DDP_LAUNCH_ID), with what it printed since the stop began.
-DOCKER_STOP = RECORD_STOP + DROP_BEATS + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
+DOCKER_STOP = RECORD_STOP + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
 if s=$(docker inspect --type container --format '{{.State.Status}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
-  run=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$c" 2>/dev/null |
-        sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
-  printf '%s\n' "$run" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' && kept=$job/runs/$run/$node || kept=""
+  run=$(launch_id "$c") && kept=$job/runs/$run/$node || kept=""
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
   said=""
   case "$s" in running|restarting)

@@ -18,6 +18,7 @@ from deploy.cli import cli
 from local_job import local_hosts
 from procs import alive, parent_of
 from trainer.entry import module_argv
+from waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -193,13 +194,7 @@ def _records(tmp_path: Path) -> list[dict]:
 
 
 def _wait_for(predicate, what: str, timeout: float = 240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(predicate, timeout, what, interval=0.05)
 
 
 LONG_ARGS = ["--dataset", "synthetic", "--epochs", "2", "--synthetic-size", "2048", "--batch-size", "16",

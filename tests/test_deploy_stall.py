@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,9 +19,12 @@ from deploy import doctor, plan, stall, view
 from deploy.cli import cli
 from deploy.runtime import HOST_STATUS
 from deploy.text import safe
+from hung_job import hanging_program
 from local_job import local_hosts
 from trainer import heartbeat
 from trainer.heartbeat import Heartbeat, parse_beat
+from trainer_helpers import final_weights
+from waiting import wait_until
 
 
 def _beat(age: float, step: int | None = 7, gap: float | None = 0.5, local: int = 0) -> stall.Beat:
@@ -210,24 +212,6 @@ def test_stall_timeout_is_a_number_auto_or_null_and_anything_else_is_named(tmp_p
 
 # --- jobs on this machine, for real ------------------------------------------------------------------
 
-# Rank 1 stops taking part before the all-reduce of step 5 (it sleeps), while rank 0 waits in it:
-# the hang of a lost rank. Each rank writes the documented one-line heartbeat after every step.
-HANGS = textwrap.dedent("""\
-    import os, time
-    import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank, t = dist.get_rank(), torch.zeros(1)
-    for step in range(1, 1000):
-        if step == 5 and rank == 1:
-            time.sleep(600)
-        dist.all_reduce(t)
-        open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"{step} {os.environ['RANK']}\\n")
-        if rank == 0:
-            print('METRICS {"kind": "train", "step": %d}' % step, flush=True)
-        time.sleep(0.1)
-""")
-
-
 def _ddp(hosts: Path, *args: str):
     return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
 
@@ -236,16 +220,6 @@ def _status(hosts: Path) -> dict:
     r = _ddp(hosts, "status", "--json")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)[0]
-
-
-def _until(predicate, what: str, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _follow_until(hosts: Path, wanted: str, timeout: float = 60) -> list[str]:
@@ -271,7 +245,7 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     code = tmp_path / "code"
     code.mkdir()
-    (code / "hangs.py").write_text(HANGS)
+    (code / "hangs.py").write_text(hanging_program(rank=1, pause=0.1))
     hosts = local_hosts(tmp_path, job="stalljob", train={"script": "hangs.py", "code": str(code)}, procs=2)
     data = json.loads(hosts.read_text())
     data["job"]["stall_timeout"] = 3
@@ -279,7 +253,8 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
     beats = Path("/dev/shm/ddp-heartbeat-host-stalljob@here")
     try:
         assert _ddp(hosts, "launch").exit_code == 0
-        moving = _until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), "both ranks' beats")
+        moving = wait_until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), 120,
+                            "both ranks' beats", interval=0.2)
         assert moving["state"] == "running" and moving["stalled"] is None
         assert sorted(b["rank"] for b in moving["heartbeats"]) == [0, 1]
 
@@ -403,12 +378,6 @@ def _records(hosts: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _final_weights(hosts: Path) -> dict:
-    import torch
-
-    return torch.load(hosts.parent / "nas/ckpt/final_model.pt", map_location="cpu", weights_only=True)
-
-
 @pytest.mark.e2e
 def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_ends_bit_identical(tmp_path, monkeypatch):
     import signal
@@ -426,16 +395,16 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
         assert _ddp(hosts, "launch").exit_code == 0
         # past a complete checkpoint, inside the epoch: then one rank is stopped (SIGSTOP), the other
         # waits for it in a collective, and no process exits
-        _until(lambda: max((rec["step"] for rec in _records(hosts) if rec["kind"] == "train"), default=0) >= 12,
-               "training past the first checkpoint")
+        wait_until(lambda: max((rec["step"] for rec in _records(hosts) if rec["kind"] == "train"), default=0) >= 12,
+                   120, "training past the first checkpoint", interval=0.2)
         one = [pid for pid in heartbeat.workers(beats)
                if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
         assert len(one) == 1
         os.kill(one[0], signal.SIGSTOP)
         stopped = time.time()
 
-        ended = _until(lambda: (lambda s: s if s["state"].startswith("exited") else None)(_status(hosts)),
-                       "the job's end", 240)
+        ended = wait_until(lambda: (lambda s: s if s["state"].startswith("exited") else None)(_status(hosts)), 240,
+                           "the job's end", interval=0.2)
         assert ended["state"] == "exited(0)"
     finally:
         _ddp(hosts, "stop", "--now")
@@ -446,7 +415,7 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     assert len(resumed) == 1 and resumed[0]["world_size"] == 2
     final = _records(hosts)[-1]
     assert final["kind"] == "final" and final["step"] == _records(reference)[-1]["step"]
-    want, got = _final_weights(reference), _final_weights(hosts)
+    want, got = final_weights(reference.parent / "nas/ckpt"), final_weights(hosts.parent / "nas/ckpt")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 

@@ -10,8 +10,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from waiting import wait_until  # noqa: F401 (the cluster tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,16 +63,6 @@ def complete_checkpoint_steps(nas: Path) -> list[int]:
 def node_states(cluster, hosts: Path) -> dict[str, str]:
     """``status --json`` as {node: state}; status exits 0 even while a node is unreachable."""
     return {s["node"]: s["state"] for s in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)}
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(interval)
 
 
 def empty_nas(nas: Path) -> None:

@@ -16,30 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from hung_job import hanging_program
 from trainer import heartbeat
+from trainer_helpers import final_weights
 
 from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, wait_until
 
 pytestmark = pytest.mark.cluster
 
 STALL_TIMEOUT = 5
-
-# Global rank 3 (node2's second process) sleeps before the all-reduce of step 5; the 5 others wait
-# in it. Every rank writes the documented one-line heartbeat after each step.
-HANGS = """\
-import os, time
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-rank, t = dist.get_rank(), torch.zeros(1)
-for step in range(1, 100000):
-    if step == 5 and rank == 3:
-        time.sleep(3600)
-    dist.all_reduce(t)
-    open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"{step} {os.environ['RANK']}\\n")
-    if rank == 0:
-        print('METRICS {"kind": "train", "step": %d}' % step, flush=True)
-    time.sleep(0.2)
-"""
 
 
 def _states(cluster, hosts: Path) -> list[dict]:
@@ -50,7 +35,7 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
         cluster, fresh_nas, tmp_path, record_fault):
     code = tmp_path / "code"
     code.mkdir()
-    (code / "hangs.py").write_text(HANGS)
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2))  # node2's second process
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
                                      train={"script": "hangs.py", "code": str(code)},
                                      job={"stall_timeout": STALL_TIMEOUT, "max_restarts": 0})
@@ -96,10 +81,6 @@ RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-
                  "--log-every", "1", "--ckpt-every", "8", "--eval-batch-size", "256"]
 
 
-def _final(nas: Path) -> dict:
-    return torch.load(nas / "ckpt" / "final_model.pt", map_location="cpu", weights_only=True)
-
-
 def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_ends_bit_identical(
         cluster, fresh_nas, tmp_path, record_fault):
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
@@ -122,7 +103,7 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
     assert "stalled" not in followed and "all nodes finished with exit code 0" in followed
     assert not any(n["stalled"] for states in seen for n in states)
     assert [r["kind"] for r in records(fresh_nas)].count("resumed") == 0 and records(fresh_nas)[-1]["kind"] == "final"
-    reference = _final(fresh_nas)
+    reference = final_weights(fresh_nas / "ckpt")
     ok(ddp(cluster, hosts, "stop"))
     empty_nas(fresh_nas)
     try:
@@ -144,7 +125,7 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
     resumed = [r for r in records(fresh_nas) if r["kind"] == "resumed" and r["time"] > stopped]
     assert resumed and resumed[0]["world_size"] == 6
     assert records(fresh_nas)[-1]["kind"] == "final"
-    got = _final(fresh_nas)
+    got = final_weights(fresh_nas / "ckpt")
     assert reference.keys() == got.keys() and all(torch.equal(reference[k], got[k]) for k in reference)
     log = ok(ddp(cluster, hosts, "logs", "--run", json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"])).stdout
     assert re.search(r"^node2 +\| trainer\.launch: stalled: no rank on this node moved for \d+ s \(last step \d+; "
