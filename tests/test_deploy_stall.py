@@ -243,6 +243,7 @@ def _follow_until(hosts: Path, wanted: str, timeout: float = 60) -> list[str]:
 def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_in_status_and_its_follow(
         tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # torch's log folder of a launcher that stop --now kills stays here
     code = tmp_path / "code"
     code.mkdir()
     (code / "hangs.py").write_text(hanging_program(rank=1, pause=0.1))
@@ -385,6 +386,7 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     import torch
 
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # torch's log folder of a launcher that stop --now kills stays here
     reference = _restart_job(tmp_path, "reference")
     r = _ddp(reference, "launch", "--wait", "--timeout", "300")
     assert r.exit_code == 0, r.output
