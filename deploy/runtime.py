@@ -40,15 +40,25 @@ KILL_RUN = r"""kill_run() {
 # The last METRICS line, without the prefix:
 LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*//'"""
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
-STOPPED_LINE = r"""grep -h ': stopped by ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*/: /'"""
+# its last such line, unless the job resumed after it (a METRICS line of kind "resumed": torchrun
+# started its workers again, from that stop's checkpoint). A stop reaches the nodes one after
+# another, and a node's ranks may have stopped by it (the others told them) before that node's own
+# stop begins: its line is then older than the stop, and still this stop's. (Only "resumed": a
+# worker's stdout and stderr reach the log through two pipes, so its METRICS lines of the steps
+# before the stop may come after the stop's line.)
+STOPPED_LINE = (r"""awk '/: stopped by / { said = $0 } /^(\[rank[0-9]+\]: )*METRICS .*"kind": "resumed"/ { said = "" } """
+                r"""END { if (said != "") print said }' | sed -E 's/^(\[rank[0-9]+\]: )*/: /'""")
 
-# A shell function: record_stop KEPT SCOPE MODE BY TIME, stdin: what the program printed since the
-# stop began. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY" (runs.Stop
-# reads it), STEP the step the program said it checkpointed at ("-": it said none). Only the number
-# is kept of the program's line: its text is the job's, and may hold anything. Prints what the
-# program said (STOPPED_LINE), and that the stop is not recorded where KEPT cannot be written.
+# A shell function: record_stop KEPT SCOPE MODE BY TIME [said], stdin: the end of what the program
+# printed in this run. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY"
+# (runs.Stop reads it), STEP the step the program said it checkpointed at ("-": it said none). Only
+# the number is kept of the program's line: its text is the job's, and may hold anything. Prints
+# what the program said (STOPPED_LINE), and that the stop is not recorded where KEPT cannot be
+# written. With a 6th word "said": nothing is kept or printed unless the program said it stopped
+# (a node whose part had already ended: by this stop, which its ranks heard of from the others).
 RECORD_STOP = r"""record_stop() {
   said=$(""" + STOPPED_LINE + r""")
+  [ "$6" = said ] && [ -z "$said" ] && return 0
   step=$(printf '%s\n' "$said" | sed -n -E 's/.*stopped by .* at step ([0-9]{1,18})([^0-9].*)?$/\1/p')
   if [ -n "$1" ] && { echo "$5 $2 $3 ${step:--} $4" > "$1/stopped.tmp" && mv "$1/stopped.tmp" "$1/stopped"; } 2>/dev/null
   then printf '%s' "$said"
@@ -162,12 +172,12 @@ DROP_BEATS = r"""drop_beats() {
 # them: every process still carrying this run's DDP_DEPLOY_RUN marker in its environment is
 # killed last. A job found running has its stop kept with the run (RECORD_STOP: the run's
 # directory is where STATE/log links). Then the run is forgotten (log kept). Prints what the
-# program said on stopping, if anything: only what it printed after the SIGTERM, never a line of
-# an earlier stop in the same log.
+# program said on stopping, if anything (STOPPED_LINE: never the line of an earlier stop that the
+# job went on from). A run that had ended before the stop began, whose program said it stopped,
+# stopped by this stop: its ranks heard of it from another node's, which began first.
 HOST_STOP = KILL_RUN + RECORD_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
-  from=$( { wc -c < "$run/log"; } 2>/dev/null ) || from=0
   kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
   alive=no; kill -0 "-$pid" 2>/dev/null && alive=yes
   if [ "$grace" -gt 0 ]; then
@@ -177,10 +187,15 @@ if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   kill -KILL "-$pid" 2>/dev/null
   kill_run "$run" ""
   said=""
-  [ $alive = yes ] && said=$(tail -c +$((from + 1)) "$run/log" 2>/dev/null | record_stop "$kept" node "$mode" "$by" "$t0")
+  [ $alive = yes ] && said=$(tail -c 4000000 "$run/log" 2>/dev/null | record_stop "$kept" node "$mode" "$by" "$t0")
   drop_beats "$beats"
   echo "stopped$said"
-elif [ -e "$run/pid" ]; then echo "cleared (had exited $(cat "$run/exit"))"
+elif [ -e "$run/pid" ]; then
+  # ended before this stop began: by this stop all the same where the program says it stopped
+  # (its ranks heard of it from another node's), else on its own
+  kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
+  said=""; [ "$grace" -gt 0 ] && said=$(tail -c 4000000 "$run/log" 2>/dev/null | record_stop "$kept" node graceful "$by" "$(date +%s)" said)
+  if [ -n "$said" ]; then echo "stopped$said"; else echo "cleared (had exited $(cat "$run/exit"))"; fi
 else echo absent
 fi
 rm -f "$run/pid" "$run/exit"
@@ -220,15 +235,19 @@ exit 0
 # SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
 # and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
-# container's DDP_LAUNCH_ID), with what it printed since the stop began.
+# container's DDP_LAUNCH_ID), with what it printed on stopping; so has one that had ended before
+# the stop began and whose program said it stopped (as in HOST_STOP).
 DOCKER_STOP = RECORD_STOP + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
-if s=$(docker inspect --type container --format '{{.State.Status}}' "$c" 2>/dev/null); then
+if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+  started=${s#* }; s=${s%% *}
   run=$(launch_id "$c") && kept=$job/runs/$run/$node || kept=""
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
-  said=""
-  case "$s" in running|restarting)
-    said=$(if [ "$grace" -gt 0 ]; then docker logs --since "$t0" "$c" 2>&1; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
+  # what this start of the container printed (STOPPED_LINE takes the stop's line from its end)
+  said=""; this_start() { docker logs --since "$started" --tail 20000 "$c" 2>&1; }
+  case "$s" in
+    running|restarting) said=$(if [ "$grace" -gt 0 ]; then this_start; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
+    *) [ "$grace" -gt 0 ] && said=$(this_start | record_stop "$kept" node "$mode" "$by" "$t0" said) ;;
   esac
   docker rm -f "$c" > /dev/null && drop_beats "$beats" && echo "stopped$said"
 else echo absent; fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import shlex
 import sys
 import time
@@ -219,6 +220,28 @@ def test_stop_lets_the_job_write_a_checkpoint_at_its_step_and_a_relaunch_redoes_
     assert after[0]["kind"] == "resumed" and after[0]["step"] == stop["step"]
     assert min(rec["step"] for rec in after if rec["kind"] == "train") == stop["step"] + 1  # nothing redone
     assert after[-1]["kind"] == "final"
+
+
+def test_a_job_whose_ranks_stopped_before_its_own_stop_began_is_stopped_by_it_with_the_step_said(ddp, tmp_path):
+    # A stop reaches the nodes one after another: a node's ranks may have stopped already, told by
+    # the ranks of a node whose stop began first (trainer/stopping.py). Here one worker gets the
+    # SIGTERM, as another node's would, and the node's part ends (max_restarts 0) before `stop`.
+    hosts = _inventory(tmp_path, LONG_ARGS)
+    assert ddp(hosts, "launch").exit_code == 0
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
+    _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
+    second = [p for p in _tagged(run_dir) if b"LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
+    assert len(second) == 1
+    os.kill(second[0], signal.SIGTERM)
+    _wait_for(lambda: (run_dir / "exit").exists(), "the node's part to end")
+    stop = _records(tmp_path)[-1]
+    assert stop["kind"] == "stopped", stop
+
+    r = ddp(hosts, "stop")
+    assert r.exit_code == 0, r.output
+    assert f"here: stopped: trainer: stopped by SIGTERM to another rank at step {stop['step']}" in r.stdout
+    r = ddp(hosts, "runs")
+    assert r.exit_code == 0 and f"graceful, checkpoint at step {stop['step']}" in r.stdout, r.output
 
 
 def test_stop_now_kills_at_once_without_a_checkpoint(ddp, tmp_path):

@@ -147,9 +147,42 @@ def test_kill_run_spares_a_process_whose_run_directory_differs_where_a_pattern_w
             p.wait()
 
 
-def _record_stop(kept: str, said: bytes, *, scope="node", mode="graceful", by="root@op", when="1764072063"):
-    return subprocess.run(["sh", "-c", runtime.RECORD_STOP + 'record_stop "$@"', "sh", kept, scope, mode, by, when],
+def _record_stop(kept: str, said: bytes, *, scope="node", mode="graceful", by="root@op", when="1764072063",
+                 only_if_said=False):
+    return subprocess.run(["sh", "-c", runtime.RECORD_STOP + 'record_stop "$@"', "sh", kept, scope, mode, by, when,
+                           *(["said"] if only_if_said else [])],
                           input=said, capture_output=True, check=True, timeout=30)
+
+
+STOP_LINE = b"[rank2]: trainer: stopped by SIGTERM to another rank at step 16 (epoch 0); checkpoint ckpt-16 written\n"
+
+
+def test_a_stop_line_printed_before_the_nodes_own_stop_began_is_still_its_stop(tmp_path):
+    # the ranks of a node stopped at step 16, told by another node's, before this node's stop began;
+    # torchrun then started its workers again, which wait in a rendezvous that never forms
+    log = (b"[rank2]: step 15\n" + STOP_LINE + b"torchrun: restarting workers (1 of 3)\n"
+           b"[W] rendezvous: waiting for 2 more nodes\n")
+    r = _record_stop(str(tmp_path), log)
+    assert r.stdout == b": trainer: stopped by SIGTERM to another rank at step 16 (epoch 0); checkpoint ckpt-16 written"
+    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful 16 root@op\n"
+
+
+def test_the_line_of_an_earlier_stop_that_the_job_went_on_from_is_never_taken(tmp_path):
+    log = (b"[rank0]: METRICS {}\n" + STOP_LINE + b'[rank0]: METRICS {"kind": "stopped"}\n'
+           b'[rank0]: METRICS {"time": 1, "kind": "resumed", "step": 16}\n[rank0]: METRICS {"kind": "train"}\n')
+    r = _record_stop(str(tmp_path), log)
+    assert r.stdout == b""
+    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful - root@op\n"
+
+
+def test_a_node_that_had_ended_is_recorded_as_stopped_only_where_its_program_said_so(tmp_path):
+    r = _record_stop(str(tmp_path), b"[rank0]: METRICS {}\ntorchrun: worker failed (exit 1)\n", only_if_said=True)
+    assert r.stdout == b"" and not (tmp_path / "stopped").exists()  # it ended on its own: no stop of it
+    # the METRICS lines of its last steps and of the stop may come after the stop's line (two pipes)
+    r = _record_stop(str(tmp_path), STOP_LINE + b'[rank0]: METRICS {"kind": "train"}\n[rank0]: METRICS '
+                     b'{"kind": "stopped"}\n', only_if_said=True)
+    assert r.stdout.startswith(b": trainer: stopped by SIGTERM to another rank at step 16")
+    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful 16 root@op\n"
 
 
 def test_the_stop_record_keeps_only_the_step_number_of_what_the_program_said(tmp_path):
