@@ -757,7 +757,8 @@ def runs_(st: _State, as_json: bool) -> None:
                                 "outcome": "running" if running and r is kept[-1] else r.outcome(),
                                 "stopped": r.stop_data(),
                                 "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
-                                              "stopped": nr.stop.as_data() if nr.stop else None}
+                                              "stopped": nr.stop.as_data() if nr.stop else None,
+                                              "stalls": [st.as_data() for st in nr.stalls]}
                                           for n, nr in r.nodes.items()},
                                 "record": r.record} for r in kept]))
         return
@@ -765,12 +766,13 @@ def runs_(st: _State, as_json: bool) -> None:
         click.echo(f"no run of {inv.job.name} is kept in {runs.runs_dir(inv)}")
         return
     table = DataTable(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code", "image",
-                      Column("outcome", no_wrap=True), title=f"runs of {inv.job.name} (the newest "
+                      Column("outcome", no_wrap=True), Column("stalls", no_wrap=True), title=f"runs of {inv.job.name} (the newest "
                       f"{inv.job.keep_runs} are kept; the id starts with the UTC start time)")
     for r in kept:
         outcome = cell("running", "green") if running and r is kept[-1] else r.outcome()
         table.add_row(r.id, _when(r)[1] or "-", str(len(r.nodes)), r.field("program") or "?",
-                      (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8], outcome)
+                      (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8], outcome,
+                      r.stall_text())
     out.print(table)
 
 
@@ -838,14 +840,16 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     states = {n: r.state() for n, r in run.nodes.items()}
     ranks = {n: run.procs(n) for n in states}
     first = _kept_failure(inv, remote, reader, run.id, witnesses(states), redact)
+    stalls = _kept_stalls(inv, remote, reader, run, redact)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
                                "stopped": run.stop_data(),
                                "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
                                           "stopped": run.nodes[n].stop.as_data() if run.nodes[n].stop else None,
-                                          "first_failure": asdict(first) if first and first.node == n else None}
+                                          "first_failure": asdict(first) if first and first.node == n else None,
+                                          "stalls": [st.as_data() for st in run.nodes[n].stalls]}
                                          for n, s in states.items()],
-                               "record": run.record}))
+                               "stalls": stalls, "record": run.record}))
         return
     started, took = _when(run)
     click.echo(safe(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
@@ -853,6 +857,32 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     out.print(view.table(inv.job.name, ranks, states))
     if first:
         click.echo(f"first failure: {first.describe()}")
+    for stall in stalls:
+        click.echo(safe(view.kept_stall_line(stall)))
+        if stall["diagnosis"]:
+            click.echo(safe(f"  why: {stall['diagnosis']}"))
+
+
+def _kept_stalls(inv, remote, reader: str, run: runs.Run, redact) -> list[dict]:
+    """Each stall of a kept run, as its nodes' launchers kept it, with the diagnosis of the stacks
+    they kept (None where none was read)."""
+    events = run.stall_events()
+    if not events:
+        return []
+    got = remote.run({reader: runs.stall_diagnoses_argv(inv, run.id)}, check=False, timeout=120)[reader]
+    kept = runs.parse_diagnoses(got.stdout) if got.ok else {}
+    out_ = []
+    for when, recs in events:
+        ranks = [r for n, rec in recs.items() if (n, rec.time) in kept for r in doctor.parse(n, kept[(n, rec.time)])]
+        complete = all((n, rec.time) in kept for n, rec in recs.items()) and set(recs) == set(run.nodes)
+        procs = [run.procs(n) for n in run.nodes]
+        world = sum(procs) if complete and None not in procs else None  # else no rank is called gone
+        found = doctor.diagnose(ranks, {}, world) if ranks else None
+        out_.append({"time": when, "action": "restart" if any(r.action == "restart" for r in recs.values()) else "report",
+                     "nodes": {n: rec.as_data() for n, rec in recs.items()},
+                     "diagnosis": secretenv.masked(found.summary, redact) if found else None,
+                     "culprits": list(found.culprits) if found else []})
+    return out_
 
 
 @cli.command()

@@ -19,6 +19,10 @@ from .view import LARGEST
 
 COLLECTIVES = "/torch/distributed/"
 """A frame in a file under this path is torch.distributed's: the rank waits in a collective there."""
+BACKWARD = "/torch/autograd/"
+"""A frame in a file under this path is autograd's backward, where DDP's gradient all-reduce runs
+(from the autograd engine's hooks, below any Python frame): a rank of a stalled DDP job there waits
+for the other ranks' gradients."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class Frame:
     @property
     def in_collective(self) -> bool:
         return COLLECTIVES in self.file
+
+    @property
+    def in_backward(self) -> bool:
+        return BACKWARD in self.file
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,9 @@ class RankStack:
 
     @property
     def waiting(self) -> bool:
-        """In a collective of torch.distributed, waiting for the other ranks."""
-        return self.state != "T" and any(f.in_collective for f in self.frames[:8])
+        """In a collective of torch.distributed, or in backward (DDP's gradient all-reduce), waiting
+        for the other ranks."""
+        return self.state != "T" and any(f.in_collective or f.in_backward for f in self.frames[:8])
 
     def where(self) -> str:
         """``all_reduce (train.py:88)``: the collective and the program's line that called it; else the
@@ -73,8 +82,9 @@ class RankStack:
         if not self.frames:
             return f"unknown ({self.problem or 'no stack'})"
         if self.waiting:
-            inside = [f for f in self.frames if f.in_collective]
-            call = next((f for f in inside if f.short == "distributed_c10d.py"), inside[0])  # not its wrappers
+            inside = [f for f in self.frames[:8] if f.in_collective]
+            call = (next((f for f in inside if f.short == "distributed_c10d.py"), inside[0])  # not its wrappers
+                    if inside else Frame("backward", BACKWARD, None))
             caller = next((f for f in self.frames if "/torch/" not in f.file), None)
             return f"{call.name} ({caller.short}:{'?' if caller.line is None else caller.line})" if caller else call.text()
         return self.frames[0].text()

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV
+from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_RECORD_ENV, STALL_TIMEOUT_ENV
 from trainer.masking import SECRET_NAMES_ENV
 
 from .errors import Issue, InventoryError
@@ -116,7 +116,7 @@ def _no_nul(v: str) -> str:
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
                 "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
-                STALL_TIMEOUT_ENV, SECRET_NAMES_ENV)
+                STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV)
 
 
 def _identifier(v: str) -> str:

@@ -177,8 +177,8 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
     program = program_args(inv)
     # The started job's alone: a probe or a network check beside it never touches its heartbeats.
     env = (*node_env(inv, node, facts, code, run), (HEARTBEAT_DIR_ENV, heartbeat_dir(inv, node)))
-    if inv.job.on_stall != "report":  # the node's launcher acts on a stall itself (trainer/heartbeat.py, Watchdog)
-        env += ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
+    # the node's launcher keeps a stall with the run and acts on it itself (trainer/heartbeat.py, Watchdog)
+    env += ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
     rt = runtime(inv, code, run)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,

@@ -67,9 +67,25 @@ NODES_OF = r"""nodes_of() {
     echo "@@node $(basename "$n")"
     cat "$n/exits" 2>/dev/null
     [ -e "$n/stopped" ] && { echo; head -c 300 "$n/stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
+    [ -e "$n/stalls" ] && { echo; head -c 4000 "$n/stalls" | head -n 50 | sed 's/^/@@stall /'; echo; }
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
   done
 }
+"""
+
+# $1 = a run's directory: for each node, "@@node NAME", then each of its kept stall diagnoses
+# (trainer/heartbeat.py, Watchdog.keep): "@@stall TIME" and what the node's DIAGNOSE printed.
+STALL_DIAGNOSES = r"""for n in "$1"/*/; do
+  [ -d "$n" ] || continue
+  echo "@@node $(basename "$n")"
+  for f in "$n"stall-*; do
+    t=${f##*/stall-}
+    case "$t" in *[!0-9]*|"") continue ;; esac
+    [ -f "$f" ] && [ ! -L "$f" ] || continue
+    echo "@@stall $t"; head -c 1048576 "$f"; echo
+  done
+done
+exit 0
 """
 
 # $1 = runs dir, $2 = an id or the start of one ("" for all). For every such run, oldest first:
@@ -93,9 +109,34 @@ def list_argv(inv: Inventory, prefix: str = "") -> tuple[str, ...]:
     return ("sh", "-c", LIST_RUNS, "sh", runs_dir(inv), prefix)
 
 
+def stall_diagnoses_argv(inv: Inventory, run: str) -> tuple[str, ...]:
+    return ("sh", "-c", STALL_DIAGNOSES, "sh", f"{runs_dir(inv)}/{run}")
+
+
 def log_argv(inv: Inventory, run: str, node: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     """A node's log of a kept run, as ``logs`` reads the running one."""
     return tail_argv(f"{kept_dir(inv, run, node)}/log", tail=tail, follow=follow)
+
+
+STALL_WINDOW_S = 120
+"""Stalls that nodes' launchers found within this many seconds of each other are one of the job."""
+
+
+def parse_diagnoses(stdout: str) -> dict[tuple[str, int], str]:
+    """What STALL_DIAGNOSES printed: (node, time) -> the node's DIAGNOSE output for that stall."""
+    found: dict[tuple[str, int], list[str]] = {}
+    node, key = None, None
+    for line in stdout.splitlines():
+        if line.startswith("@@node "):
+            node, key = line[7:].strip(), None
+        elif line.startswith("@@stall ") and node is not None:
+            word = line[8:].strip()
+            key = (node, int(word)) if word.isascii() and word.isdigit() and len(word) <= 11 else None
+            if key is not None:
+                found[key] = []
+        elif key is not None:
+            found[key].append(line)
+    return {k: "\n".join(v) for k, v in found.items()}
 
 
 LAST_TIME = 253402300799.0
@@ -177,6 +218,39 @@ class Stop:
         return {"time": self.time, "by": self.by, "graceful": self.graceful, "step": self.step}
 
 
+_STALL = re.compile(r"([0-9]{1,11}) (-|[0-9]{1,18}) ([0-9]{1,9}) ([0-9]{1,9}) (report|restart)")
+
+
+@dataclass(frozen=True)
+class StallRecord:
+    """A stall as the node's launcher kept it (trainer/heartbeat.py, Watchdog): ``<node>/stalls``,
+    one line ``TIME STEP QUIET_S LIMIT_S ACTION`` each; its diagnosis in ``<node>/stall-TIME``. The
+    job can write these files too: a line that is not exactly that is no record."""
+
+    time: int
+    """When the launcher found it, UNIX seconds on the node's clock."""
+    step: int | None
+    """The last step any rank of the node beat at; None: none said one."""
+    quiet_s: int
+    """How long no rank of the node had moved."""
+    limit_s: int
+    """The stall timeout it was judged against."""
+    action: str
+    """``report`` or ``restart`` (job.on_stall)."""
+
+    @classmethod
+    def parse(cls, line: str) -> "StallRecord | None":
+        m = _STALL.fullmatch(line.strip())
+        if m is None:
+            return None
+        when, step, quiet, limit, action = m.groups()
+        return cls(int(when), None if step == "-" else int(step), int(quiet), int(limit), action)
+
+    def as_data(self) -> dict:
+        return {"time": self.time, "step": self.step, "quiet_s": self.quiet_s, "limit_s": self.limit_s,
+                "action": self.action}
+
+
 def _clock(t: float, day_of: float | None) -> str:
     """``t`` in local time: the time of day, with the date when it is not the day of ``day_of``."""
     try:
@@ -214,6 +288,8 @@ class NodeRun:
     """Its last METRICS line."""
     stopped: Stop | None = None
     """How ``stop`` ended it, if it did (kept in ``<node>/stopped``)."""
+    stalls: tuple[StallRecord, ...] = ()
+    """The stalls its launcher found, oldest first (kept in ``<node>/stalls``)."""
 
     @property
     def stop(self) -> Stop | None:
@@ -294,6 +370,28 @@ class Run:
                 return procs if isinstance(procs, int) and not isinstance(procs, bool) and 0 <= procs < 2 ** 31 else None
         return None
 
+    def stall_events(self, window: int = STALL_WINDOW_S) -> list[tuple[int, dict[str, StallRecord]]]:
+        """The run's stalls, oldest first: each node's records within ``window`` s of the first of
+        them are one stall of the job (a hang stalls every node, each launcher finds it by itself)."""
+        found = sorted(((r.time, n, r) for n, nr in self.nodes.items() for r in nr.stalls), key=lambda x: (x[0], x[1]))
+        events: list[tuple[int, dict[str, StallRecord]]] = []
+        for when, node, rec in found:
+            if events and when - events[-1][0] <= window and node not in events[-1][1]:
+                events[-1][1][node] = rec
+            else:
+                events.append((when, {node: rec}))
+        return events
+
+    def stall_text(self) -> str:
+        """``-`` | ``1 (restarted)`` | ``3 (2 restarted)`` | ``1 (reported)``: for ``runs``."""
+        events = self.stall_events()
+        if not events:
+            return "-"
+        restarted = sum(1 for _, recs in events if any(r.action == "restart" for r in recs.values()))
+        what = ("restarted" if restarted == len(events) else "reported" if not restarted
+                else f"{restarted} restarted")
+        return f"{len(events)} ({what})"
+
     def outcome(self) -> str:
         """``exit 0`` | ``exit 1 (node2)`` | ``stopped by root@op at 12:01:03 (graceful, checkpoint at
         step 40)`` | ``no exit recorded (node1)``: what its nodes ended with."""
@@ -321,9 +419,11 @@ def parse(stdout: str) -> list[Run]:
     run_id, record_lines, nodes, node, exits, metrics = None, [], {}, None, [], ""
     stops: dict[str, Stop | None] = {}
 
+    stalls: dict[str, list[StallRecord]] = {}
+
     def close_node():
         if node is not None:
-            nodes[node] = NodeRun(tuple(exits), metrics, stops.pop(node, None))
+            nodes[node] = NodeRun(tuple(exits), metrics, stops.pop(node, None), tuple(stalls.pop(node, ())))
 
     def close_run():
         if run_id is not None:
@@ -340,6 +440,10 @@ def parse(stdout: str) -> list[Run]:
             node, exits, metrics = line[7:].strip(), [], ""
         elif line.startswith("@@stopped ") and node is not None:
             stops[node] = Stop.parse(line[len("@@stopped "):])
+        elif line.startswith("@@stall ") and node is not None:
+            found = StallRecord.parse(line[len("@@stall "):])
+            if found is not None:
+                stalls.setdefault(node, []).append(found)
         elif node is not None:
             parts = line.split()
             if line.startswith("METRICS "):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.entry import module_argv
+from trainer.heartbeat import DIAGNOSE, STALL_RECORD_ENV
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory, Node
@@ -84,6 +85,7 @@ mkdir -p "$run" "$kept" || exit 1
 rm -f "$run/exit" "$run/restarts"
 ln -sfn "$kept/log" "$run/log" || exit 1
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
+""" + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (trainer/heartbeat.py)
 setsid sh -c '""" + KILL_RUN + r"""
 run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
@@ -131,29 +133,6 @@ fi
 echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 [ -e "$run/log" ] && cat "$run/log" | """ + LAST_METRICS + r"""
 exit 0
-"""
-
-# $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
-# on this node, found by exact identity: its environment holds DDP_HEARTBEAT_DIR=$1 (set for the
-# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none).
-# Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
-# it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
-# line (or its error). Last, "workers N". The job's own values are printed only as digits or py-spy's JSON.
-DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0
-[ -x "$spy" ] || spy=py-spy
-for p in /proc/[0-9]*; do
-  pid=${p#/proc/}
-  grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
-  rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
-  lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
-  [ -n "$lrank" ] || continue
-  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)
-  found=$((found + 1))
-  echo "rank $pid ${rank:-?} $lrank ${state:-?}"
-  [ "$state" = T ] && continue
-  echo "stack $pid $(timeout 20 "$spy" dump --pid "$pid" --json 2>&1 | tr '\n' ' ')"
-done
-echo "workers $found"
 """
 
 # A shell function: drop_beats DIR removes a stopped job's heartbeat directory (a launcher killed

@@ -141,6 +141,19 @@ def stall_text(st: Stall) -> str:
     return f"stalled {duration(st.for_s)} ({what} since {time.strftime('%H:%M:%S', time.localtime(st.since))})"
 
 
+def kept_stall_line(stall: dict) -> str:
+    """``stalled at 12:01:03 on node1, node2 (no step for 6s after step 12; job.stall_timeout 5s):
+    workers restarted``: one stall of a kept run (cli's ``status --run``)."""
+    recs = stall["nodes"]
+    steps = sorted({r["step"] for r in recs.values() if r["step"] is not None})
+    after = f" after step {', '.join(map(str, steps))}" if steps else ""
+    quiet = max(r["quiet_s"] for r in recs.values())
+    limit = max(r["limit_s"] for r in recs.values())
+    done = "workers restarted (job.on_stall: restart)" if stall["action"] == "restart" else "reported (job.on_stall: report)"
+    return (f"stalled at {time.strftime('%H:%M:%S', time.localtime(stall['time']))} on {', '.join(sorted(recs))} "
+            f"(no step for {duration(quiet)}{after}; job.stall_timeout {duration(limit)}): {done}")
+
+
 def _key(s: NodeState) -> str:
     """What a plain follower shows a line for when it changes: the state, stalled or not."""
     return f"{s.state} {s.restarts} {s.stall is not None}"

@@ -36,8 +36,10 @@ def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
 
 
 def beats(node, runtime="docker"):
-    """Where the started job's ranks keep their heartbeats: the node's memory, this job's and node's alone."""
-    return f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}"
+    """Where the started job's ranks keep their heartbeats (the node's memory, this job's and node's
+    alone), and how its launcher judges and acts on a stall (trainer/heartbeat.py, Watchdog)."""
+    return [f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}", "DDP_ON_STALL=report",
+            "DDP_STALL_TIMEOUT=auto"]
 
 
 def kept_log(node, ckpt="/ckpt"):
@@ -96,7 +98,7 @@ def test_docker_command_for_a_gpu_node():
     assert _opt(argv, "--gpus") == '"device=0,1"'  # which GPUs is explicit: the first `procs` by default
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/nas/data:/data", "/nas/ckpt:/ckpt"]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("a"), *contract("a"), "GLOO_SOCKET_IFNAME=eth0",
-                                                                     "NCCL_SOCKET_IFNAME=eth0", beats("a")]
+                                                                     "NCCL_SOCKET_IFNAME=eth0", *beats("a")]
     image_at = argv.index("ddp-trainer:latest")
     sep = argv.index("--")
     assert tuple(argv[image_at + 1:sep]) == spec.torchrun
@@ -119,7 +121,7 @@ def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
     argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
     assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("c"), *contract("c", device="cpu",
-                                                                                              backend="gloo"), beats("c")]
+                                                                                              backend="gloo"), *beats("c")]
     assert argv[argv.index("--", argv.index("ddp-trainer:latest")) + 5:][:4] == ["--device", "cpu", "--backend", "gloo"]
 
 
@@ -185,12 +187,12 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[4:7] == ["/nas/ckpt/.ddp-deploy/demo/a", "/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/a",
                          str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
     cmd = argv[7:]
-    assert cmd[:13] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+    assert cmd[:15] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
-                        beats("a", "host")]
-    assert cmd[13:17] == ["python3", *module_argv("trainer.launch")]
+                        *beats("a", "host")]
+    assert cmd[15:19] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
-    assert tuple(cmd[17:t]) == spec.torchrun
+    assert tuple(cmd[19:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -246,7 +248,7 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
     specs = plan.launch_plan(_inv(), {"a": plan.NodeFacts("eth7"), "b": plan.NodeFacts("eth8")})
     assert ("GLOO_SOCKET_IFNAME", "eth0") in specs[0].env  # the inventory's wins
     assert ("GLOO_SOCKET_IFNAME", "eth8") in specs[1].env and ("NCCL_SOCKET_IFNAME", "eth8") in specs[1].env
-    assert [f"{k}={v}" for k, v in specs[2].env] == [*contract("c"), beats("c")]  # no NIC known: left to gloo/NCCL
+    assert [f"{k}={v}" for k, v in specs[2].env] == [*contract("c"), *beats("c")]  # no NIC known: left to gloo/NCCL
 
 
 @pytest.mark.parametrize("said, absent", [("Error response from daemon: No such container: demo-a", True),

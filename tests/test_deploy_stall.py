@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import doctor, plan, stall, view
+from deploy import doctor, plan, runs, stall, view
 from deploy.cli import cli
 from deploy.runtime import HOST_STATUS
 from deploy.text import safe
@@ -280,6 +281,18 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
         data = json.loads(_ddp(hosts, "doctor", "--json").stdout)
         assert data["culprits"] == ["here rank 1"] and data["gone"] == [] and data["silent"] == {}
         assert {r["rank"]: r["state"] for r in data["ranks"]} == {0: "S", 1: "S"}
+
+        # kept with the run by the node's launcher, once, with the stacks it found: read after the fact
+        kept = wait_until(lambda: (lambda r: r if r["nodes"]["here"]["stalls"] else None)(
+            json.loads(_ddp(hosts, "runs", "--json").stdout)[-1]), 60, "the stall kept with the run", interval=0.2)
+        assert [(st["step"], st["limit_s"], st["action"]) for st in kept["nodes"]["here"]["stalls"]] == [(4, 3, "report")]
+        assert "1 (reported)" in _ddp(hosts, "runs").stdout
+        shown = _ddp(hosts, "status", "--run", kept["id"]).stdout.splitlines()
+        assert re.fullmatch(r"stalled at \d\d:\d\d:\d\d on here \(no step for \ds after step 4; job.stall_timeout 3s\): "
+                            r"reported \(job.on_stall: report\)", shown[-2]), shown
+        assert shown[-1] == ("  why: here rank 1 is in <module> (hangs.py:7); the 1 other rank waits in all_reduce "
+                             "(hangs.py:8)"), shown
+        assert "trainer.launch: stalled: no rank on this node moved for " in _ddp(hosts, "logs").stdout
     finally:
         assert _ddp(hosts, "stop", "--now").exit_code == 0
     assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
@@ -334,6 +347,17 @@ def test_a_stopped_rank_a_gone_rank_and_a_silent_node_are_each_named_as_such():
     alone = doctor.diagnose(doctor.parse("node1", _node((10, 0, "S", WAITS))), {}, 2)
     assert alone.gone == (1,) and alone.summary == ("the one rank found is in all_reduce (train.py:88); rank 1 runs on "
                                                      "no node (exited, or never started)")
+
+
+def test_a_rank_in_backward_waits_in_ddp_s_gradient_all_reduce_and_the_rank_that_holds_it_up_is_named():
+    # DDP's all-reduce of the gradients runs from the autograd engine's hooks: py-spy sees backward
+    autograd = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py"
+    backward = _dump(("_engine_run_backward", autograd, 1072), ("backward", "/venv/lib/python3.11/site-packages/"
+                     "torch/_tensor.py", 581), ("train_step", "/app/trainer/loop.py", 130))
+    ranks = doctor.parse("node1", _node((10, 0, "S", backward), (11, 1, "T", None)))
+    d = doctor.diagnose(ranks, {}, 2)
+    assert d.summary == "node1 rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in backward (loop.py:130)"
+    assert d.culprits == ("node1 rank 1",)
 
 
 def test_ranks_in_mismatched_collectives_name_the_smaller_group():
@@ -412,6 +436,10 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
         _ddp(hosts, "stop", "--now")
     log = _ddp(hosts, "logs").stdout
     assert "trainer.launch: stalled: no rank on this node moved for " in log
+    run = json.loads(_ddp(hosts, "runs", "--json").stdout)[-1]["id"]
+    (stall,) = json.loads(_ddp(hosts, "status", "--run", run, "--json").stdout)["stalls"]
+    assert stall["action"] == "restart" and stall["culprits"] == ["here rank 1"], stall
+    assert stall["diagnosis"].startswith("here rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in "), stall
     assert "workers, which torchrun starts again from the newest checkpoint (job.on_stall: restart)" in log
     resumed = [rec for rec in _records(hosts) if rec["kind"] == "resumed" and rec["time"] > stopped]
     assert len(resumed) == 1 and resumed[0]["world_size"] == 2
@@ -443,7 +471,7 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
         def flush(self):
             pass
 
-    dog = heartbeat.Watchdog(str(tmp_path), 5.0, out=Out())
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=Out())
     assert not dog.check()  # no beat yet: nothing to judge
     for local in (0, 1):
         Heartbeat(str(tmp_path), local, local).beat(9)
@@ -455,4 +483,68 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
     assert dog.check() and list(tmp_path.iterdir()) == []  # acted, and its beats are gone: the next are the new workers'
     assert not dog.check() and dog.actions == 1
     assert said[0].startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
-                              "job.stall_timeout 5 s): killing its 0 workers")
+                              "job.stall_timeout 5 s): not kept (no run directory); killing its 0 workers")
+
+
+def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_only_after_progress(tmp_path):
+    beats, record = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    record.mkdir()
+    said = []
+
+    class Out:
+        def write(self, text):
+            said.append(text)
+
+        def flush(self):
+            pass
+
+    # a real worker of the job, found by its environment as on a node, asleep in its program
+    program = tmp_path / "sleeper.py"
+    program.write_text("import time\n\ndef wait():\n    time.sleep(600)\n\nprint('up', flush=True)\nwait()\n")
+    worker = subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "0", "RANK": "0"})
+    try:
+        assert worker.stdout.readline() == "up\n"
+        dog = heartbeat.Watchdog(str(beats), 5.0, "report", str(record), out=Out())
+        Heartbeat(str(beats), 0, 0).beat(12)
+        now = int(time.time())
+        old = now - 60
+        os.utime(beats / "0", (old, old))
+        assert dog.check(now) and not dog.check(now + 1)  # once per stall
+        assert worker.poll() is None  # reported: nothing killed
+        (line,) = (record / "stalls").read_text().splitlines()
+        assert runs.StallRecord.parse(line) == runs.StallRecord(now, 12, 60, 5, "report")
+        (ranks,) = [doctor.parse("here", (record / f"stall-{now}").read_text())]
+        assert [(r.pid, r.rank, r.local_rank) for r in ranks] == [(worker.pid, 0, 0)]
+        assert ranks[0].where() == "wait (sleeper.py:4)", ranks[0]
+        assert said == ["trainer.launch: stalled: no rank on this node moved for 60 s (last step 12; job.stall_timeout "
+                        "5 s): the stacks of its workers are kept with the run (ddp-deploy status --run) "
+                        "(job.on_stall: report)\n"]
+        Heartbeat(str(beats), 0, 0).beat(13)  # it moves again; then stalls again: a new stall
+        assert not dog.check()
+        os.utime(beats / "0", (old, old))
+        assert dog.check(now + 100) and len((record / "stalls").read_text().splitlines()) == 2
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_stall_records_that_are_not_exactly_what_the_launcher_writes_are_no_record():
+    assert runs.StallRecord.parse("1764072063 - 400 300 restart") == runs.StallRecord(1764072063, None, 400, 300, "restart")
+    for bad in ("1764072063 12 400 300 stop", "1764072063 12 400 300 report extra", "x 12 400 300 report",
+                "1764072063 12 4e5 300 report", "99999999999999 12 400 300 report", "\x1b[2J 12 400 300 report"):
+        assert runs.StallRecord.parse(bad) is None, bad
+
+
+def test_the_stalls_of_nodes_found_within_a_window_are_one_stall_of_the_job():
+    rec = lambda t, action="restart": runs.StallRecord(t, 12, 400, 300, action)  # noqa: E731
+    run = runs.Run("20261126-120000-abcd", {}, {
+        "node1": runs.NodeRun(stalls=(rec(1000), rec(5000, "report"))),
+        "node2": runs.NodeRun(stalls=(rec(1003),)),
+        "node3": runs.NodeRun()})
+    events = run.stall_events()
+    assert [(t, sorted(nodes)) for t, nodes in events] == [(1000, ["node1", "node2"]), (5000, ["node1"])]
+    assert run.stall_text() == "2 (1 restarted)" and runs.Run("x").stall_text() == "-"
+    line = view.kept_stall_line({"time": 1000, "action": "restart", "nodes": {n: r.as_data() for n, r in events[0][1].items()}})
+    assert "on node1, node2 (no step for 6m40s after step 12; job.stall_timeout 5m00s): workers restarted" in line

@@ -20,15 +20,22 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
 
 HEARTBEAT_DIR_ENV = "DDP_HEARTBEAT_DIR"
 ON_STALL_ENV = "DDP_ON_STALL"
-"""Set for the started job when ``job.on_stall`` acts (``restart``): the launcher's :class:`Watchdog`."""
+"""``job.on_stall`` for the launcher's :class:`Watchdog`: ``report`` or ``restart``."""
 STALL_TIMEOUT_ENV = "DDP_STALL_TIMEOUT"
-"""``job.stall_timeout`` for the watchdog: ``auto`` or seconds."""
+"""``job.stall_timeout`` for the watchdog: ``auto``, seconds, or ``None`` (off)."""
+STALL_RECORD_ENV = "DDP_STALL_RECORD"
+"""Where the watchdog keeps a stall: the node's directory of the run (the launcher sets it)."""
+DIAGNOSE_S = 120
+"""The longest a stall's diagnosis may take (py-spy is given 20 s a worker)."""
+DIAGNOSIS_BYTES = 1 << 20
+"""The most of a diagnosis kept: py-spy's JSON of deep stacks, many threads, is large."""
 LINE_BYTES = 46
 """A beat's line: step (20 digits), rank (10), gap in ms (13), the spaces and the newline: fixed,
 so that a write in place never leaves a longer line's end behind."""
@@ -168,6 +175,33 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
     return local, step, rank, None if gap is None else gap / 1000, float(seconds)
 
 
+# --- what `doctor` reads -------------------------------------------------------------------------
+
+# A node program (doctor runs it through the job's runtime, the Watchdog here on a stall):
+# $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
+# on this node, found by exact identity: its environment holds DDP_HEARTBEAT_DIR=$1 (set for the
+# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none).
+# Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
+# it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
+# line (or its error). Last, "workers N". The job's own values are printed only as digits or py-spy's JSON.
+DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0
+[ -x "$spy" ] || spy=py-spy
+for p in /proc/[0-9]*; do
+  pid=${p#/proc/}
+  grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
+  rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  [ -n "$lrank" ] || continue
+  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)
+  found=$((found + 1))
+  echo "rank $pid ${rank:-?} $lrank ${state:-?}"
+  [ "$state" = T ] && continue
+  echo "stack $pid $(timeout 20 "$spy" dump --pid "$pid" --json 2>&1 | tr '\n' ' ')"
+done
+echo "workers $found"
+"""
+
+
 # --- the node's own watch (job.on_stall: restart) ---------------------------------------------------
 
 def read_beats(directory: str, now: float | None = None) -> list[tuple[int, int | None, int | None, float | None, float]]:
@@ -213,41 +247,69 @@ def workers(directory: str) -> list[int]:
 
 
 class Watchdog:
-    """``job.on_stall: restart`` on one node: when none of its ranks has beaten for the stall
-    timeout, kills its workers (a hung rank cannot checkpoint) and empties the heartbeats; torchrun's
-    agent then starts them again, counted against ``--max-restarts``, in a new rendezvous round the
-    other nodes' agents join, and the job resumes from its newest checkpoint. Before the first
-    beat, and after an action until the next one, there is nothing to judge: nothing is done."""
+    """A node's own watch of its ranks, in its launcher: when none of them has beaten for the stall
+    timeout, it keeps the stall with the run and acts on ``job.on_stall``.
 
-    def __init__(self, directory: str, setting, every: float = 1.0, out=sys.stderr) -> None:
-        self.directory, self.setting, self.every, self.out = directory, setting, every, out
+    Kept (``record``: the node's directory of the run on the shared volume, runs.py): a line in
+    ``stalls``, ``TIME STEP QUIET_S LIMIT_S ACTION`` (deploy/runs.py reads it), and in
+    ``stall-TIME`` what :data:`DIAGNOSE` found: each worker's state and Python stacks, the
+    diagnosis ``status --run`` gives later, when the hung processes may be long gone.
+
+    ``report``: that, and a line in the log, once per stall. ``restart``: then it kills its workers
+    (a hung rank cannot checkpoint) and empties the heartbeats; torchrun's agent starts them again,
+    counted against ``--max-restarts``, in a new rendezvous round the other nodes' agents join, and
+    the job resumes from its newest checkpoint. Before the first beat, and after a restart until
+    the next beat, there is nothing to judge: nothing is done."""
+
+    def __init__(self, directory: str, setting, action: str = "report", record: str | None = None,
+                 every: float = 1.0, out=sys.stderr, spy: str | None = None) -> None:
+        self.directory, self.setting, self.action, self.record = directory, setting, action, record
+        self.every, self.out = every, out
+        self.spy = spy or os.path.join(os.path.dirname(sys.executable), "py-spy")  # installed beside it
         self.actions = 0
+        self._reported = False
 
     @classmethod
     def from_environ(cls, directory: str | None, environ=os.environ) -> "Watchdog | None":
-        if not directory or environ.get(ON_STALL_ENV) != "restart":
+        """None where nothing is watched: no heartbeats, no ``job.on_stall`` set by the deploy
+        tool, or ``job.stall_timeout`` null."""
+        action = environ.get(ON_STALL_ENV)
+        if not directory or action not in ("report", "restart"):
             return None
         raw = environ.get(STALL_TIMEOUT_ENV, "auto")
+        if raw == "None":
+            return None
         try:
             setting = "auto" if raw == "auto" else float(raw)
         except ValueError:
             setting = "auto"
-        return cls(directory, setting)
+        return cls(directory, setting, action, environ.get(STALL_RECORD_ENV) or None)
 
     def check(self, now: float | None = None) -> bool:
-        """One look; True when it acted."""
+        """One look; True when it found a new stall (and acted on it)."""
         beats = read_beats(self.directory, now)
         if not beats:
             return False
         limit = stall_limit(self.setting, [b[3] for b in beats], True)
         age = min(b[4] for b in beats)
         if limit is None or age <= limit:
+            self._reported = False  # moving again: the next stall is a new one
+            return False
+        if self._reported:
             return False
         step = max((b[1] for b in beats if b[1] is not None), default=None)
+        kept = self.keep(int(time.time() if now is None else now), step, age, limit)
+        what = f"no rank on this node moved for {age:.0f} s (last step {'?' if step is None else step}; " \
+               f"job.stall_timeout {limit:g} s)"
+        if self.action == "report":
+            self.out.write(f"trainer.launch: stalled: {what}: {kept} (job.on_stall: report)\n")
+            self.out.flush()
+            self._reported = True
+            self.actions += 1
+            return True
         pids = workers(self.directory)
-        self.out.write(f"trainer.launch: stalled: no rank on this node moved for {age:.0f} s (last step "
-                       f"{'?' if step is None else step}; job.stall_timeout {limit:g} s): killing its {len(pids)} "
-                       "workers, which torchrun starts again from the newest checkpoint (job.on_stall: restart)\n")
+        self.out.write(f"trainer.launch: stalled: {what}: {kept}; killing its {len(pids)} workers, which torchrun "
+                       "starts again from the newest checkpoint (job.on_stall: restart)\n")
         self.out.flush()
         for pid in pids:
             try:
@@ -261,6 +323,24 @@ class Watchdog:
                 pass
         self.actions += 1
         return True
+
+    def keep(self, when: int, step: int | None, age: float, limit: float) -> str:
+        """The stall and its diagnosis kept with the run; what the log says of it."""
+        if not self.record:
+            return "not kept (no run directory)"
+        try:
+            found = subprocess.run(["sh", "-c", DIAGNOSE, "sh", self.directory, self.spy], stdin=subprocess.DEVNULL,
+                                   capture_output=True, timeout=DIAGNOSE_S).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            found = f"problem {exc}\n".encode()
+        try:
+            with open(os.path.join(self.record, f"stall-{when}"), "wb") as fh:
+                fh.write(found[:DIAGNOSIS_BYTES])
+            with open(os.path.join(self.record, "stalls"), "a") as fh:
+                fh.write(f"{when} {'-' if step is None else step} {int(age)} {int(limit)} {self.action}\n")
+        except OSError as exc:
+            return f"not kept ({exc.strerror or exc})"
+        return "the stacks of its workers are kept with the run (ddp-deploy status --run)"
 
     def start(self) -> threading.Thread:
         def run():

@@ -303,6 +303,8 @@ def main() -> None:
         # The job (torchrun) is this process's child: its output is masked and copied to the run's
         # log, and torch's log directory is made here (the child gets it named, and runs torchrun
         # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
+        if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat.py)
+            os.environ[heartbeat.STALL_RECORD_ENV] = directory
         with torch_log_dir(argv, owner) if "--" in argv else contextlib.nullcontext([]) as log_dir:
             sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask))
     # With the store shared between agents and workers (torch's default), an agent that joins a
@@ -325,7 +327,8 @@ def main() -> None:
     beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
     if beats is None:
         os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
-    watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall: restart
+    watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall, job.stall_timeout
+    os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
     if watchdog is not None:
         watchdog.start()
     with torch_log_dir(argv, owner) as log_dir:

@@ -66,6 +66,14 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
         data = json.loads(ok(ddp(cluster, hosts, "doctor", "--json")).stdout)
         assert data["culprits"] == ["node2 rank 3"] and data["gone"] == [] and data["silent"] == {}
         assert sorted(r["rank"] for r in data["ranks"]) == list(range(6))
+
+        # each node's launcher kept the stall with the run, with the stacks its ranks were in then
+        run = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"]
+        kept = wait_until(lambda: (lambda st: st if st and len(st[0]["nodes"]) == 3 else None)(json.loads(ok(ddp(
+            cluster, hosts, "status", "--run", run, "--json")).stdout)["stalls"]), 60, "the stall kept by every node")
+        assert [(st["action"], st["diagnosis"]) for st in kept] == [("report", found[0])], kept
+        shown = ok(ddp(cluster, hosts, "status", "--run", run)).stdout
+        assert "on node1, node2, node3 (no step for " in shown and f"  why: {found[0]}" in shown, shown
     finally:
         ok(ddp(cluster, hosts, "stop", "--now"))
     for h in cluster.hosts:
@@ -129,7 +137,13 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
     assert reference.keys() == got.keys() and all(torch.equal(reference[k], got[k]) for k in reference)
     log = ok(ddp(cluster, hosts, "logs", "--run", json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"])).stdout
     assert re.search(r"^node2 +\| trainer\.launch: stalled: no rank on this node moved for \d+ s \(last step \d+; "
-                     r"job\.stall_timeout 5 s\): killing its 2 workers", log, re.M), log[-3000:]
+                     r"job\.stall_timeout 5 s\): the stacks of its workers are kept with the run \(ddp-deploy status "
+                     r"--run\); killing its 2 workers", log, re.M), log[-3000:]
+    # kept with the run by each node's launcher, with the stacks it found before it acted
+    run = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"]
+    (stall,) = json.loads(ok(ddp(cluster, hosts, "status", "--run", run, "--json")).stdout)["stalls"]
+    assert stall["action"] == "restart" and "node2" in stall["nodes"] and stall["culprits"] == ["node2 rank 3"], stall
+    assert stall["diagnosis"].startswith("node2 rank 3 is stopped (SIGSTOP: state T)"), stall
     redone = max(r["step"] for r in records(fresh_nas) if r["kind"] == "train" and r["time"] <= stopped) - resumed[0]["step"]
     assert 0 <= redone <= 8
     record_fault(fault="one rank stopped (SIGSTOP), `job.on_stall: restart`", finished=True,
