@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column
 
-from . import codesync, delivery, doctor, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, view
+from . import codesync, delivery, doctor, failure, lock, netcheck, plan, preflight, prepare, record, runs, runtime, secretenv, stall, view
 from .errors import DeployError, InputError, RemoteFailure, RuntimeFailure
 from .inventory import Inventory, load
 from .payload import payload
@@ -448,6 +448,13 @@ def _verdict(inv, final, remote, redact) -> None:
     the program's first error line)."""
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
+    stalled = [n for n, s in final.items() if s.state == stall.STOPPED]
+    if stalled:  # the cause of any other node's end: each launcher ends its part when it finds the stall
+        why = _newest_stall(inv, remote, redact)
+        raise RuntimeFailure(f"the job stalled and was stopped on {', '.join(stalled)} (job.on_stall: stop)"
+                             + (f": {why}" if why else ""),
+                             hint="`ddp-deploy status --run ID` shows each stall and where the ranks were; "
+                                  "launch again to resume from the newest checkpoint")
     if failed:
         first = _first_failure(inv, remote, witnesses(final), redact)
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}" + (f": {first.describe()}" if first else ""),
@@ -577,7 +584,7 @@ def _wait(inv, remote, timeout, redact, show=lambda states: None):
             silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
         if len(inv.nodes) - len(lost) >= floor and all(
-                s.state.startswith("exited") or s.state == "absent" or n in lost for n, s in states.items()):
+                s.ended or s.state == "absent" or n in lost for n, s in states.items()):
             return states
         if lost and len(inv.nodes) - len(lost) < floor:
             _print_status(inv, states)
@@ -758,7 +765,7 @@ def runs_(st: _State, as_json: bool) -> None:
                                 "stopped": r.stop_data(),
                                 "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
                                               "stopped": nr.stop.as_data() if nr.stop else None,
-                                              "stalls": [st.as_data() for st in nr.stalls]}
+                                              "stalls": [k.as_data() for k in nr.stalls]}
                                           for n, nr in r.nodes.items()},
                                 "record": r.record} for r in kept]))
         return
@@ -847,7 +854,7 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
                                "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
                                           "stopped": run.nodes[n].stop.as_data() if run.nodes[n].stop else None,
                                           "first_failure": asdict(first) if first and first.node == n else None,
-                                          "stalls": [st.as_data() for st in run.nodes[n].stalls]}
+                                          "stalls": [k.as_data() for k in run.nodes[n].stalls]}
                                          for n, s in states.items()],
                                "stalls": stalls, "record": run.record}))
         return
@@ -857,10 +864,20 @@ def _kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     out.print(view.table(inv.job.name, ranks, states))
     if first:
         click.echo(f"first failure: {first.describe()}")
-    for stall in stalls:
-        click.echo(safe(view.kept_stall_line(stall)))
-        if stall["diagnosis"]:
-            click.echo(safe(f"  why: {stall['diagnosis']}"))
+    for kept in stalls:
+        click.echo(safe(view.kept_stall_line(kept)))
+        if kept["diagnosis"]:
+            click.echo(safe(f"  why: {kept['diagnosis']}"))
+
+
+def _newest_stall(inv, remote, redact) -> str | None:
+    """The diagnosis of the newest run's last kept stall (None: none kept, or not read)."""
+    try:
+        reader, kept = _kept_runs(inv, remote, "", redact)
+    except RuntimeFailure:
+        return None
+    stalls = _kept_stalls(inv, remote, reader, kept[-1], redact) if kept else []
+    return stalls[-1]["diagnosis"] if stalls else None
 
 
 def _kept_stalls(inv, remote, reader: str, run: runs.Run, redact) -> list[dict]:
@@ -869,7 +886,8 @@ def _kept_stalls(inv, remote, reader: str, run: runs.Run, redact) -> list[dict]:
     events = run.stall_events()
     if not events:
         return []
-    got = remote.run({reader: runs.stall_diagnoses_argv(inv, run.id)}, check=False, timeout=120)[reader]
+    wanted = [(n, rec.time) for _, recs in events for n, rec in recs.items()]
+    got = remote.run({reader: runs.stall_diagnoses_argv(inv, run.id, wanted)}, check=False, timeout=120)[reader]
     kept = runs.parse_diagnoses(got.stdout) if got.ok else {}
     out_ = []
     for when, recs in events:
@@ -878,7 +896,8 @@ def _kept_stalls(inv, remote, reader: str, run: runs.Run, redact) -> list[dict]:
         procs = [run.procs(n) for n in run.nodes]
         world = sum(procs) if complete and None not in procs else None  # else no rank is called gone
         found = doctor.diagnose(ranks, {}, world) if ranks else None
-        out_.append({"time": when, "action": "restart" if any(r.action == "restart" for r in recs.values()) else "report",
+        actions = {r.action for r in recs.values()}
+        out_.append({"time": when, "action": next((a for a in ("stop", "restart") if a in actions), "report"),
                      "nodes": {n: rec.as_data() for n, rec in recs.items()},
                      "diagnosis": secretenv.masked(found.summary, redact) if found else None,
                      "culprits": list(found.culprits) if found else []})

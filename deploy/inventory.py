@@ -198,10 +198,12 @@ class Job(_Model):
     before ``status`` and ``launch --wait`` call it stalled. ``auto``: ten times the longest
     interval the ranks' heartbeats have shown, at least 300 s (a program without heartbeats: 1800 s
     of silence); ``null``: never (README, "When a job hangs")."""
-    on_stall: Literal["report", "restart"] = "report"
+    on_stall: Literal["report", "restart", "stop"] = "report"
     """What a stalled node does: ``report`` (status and launch --wait say so); ``restart``: the
     node's launcher kills its workers and torchrun starts them again from the newest checkpoint,
-    counted against max_restarts (README, "When a job hangs")."""
+    counted against max_restarts; ``stop``: it kills its workers and ends the node's part of the
+    job, nothing started again. Each stall is kept with the run, with the stacks the ranks were in
+    (README, "When a job hangs")."""
     keep_runs: int = Field(default=20, ge=1)
     """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
     TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""
@@ -212,8 +214,8 @@ class Job(_Model):
         if self.on_stall == "restart" and self.max_restarts < 1:
             raise ValueError("job.on_stall: restart starts the workers again, which job.max_restarts 0 forbids; "
                              "set max_restarts to 1 or more, or on_stall: report")
-        if self.on_stall == "restart" and self.stall_timeout is None:
-            raise ValueError("job.on_stall: restart needs a stall to act on; job.stall_timeout is null")
+        if self.on_stall != "report" and self.stall_timeout is None:
+            raise ValueError(f"job.on_stall: {self.on_stall} needs a stall to act on; job.stall_timeout is null")
         return self
 
 

@@ -18,7 +18,8 @@ from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 from .inventory import Inventory, Node
 from .payload import payload
 from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
-from .stall import Beat, Stall, judge
+from .stall import STOPPED as STALL_STOPPED
+from .stall import Beat, Stall, StallRecord, ended_state, judge
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
@@ -248,8 +249,8 @@ def python_check_argv(inv: Inventory) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NodeState:
     state: str
-    """running | restarting | exited(CODE) | absent | unreachable | unknown (the node answered,
-    its engine did not)"""
+    """running | restarting | exited(CODE) | stopped (stalled) (job.on_stall: stop, deploy/stall.py) |
+    absent | unreachable | unknown (the node answered, its engine did not)"""
     metrics: str = ""
     """The last METRICS line (an unreachable node's: why)."""
     restarts: int = 0
@@ -272,6 +273,11 @@ class NodeState:
     @property
     def failed(self) -> bool:
         return self.state.startswith("exited(") and self.state != "exited(0)"
+
+    @property
+    def ended(self) -> bool:
+        """Its part of the job is over: it exited, or its launcher ended it on a stall."""
+        return self.state.startswith("exited(") or self.state == STALL_STOPPED
 
 
 def json_line(stdout: str, prefix: str) -> dict | None:
@@ -302,11 +308,13 @@ def parse_status(stdout: str) -> NodeState:
     if head.startswith("exited"):
         code = head.split(" ", 1)[1] if " " in head else "?"
         head = f"exited({code})"
-    restarts, metrics, beats, quiet = 0, "", [], None
+    restarts, metrics, beats, quiet, kept = 0, "", [], None, None
     for line in lines[1:]:
         word, _, value = line.strip().partition(" ")
         if word == "restarts":
             restarts = count(value)
+        elif word == "stall":  # the last stall the node's launcher kept (runtime.LAST_STALL)
+            kept = StallRecord.parse(value)
         elif word == "beat":  # "beat LOCAL_RANK AGE LINE" (runtime.PROGRESS)
             name, _, rest = value.partition(" ")
             age, _, text = rest.partition(" ")
@@ -317,6 +325,8 @@ def parse_status(stdout: str) -> NodeState:
             quiet = float(count(value)) if value.isdigit() else None
         elif line.strip():
             metrics = line.strip()
+    if head == "exited(0)":
+        head = ended_state(0, kept) or head
     return NodeState(head, metrics, restarts, tuple(beats), quiet)
 
 

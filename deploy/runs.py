@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from .inventory import Inventory
 from .plan import NodeState
 from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
+from .stall import STOPPED as STALL_STOPPED
+from .stall import StallRecord, ended_state
 
 RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 """UTC start time and 4 random hex digits: sorted by name, runs are sorted by start."""
@@ -73,17 +75,14 @@ NODES_OF = r"""nodes_of() {
 }
 """
 
-# $1 = a run's directory: for each node, "@@node NAME", then each of its kept stall diagnoses
-# (trainer/heartbeat.py, Watchdog.keep): "@@stall TIME" and what the node's DIAGNOSE printed.
-STALL_DIAGNOSES = r"""for n in "$1"/*/; do
-  [ -d "$n" ] || continue
-  echo "@@node $(basename "$n")"
-  for f in "$n"stall-*; do
-    t=${f##*/stall-}
-    case "$t" in *[!0-9]*|"") continue ;; esac
-    [ -f "$f" ] && [ ! -L "$f" ] || continue
-    echo "@@stall $t"; head -c 1048576 "$f"; echo
-  done
+# $1 = a run's directory, then NODE/TIME for each kept stall wanted (runs.StallRecord): for each,
+# "@@node NAME", "@@stall TIME" and what the node's DIAGNOSE printed then (trainer/heartbeat.py,
+# Watchdog.keep). Only the files the stall records name: the job can write this directory too.
+STALL_DIAGNOSES = r"""run=$1; shift
+for want in "$@"; do
+  f="$run/${want%%/*}/stall-${want#*/}"
+  [ -f "$f" ] && [ ! -L "$f" ] || continue
+  echo "@@node ${want%%/*}"; echo "@@stall ${want#*/}"; head -c 1048576 "$f"; echo
 done
 exit 0
 """
@@ -109,8 +108,9 @@ def list_argv(inv: Inventory, prefix: str = "") -> tuple[str, ...]:
     return ("sh", "-c", LIST_RUNS, "sh", runs_dir(inv), prefix)
 
 
-def stall_diagnoses_argv(inv: Inventory, run: str) -> tuple[str, ...]:
-    return ("sh", "-c", STALL_DIAGNOSES, "sh", f"{runs_dir(inv)}/{run}")
+def stall_diagnoses_argv(inv: Inventory, run: str, wanted: list[tuple[str, int]]) -> tuple[str, ...]:
+    """The kept diagnoses of ``wanted`` (node, time) in run ``run`` (STALL_DIAGNOSES)."""
+    return ("sh", "-c", STALL_DIAGNOSES, "sh", f"{runs_dir(inv)}/{run}", *(f"{n}/{t}" for n, t in wanted))
 
 
 def log_argv(inv: Inventory, run: str, node: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
@@ -218,39 +218,6 @@ class Stop:
         return {"time": self.time, "by": self.by, "graceful": self.graceful, "step": self.step}
 
 
-_STALL = re.compile(r"([0-9]{1,11}) (-|[0-9]{1,18}) ([0-9]{1,9}) ([0-9]{1,9}) (report|restart)")
-
-
-@dataclass(frozen=True)
-class StallRecord:
-    """A stall as the node's launcher kept it (trainer/heartbeat.py, Watchdog): ``<node>/stalls``,
-    one line ``TIME STEP QUIET_S LIMIT_S ACTION`` each; its diagnosis in ``<node>/stall-TIME``. The
-    job can write these files too: a line that is not exactly that is no record."""
-
-    time: int
-    """When the launcher found it, UNIX seconds on the node's clock."""
-    step: int | None
-    """The last step any rank of the node beat at; None: none said one."""
-    quiet_s: int
-    """How long no rank of the node had moved."""
-    limit_s: int
-    """The stall timeout it was judged against."""
-    action: str
-    """``report`` or ``restart`` (job.on_stall)."""
-
-    @classmethod
-    def parse(cls, line: str) -> "StallRecord | None":
-        m = _STALL.fullmatch(line.strip())
-        if m is None:
-            return None
-        when, step, quiet, limit, action = m.groups()
-        return cls(int(when), None if step == "-" else int(step), int(quiet), int(limit), action)
-
-    def as_data(self) -> dict:
-        return {"time": self.time, "step": self.step, "quiet_s": self.quiet_s, "limit_s": self.limit_s,
-                "action": self.action}
-
-
 def _clock(t: float, day_of: float | None) -> str:
     """``t`` in local time: the time of day, with the date when it is not the day of ``day_of``."""
     try:
@@ -314,7 +281,13 @@ class NodeRun:
         if not self.exits:
             return NodeState("no exit recorded", self.metrics)
         code = self.exits[-1][1]
-        return NodeState(f"exited({'?' if code is None else code})", self.metrics, len(self.exits) - 1)
+        state = ended_state(code, self.stalls[-1] if self.stalls else None) or f"exited({'?' if code is None else code})"
+        return NodeState(state, self.metrics, len(self.exits) - 1)
+
+    @property
+    def stall_stopped(self) -> bool:
+        """Its launcher ended it on a stall (job.on_stall: stop)."""
+        return self.stop is None and self.state().state == STALL_STOPPED
 
 
 @dataclass(frozen=True)
@@ -388,8 +361,10 @@ class Run:
         if not events:
             return "-"
         restarted = sum(1 for _, recs in events if any(r.action == "restart" for r in recs.values()))
-        what = ("restarted" if restarted == len(events) else "reported" if not restarted
-                else f"{restarted} restarted")
+        stopped = any(r.action == "stop" for _, recs in events for r in recs.values())
+        what = ("stopped" if stopped and len(events) == 1 else "restarted" if restarted == len(events)
+                else "reported" if not restarted and not stopped
+                else ", ".join(w for w in (f"{restarted} restarted" if restarted else "", "stopped" if stopped else "") if w))
         return f"{len(events)} ({what})"
 
     def outcome(self) -> str:
@@ -410,6 +385,9 @@ class Run:
             return stopped + (f"; no exit recorded ({', '.join(open_)})" if open_ else "")
         if open_:
             return f"no exit recorded ({', '.join(open_)})"
+        stalled = [n for n, r in self.nodes.items() if r.stall_stopped]
+        if stalled:
+            return f"stalled, stopped on {', '.join(stalled)} (job.on_stall: stop)"
         return "exit 0"
 
 

@@ -122,11 +122,20 @@ PROGRESS = r"""progress() {
 }
 """
 
+# A shell function: last_stall KEPT prints "stall LINE", the last stall the node's launcher kept
+# in the run's directory KEPT (trainer/heartbeat.py, Watchdog; job.on_stall: stop ends a node so).
+LAST_STALL = r"""last_stall() {
+  [ -f "$1/stalls" ] && tail -n 1 "$1/stalls" 2>/dev/null | head -c 200 | head -n 1 | sed 's/^/stall /'
+  return 0
+}
+"""
+
 # $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | exited CODE; then
-# "restarts N" (the supervisor's count), a running job's PROGRESS, and the last METRICS line, if any.
-HOST_STATUS = PROGRESS + r"""run=$1
+# "restarts N" (the supervisor's count), a running job's PROGRESS, an ended one's LAST_STALL, and
+# the last METRICS line, if any.
+HOST_STATUS = PROGRESS + LAST_STALL + r"""run=$1
 if [ ! -e "$run/pid" ]; then echo absent; exit 0
-elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"
+elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"; kept=$(readlink "$run/log" 2>/dev/null) && last_stall "${kept%/log}"
 elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running; progress "$2" "$run/log"
 else echo "exited ?"
 fi
@@ -194,16 +203,18 @@ LAUNCH_ID = r"""launch_id() {
 # named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
 # such container" is absent: any other failure of the engine (busy) fails the command, so it reads
 # as a node that did not answer this time, never as a job that ended.
-DOCKER_STATUS = PROGRESS + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4
+DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4
 s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
   case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
   echo "$s" >&2; exit 1; }
 set -- $s
 case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
-if [ "$1" = running ]; then
-  run=$(launch_id "$c") || run=none
-  progress "$beats" "$job/runs/$run/$node/log"
-fi
+run=$(launch_id "$c") || run=none
+case "$1" in
+  running) progress "$beats" "$job/runs/$run/$node/log" ;;
+  restarting) ;;
+  *) last_stall "$job/runs/$run/$node" ;;
+esac
 echo "restarts ${3:-0}"
 docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
 exit 0

@@ -14,6 +14,7 @@ less (a program may print once an epoch), so a job without heartbeats is called 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -79,3 +80,47 @@ def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, n
 
 def _furthest(beats: tuple[Beat, ...]) -> int | None:
     return max((b.step for b in beats if b.step is not None), default=None)
+
+
+_STALL = re.compile(r"([0-9]{1,11}) (-|[0-9]{1,18}) ([0-9]{1,9}) ([0-9]{1,9}) (report|restart|stop)")
+
+
+@dataclass(frozen=True)
+class StallRecord:
+    """A stall as the node's launcher kept it (trainer/heartbeat.py, Watchdog): ``<node>/stalls``,
+    one line ``TIME STEP QUIET_S LIMIT_S ACTION`` each; its diagnosis in ``<node>/stall-TIME``. The
+    job can write these files too: a line that is not exactly that is no record."""
+
+    time: int
+    """When the launcher found it, UNIX seconds on the node's clock."""
+    step: int | None
+    """The last step any rank of the node beat at; None: none said one."""
+    quiet_s: int
+    """How long no rank of the node had moved."""
+    limit_s: int
+    """The stall timeout it was judged against."""
+    action: str
+    """``report``, ``restart`` or ``stop`` (job.on_stall)."""
+
+    @classmethod
+    def parse(cls, line: str) -> "StallRecord | None":
+        m = _STALL.fullmatch(line.strip())
+        if m is None:
+            return None
+        when, step, quiet, limit, action = m.groups()
+        return cls(int(when), None if step == "-" else int(step), int(quiet), int(limit), action)
+
+    def as_data(self) -> dict:
+        return {"time": self.time, "step": self.step, "quiet_s": self.quiet_s, "limit_s": self.limit_s,
+                "action": self.action}
+
+
+STOPPED = "stopped (stalled)"
+"""The state of a node whose launcher ended its part of the job on a stall (job.on_stall: stop):
+it exited 0 (so that nothing starts it again), and its last kept stall says stop."""
+
+
+def ended_state(code: int | None, last: StallRecord | None) -> str | None:
+    """:data:`STOPPED` for a node that ended with ``code`` after ``last`` (its last kept stall), where
+    that stall stopped it; None otherwise."""
+    return STOPPED if code == 0 and last is not None and last.action == "stop" else None

@@ -129,7 +129,7 @@ def state_text(s: NodeState) -> str:
     """running | running (2 restarts) | restarting (3 restarts) | exited(1) | unreachable ...
     | stalled 3m12s (last step 1234 since 12:01:03): a running node where nothing moved (deploy/stall.py)."""
     state = s.state if s.stall is None else stall_text(s.stall)
-    if s.restarts and (s.running or s.state.startswith("exited")):
+    if s.restarts and (s.running or s.ended):
         return f"{state} ({s.restarts} restart{'s' * (s.restarts != 1)})"
     return state
 
@@ -149,7 +149,8 @@ def kept_stall_line(stall: dict) -> str:
     after = f" after step {', '.join(map(str, steps))}" if steps else ""
     quiet = max(r["quiet_s"] for r in recs.values())
     limit = max(r["limit_s"] for r in recs.values())
-    done = "workers restarted (job.on_stall: restart)" if stall["action"] == "restart" else "reported (job.on_stall: report)"
+    done = {"restart": "workers restarted (job.on_stall: restart)", "stop": "stopped (job.on_stall: stop)"}.get(
+        stall["action"], "reported (job.on_stall: report)")
     return (f"stalled at {time.strftime('%H:%M:%S', time.localtime(stall['time']))} on {', '.join(sorted(recs))} "
             f"(no step for {duration(quiet)}{after}; job.stall_timeout {duration(limit)}): {done}")
 

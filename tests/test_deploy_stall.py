@@ -157,6 +157,25 @@ def test_a_job_that_is_not_running_reports_no_progress(tmp_path):
     assert s.state == "exited(0)" and s.beats == () and s.quiet_s is None
 
 
+
+def test_a_node_its_launcher_ended_on_a_stall_shows_stopped_stalled_and_only_then(tmp_path):
+    run, kept = tmp_path / "run", tmp_path / "runs/20261126-120000-abcd/here"
+    run.mkdir()
+    kept.mkdir(parents=True)
+    (run / "log").symlink_to(kept / "log")
+    (run / "pid").write_text("1\n")
+    (run / "exit").write_text("0\n")
+    (kept / "stalls").write_text("1764072000 12 400 300 report\n1764072900 40 400 300 stop\n")
+    assert _host_status(run, tmp_path / "beats").state == "stopped (stalled)"
+    (kept / "stalls").write_text("1764072000 12 400 300 stop\n1764072900 40 400 300 restart\n")
+    assert _host_status(run, tmp_path / "beats").state == "exited(0)"  # the last stall restarted it: it finished
+    (kept / "stalls").write_text("1764072900 40 400 300 stop\n")
+    (run / "exit").write_text("1\n")
+    assert _host_status(run, tmp_path / "beats").state == "exited(1)"  # not the launcher's end: a failure
+    (run / "exit").write_text("0\n")
+    (kept / "stalls").write_text("\x1b[2J stop\n")
+    assert _host_status(run, tmp_path / "beats").state == "exited(0)"  # the job's own writing is no record
+
 # --- the judgment ------------------------------------------------------------------------------------
 
 def test_auto_allows_ten_times_the_longest_interval_a_rank_has_shown_and_never_less_than_the_floor():
@@ -296,6 +315,42 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
     finally:
         assert _ddp(hosts, "stop", "--now").exit_code == 0
     assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
+
+
+@pytest.mark.e2e
+def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=1, pause=0.1))
+    # max_restarts 1: the host supervisor and torchrun would start it again after a failure
+    hosts = local_hosts(tmp_path, job="stallstop", train={"script": "hangs.py", "code": str(code)}, procs=2,
+                        max_restarts=1)
+    data = json.loads(hosts.read_text())
+    data["job"].update(stall_timeout=3, on_stall="stop")
+    hosts.write_text(json.dumps(data))
+    run_dir = tmp_path / "nas/ckpt/.ddp-deploy/stallstop/here"
+    try:
+        r = _ddp(hosts, "launch", "--wait", "--timeout", "120")
+        assert r.exit_code == 1, r.output
+        assert ("the job stalled and was stopped on here (job.on_stall: stop): here rank 1 is in <module> (hangs.py:7); "
+                "the 1 other rank waits in all_reduce (hangs.py:8)") in r.stderr, r.output
+        ended = _status(hosts)
+        assert ended["state"] == "stopped (stalled)" and ended["restarts"] == 0, ended
+        assert (run_dir / "exit").read_text().strip() == "0"  # so that nothing starts it again
+        assert heartbeat.workers("/dev/shm/ddp-heartbeat-host-stallstop@here") == []  # its workers are gone
+        assert not Path("/dev/shm/ddp-heartbeat-host-stallstop@here").exists()
+        assert "stopped (stalled)" in _ddp(hosts, "status").stdout
+        assert "and ending this node's part of the job, which nothing starts again (job.on_stall: stop)" in \
+            _ddp(hosts, "logs").stdout
+        (kept,) = json.loads(_ddp(hosts, "runs", "--json").stdout)
+        assert kept["outcome"] == "stalled, stopped on here (job.on_stall: stop)", kept
+        assert "1 (stopped)" in _ddp(hosts, "runs").stdout
+        shown = _ddp(hosts, "status", "--run", kept["id"]).stdout
+        assert "stopped (stalled)" in shown and "): stopped (job.on_stall: stop)" in shown, shown
+    finally:
+        assert _ddp(hosts, "stop").exit_code == 0
 
 
 def test_the_heartbeat_benchmark_runs(tmp_path):
@@ -452,7 +507,8 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
 def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
     for job, said in (({"on_stall": "restart", "max_restarts": 0}, "which job.max_restarts 0 forbids"),
                       ({"on_stall": "restart", "max_restarts": 1, "stall_timeout": None}, "job.stall_timeout is null"),
-                      ({"on_stall": "stop"}, "job.on_stall")):
+                      ({"on_stall": "stop", "stall_timeout": None}, "job.on_stall: stop needs a stall to act on"),
+                      ({"on_stall": "halt"}, "job.on_stall")):
         hosts = local_hosts(tmp_path, job="stalljob", train={"args": []})
         data = json.loads(hosts.read_text())
         data["job"].update(job)
@@ -471,7 +527,7 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
         def flush(self):
             pass
 
-    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=Out())
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=Out(), settle=0)
     assert not dog.check()  # no beat yet: nothing to judge
     for local in (0, 1):
         Heartbeat(str(tmp_path), local, local).beat(9)
@@ -484,6 +540,25 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
     assert not dog.check() and dog.actions == 1
     assert said[0].startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
                               "job.stall_timeout 5 s): not kept (no run directory); killing its 0 workers")
+
+
+def test_on_stop_the_watchdog_kills_and_ends_its_launcher_so_that_nothing_starts_the_workers_again(tmp_path):
+    said, ended = [], []
+
+    class Out:
+        def write(self, text):
+            said.append(text)
+
+        def flush(self):
+            pass
+
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "stop", out=Out(), end=lambda: ended.append(True), settle=0)
+    Heartbeat(str(tmp_path), 0, 0).beat(9)
+    old = time.time() - 60
+    os.utime(tmp_path / "0", (old, old))
+    assert dog.check() and ended == [True]
+    assert said[0].endswith("killing its 0 workers, and ending this node's part of the job, which nothing starts "
+                            "again (job.on_stall: stop): launch again to resume from the newest checkpoint\n")
 
 
 def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_only_after_progress(tmp_path):
@@ -532,9 +607,21 @@ def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_
 
 def test_stall_records_that_are_not_exactly_what_the_launcher_writes_are_no_record():
     assert runs.StallRecord.parse("1764072063 - 400 300 restart") == runs.StallRecord(1764072063, None, 400, 300, "restart")
-    for bad in ("1764072063 12 400 300 stop", "1764072063 12 400 300 report extra", "x 12 400 300 report",
+    for bad in ("1764072063 12 400 300 halt", "1764072063 12 400 300 report extra", "x 12 400 300 report",
                 "1764072063 12 4e5 300 report", "99999999999999 12 400 300 report", "\x1b[2J 12 400 300 report"):
         assert runs.StallRecord.parse(bad) is None, bad
+
+
+def test_only_the_diagnoses_that_the_stall_records_name_are_read_back(tmp_path):
+    run = tmp_path / "20261126-120000-abcd"
+    (run / "here").mkdir(parents=True)
+    (run / "here/stall-100").write_text("rank 10 0 0 S\nworkers 1\n")
+    (run / "here/stall-200").write_text("x" * 100)  # written by the job: no record names it
+    (tmp_path / "secret").write_text("not this")
+    (run / "here/stall-300").symlink_to(tmp_path / "secret")
+    argv = ("sh", "-c", runs.STALL_DIAGNOSES, "sh", str(run), "here/100", "here/300", "there/100")
+    got = runs.parse_diagnoses(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    assert got == {("here", 100): "rank 10 0 0 S\nworkers 1\n"}
 
 
 def test_the_stalls_of_nodes_found_within_a_window_are_one_stall_of_the_job():

@@ -34,6 +34,10 @@ STALL_RECORD_ENV = "DDP_STALL_RECORD"
 """Where the watchdog keeps a stall: the node's directory of the run (the launcher sets it)."""
 DIAGNOSE_S = 120
 """The longest a stall's diagnosis may take (py-spy is given 20 s a worker)."""
+SETTLE_S = 5.0
+"""How long a launcher waits after its diagnosis before it kills its workers (restart, stop): a hang
+stalls every node, and each one's launcher finds it within a few seconds of the others (their
+limits alike); once one node's workers are killed, the others' fail, and their stacks say no more."""
 DIAGNOSIS_BYTES = 1 << 20
 """The most of a diagnosis kept: py-spy's JSON of deep stacks, many threads, is large."""
 LINE_BYTES = 46
@@ -258,13 +262,17 @@ class Watchdog:
     ``report``: that, and a line in the log, once per stall. ``restart``: then it kills its workers
     (a hung rank cannot checkpoint) and empties the heartbeats; torchrun's agent starts them again,
     counted against ``--max-restarts``, in a new rendezvous round the other nodes' agents join, and
-    the job resumes from its newest checkpoint. Before the first beat, and after a restart until
-    the next beat, there is nothing to judge: nothing is done."""
+    the job resumes from its newest checkpoint. ``stop``: it kills its workers and ends the launcher
+    with 0, so that nothing starts them again (a hang stalls every node: each one's launcher ends its
+    part). Before the first beat, and after a restart until the next beat, there is nothing to
+    judge: nothing is done."""
 
     def __init__(self, directory: str, setting, action: str = "report", record: str | None = None,
-                 every: float = 1.0, out=sys.stderr, spy: str | None = None) -> None:
+                 every: float = 1.0, out=sys.stderr, spy: str | None = None, end=None,
+                 settle: float = SETTLE_S) -> None:
         self.directory, self.setting, self.action, self.record = directory, setting, action, record
-        self.every, self.out = every, out
+        self.every, self.out, self.settle = every, out, settle
+        self.end = end or self._end_here
         self.spy = spy or os.path.join(os.path.dirname(sys.executable), "py-spy")  # installed beside it
         self.actions = 0
         self._reported = False
@@ -274,7 +282,7 @@ class Watchdog:
         """None where nothing is watched: no heartbeats, no ``job.on_stall`` set by the deploy
         tool, or ``job.stall_timeout`` null."""
         action = environ.get(ON_STALL_ENV)
-        if not directory or action not in ("report", "restart"):
+        if not directory or action not in ("report", "restart", "stop"):
             return None
         raw = environ.get(STALL_TIMEOUT_ENV, "auto")
         if raw == "None":
@@ -307,9 +315,12 @@ class Watchdog:
             self._reported = True
             self.actions += 1
             return True
+        time.sleep(self.settle)  # the other nodes' launchers read their stacks before these workers' end shakes them
         pids = workers(self.directory)
-        self.out.write(f"trainer.launch: stalled: {what}: {kept}; killing its {len(pids)} workers, which torchrun "
-                       "starts again from the newest checkpoint (job.on_stall: restart)\n")
+        then = ("which torchrun starts again from the newest checkpoint (job.on_stall: restart)"
+                if self.action == "restart" else "and ending this node's part of the job, which nothing starts "
+                "again (job.on_stall: stop): launch again to resume from the newest checkpoint")
+        self.out.write(f"trainer.launch: stalled: {what}: {kept}; killing its {len(pids)} workers, {then}\n")
         self.out.flush()
         for pid in pids:
             try:
@@ -322,7 +333,16 @@ class Watchdog:
             except OSError:
                 pass
         self.actions += 1
+        if self.action == "stop":
+            self.end()
         return True
+
+    def _end_here(self) -> None:
+        """``stop``: this launcher ends at once, with 0, so that neither torchrun's agent nor Docker's
+        restart policy nor the host supervisor starts the job again; the kept stall says why
+        (``status`` shows the node stopped, stalled)."""
+        remove(self.directory)
+        os._exit(0)
 
     def keep(self, when: int, step: int | None, age: float, limit: float) -> str:
         """The stall and its diagnosis kept with the run; what the log says of it."""

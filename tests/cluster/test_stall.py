@@ -85,6 +85,40 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
+def test_on_stall_stop_in_docker_ends_every_node_of_a_hung_job_names_the_culprit_and_nothing_restarts_it(
+        cluster, fresh_nas, tmp_path, record_fault):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2))
+    # max_restarts 1: Docker's restart policy is on, and would start a container that failed
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train={"script": "hangs.py", "code": str(code)},
+                                     job={"stall_timeout": STALL_TIMEOUT, "on_stall": "stop", "max_restarts": 1})
+    ok(ddp(cluster, hosts, "deploy"))
+    try:
+        waited = ddp(cluster, hosts, "launch", "--wait", "--timeout", "300", timeout=400)
+        returned = time.time()
+        assert waited.returncode == 1, waited.stdout[-3000:] + waited.stderr[-3000:]
+        said = waited.stderr.strip().splitlines()[0]
+        # (the others wait in all_reduce: each launcher reads its ranks' stacks before any kills its own)
+        assert said.startswith("error: the job stalled and was stopped on node1, node2, node3 (job.on_stall: stop): "
+                               "node2 rank 3 is in <module> (hangs.py:7); the "), waited.stderr
+        states = _states(cluster, hosts)
+        assert [(n["state"], n["restarts"]) for n in states] == [("stopped (stalled)", 0)] * 3, states
+        run = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]
+        assert run["outcome"] == "stalled, stopped on node1, node2, node3 (job.on_stall: stop)", run
+        (stall,) = json.loads(ok(ddp(cluster, hosts, "status", "--run", run["id"], "--json")).stdout)["stalls"]
+        assert stall["action"] == "stop" and stall["culprits"] == ["node2 rank 3"], stall
+        last_beat = min(r["time"] - r["quiet_s"] for r in stall["nodes"].values())
+    finally:
+        ok(ddp(cluster, hosts, "stop"))
+    record_fault(fault="one rank sleeps before a collective, `job.on_stall: stop`", finished="no (stopped, as asked)",
+                 redone_steps=None, ckpt_every=None, detect_s=round(returned - last_beat, 1),
+                 detect_what=f"the last heartbeat to `launch --wait` naming node2 rank 3, every node stopped "
+                             f"(stall_timeout {STALL_TIMEOUT} s)",
+                 left_running="nothing: every launcher ended with 0, no container restarted", bit_identical="n/a")
+
+
 RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-size", "16", "--epochs", "2",
                  "--log-every", "1", "--ckpt-every", "8", "--eval-batch-size", "256"]
 
