@@ -889,11 +889,11 @@ def _kept_stalls(inv, remote, reader: str, run: runs.Run, redact) -> list[dict]:
     wanted = [(n, rec.time) for _, recs in events for n, rec in recs.items()]
     got = remote.run({reader: runs.stall_diagnoses_argv(inv, run.id, wanted)}, check=False, timeout=120)[reader]
     kept = runs.parse_diagnoses(got.stdout) if got.ok else {}
+    procs = [run.procs(n) for n in run.nodes]
     out_ = []
     for when, recs in events:
         ranks = [r for n, rec in recs.items() if (n, rec.time) in kept for r in doctor.parse(n, kept[(n, rec.time)])]
         complete = all((n, rec.time) in kept for n, rec in recs.items()) and set(recs) == set(run.nodes)
-        procs = [run.procs(n) for n in run.nodes]
         world = sum(procs) if complete and None not in procs else None  # else no rank is called gone
         found = doctor.diagnose(ranks, {}, world) if ranks else None
         actions = {r.action for r in recs.values()}

@@ -362,9 +362,14 @@ class Run:
             return "-"
         restarted = sum(1 for _, recs in events if any(r.action == "restart" for r in recs.values()))
         stopped = any(r.action == "stop" for _, recs in events for r in recs.values())
-        what = ("stopped" if stopped and len(events) == 1 else "restarted" if restarted == len(events)
-                else "reported" if not restarted and not stopped
-                else ", ".join(w for w in (f"{restarted} restarted" if restarted else "", "stopped" if stopped else "") if w))
+        if stopped and len(events) == 1:
+            what = "stopped"
+        elif restarted == len(events):
+            what = "restarted"
+        elif not restarted and not stopped:
+            what = "reported"
+        else:
+            what = ", ".join([f"{restarted} restarted"] * bool(restarted) + ["stopped"] * stopped)
         return f"{len(events)} ({what})"
 
     def outcome(self) -> str:

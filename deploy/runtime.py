@@ -164,9 +164,10 @@ DROP_BEATS = r"""drop_beats() {
 # job went on from). A run that had ended before the stop began, whose program said it stopped,
 # stopped by this stop: its ranks heard of it from another node's, which began first.
 HOST_STOP = KILL_RUN + RECORD_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
+kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
+log_end() { tail -c 4000000 "$run/log" 2>/dev/null; }  # what this run printed last (STOPPED_LINE reads it)
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
-  kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
   alive=no; kill -0 "-$pid" 2>/dev/null && alive=yes
   if [ "$grace" -gt 0 ]; then
     kill -TERM "-$pid" 2>/dev/null
@@ -175,14 +176,13 @@ if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   kill -KILL "-$pid" 2>/dev/null
   kill_run "$run" ""
   said=""
-  [ $alive = yes ] && said=$(tail -c 4000000 "$run/log" 2>/dev/null | record_stop "$kept" node "$mode" "$by" "$t0")
+  [ $alive = yes ] && said=$(log_end | record_stop "$kept" node "$mode" "$by" "$t0")
   drop_beats "$beats"
   echo "stopped$said"
 elif [ -e "$run/pid" ]; then
   # ended before this stop began: by this stop all the same where the program says it stopped
   # (its ranks heard of it from another node's), else on its own
-  kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
-  said=""; [ "$grace" -gt 0 ] && said=$(tail -c 4000000 "$run/log" 2>/dev/null | record_stop "$kept" node graceful "$by" "$(date +%s)" said)
+  said=""; [ "$grace" -gt 0 ] && said=$(log_end | record_stop "$kept" node graceful "$by" "$(date +%s)" said)
   if [ -n "$said" ]; then echo "stopped$said"; else echo "cleared (had exited $(cat "$run/exit"))"; fi
 else echo absent
 fi

@@ -5,6 +5,7 @@ real launcher and torchrun on this machine."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -518,16 +519,8 @@ def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
 
 
 def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_while_ranks_move(tmp_path):
-    said = []
-
-    class Out:
-        def write(self, text):
-            said.append(text)
-
-        def flush(self):
-            pass
-
-    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=Out(), settle=0)
+    out = io.StringIO()
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=out, settle=0)
     assert not dog.check()  # no beat yet: nothing to judge
     for local in (0, 1):
         Heartbeat(str(tmp_path), local, local).beat(9)
@@ -538,41 +531,27 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
     os.utime(tmp_path / "1", (old, old))
     assert dog.check() and list(tmp_path.iterdir()) == []  # acted, and its beats are gone: the next are the new workers'
     assert not dog.check() and dog.actions == 1
-    assert said[0].startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
-                              "job.stall_timeout 5 s): not kept (no run directory); killing its 0 workers")
+    assert out.getvalue().startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
+                                     "job.stall_timeout 5 s): not kept (no run directory); killing its 0 workers")
 
 
 def test_on_stop_the_watchdog_kills_and_ends_its_launcher_so_that_nothing_starts_the_workers_again(tmp_path):
-    said, ended = [], []
-
-    class Out:
-        def write(self, text):
-            said.append(text)
-
-        def flush(self):
-            pass
-
-    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "stop", out=Out(), end=lambda: ended.append(True), settle=0)
+    out, ended = io.StringIO(), []
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "stop", out=out, end=lambda: ended.append(True), settle=0)
     Heartbeat(str(tmp_path), 0, 0).beat(9)
     old = time.time() - 60
     os.utime(tmp_path / "0", (old, old))
     assert dog.check() and ended == [True]
-    assert said[0].endswith("killing its 0 workers, and ending this node's part of the job, which nothing starts "
-                            "again (job.on_stall: stop): launch again to resume from the newest checkpoint\n")
+    assert out.getvalue().endswith("killing its 0 workers, and ending this node's part of the job, which nothing "
+                                   "starts again (job.on_stall: stop): launch again to resume from the newest "
+                                   "checkpoint\n")
 
 
 def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_only_after_progress(tmp_path):
     beats, record = tmp_path / "beats", tmp_path / "run"
     beats.mkdir()
     record.mkdir()
-    said = []
-
-    class Out:
-        def write(self, text):
-            said.append(text)
-
-        def flush(self):
-            pass
+    out = io.StringIO()
 
     # a real worker of the job, found by its environment as on a node, asleep in its program
     program = tmp_path / "sleeper.py"
@@ -581,7 +560,7 @@ def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_
                               env={**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "0", "RANK": "0"})
     try:
         assert worker.stdout.readline() == "up\n"
-        dog = heartbeat.Watchdog(str(beats), 5.0, "report", str(record), out=Out())
+        dog = heartbeat.Watchdog(str(beats), 5.0, "report", str(record), out=out)
         Heartbeat(str(beats), 0, 0).beat(12)
         now = int(time.time())
         old = now - 60
@@ -593,9 +572,9 @@ def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_
         (ranks,) = [doctor.parse("here", (record / f"stall-{now}").read_text())]
         assert [(r.pid, r.rank, r.local_rank) for r in ranks] == [(worker.pid, 0, 0)]
         assert ranks[0].where() == "wait (sleeper.py:4)", ranks[0]
-        assert said == ["trainer.launch: stalled: no rank on this node moved for 60 s (last step 12; job.stall_timeout "
-                        "5 s): the stacks of its workers are kept with the run (ddp-deploy status --run) "
-                        "(job.on_stall: report)\n"]
+        assert out.getvalue() == ("trainer.launch: stalled: no rank on this node moved for 60 s (last step 12; "
+                                  "job.stall_timeout 5 s): the stacks of its workers are kept with the run "
+                                  "(ddp-deploy status --run) (job.on_stall: report)\n")
         Heartbeat(str(beats), 0, 0).beat(13)  # it moves again; then stalls again: a new stall
         assert not dog.check()
         os.utime(beats / "0", (old, old))

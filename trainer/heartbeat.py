@@ -27,7 +27,7 @@ import time
 
 HEARTBEAT_DIR_ENV = "DDP_HEARTBEAT_DIR"
 ON_STALL_ENV = "DDP_ON_STALL"
-"""``job.on_stall`` for the launcher's :class:`Watchdog`: ``report`` or ``restart``."""
+"""``job.on_stall`` for the launcher's :class:`Watchdog`: ``report``, ``restart`` or ``stop``."""
 STALL_TIMEOUT_ENV = "DDP_STALL_TIMEOUT"
 """``job.stall_timeout`` for the watchdog: ``auto``, seconds, or ``None`` (off)."""
 STALL_RECORD_ENV = "DDP_STALL_RECORD"
@@ -110,12 +110,17 @@ def prepare(directory: str | None) -> str | None:
         return _off(directory, exc.strerror or str(exc))
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         return _off(directory, "it exists and is not this user's directory")
+    _empty(directory)
+    return directory
+
+
+def _empty(directory: str) -> None:
+    """Every file in ``directory`` removed, as far as it can be."""
     for name in os.listdir(directory):
         try:
             os.unlink(os.path.join(directory, name))
         except OSError:
             pass
-    return directory
 
 
 def remove(directory: str | None) -> None:
@@ -327,11 +332,7 @@ class Watchdog:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        for name in os.listdir(self.directory):
-            try:
-                os.unlink(os.path.join(self.directory, name))
-            except OSError:
-                pass
+        _empty(self.directory)  # the next beats are the new workers'
         self.actions += 1
         if self.action == "stop":
             self.end()
