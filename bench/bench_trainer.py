@@ -5,9 +5,10 @@
       DDP, loss.item() and an all-reduce of the loss every step),
   (c) a bare loop over tensors already normalised on the device (no DDP, no metrics): the limit.
 
-Run: python bench/bench_trainer.py [--device cpu|cuda] [--rounds 3] [--steps 100]
+Run: python bench/bench_trainer.py [--device cpu|cuda] [--rounds 3] [--steps 100] [--smoke]
 It prints samples/s for each and the ratios a/c and a/b, and writes a JSON record to
-bench/results/. Rounds are interleaved (a, b, c, a, b, c, ...); the ratios are the medians of
+bench/results/ (not with --smoke: tiny sizes, nothing written, which only proves that it runs; the
+test suite runs it so, so that it cannot rot). Rounds are interleaved (a, b, c, a, b, c, ...); the ratios are the medians of
 the per-round ratios, so that the machine's drift between rounds cancels out.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import struct
 import sys
@@ -37,6 +39,7 @@ from trainer.config import TrainConfig  # noqa: E402
 from trainer.dist import setup  # noqa: E402
 from trainer.loop import Position, train  # noqa: E402
 from trainer.models import build_model  # noqa: E402
+from trainer.stopping import StopSignal  # noqa: E402
 
 MODEL, BATCH, TRAIN_SIZE = "convnet", 128, 32768
 
@@ -48,7 +51,9 @@ def ours(root: Path, device: str, steps: int, warmup: int) -> float:
                       epochs=1, max_steps=warmup + steps, log_every=warmup if warmup else steps,
                       scheduler="constant", data_dir=str(root / "data"), ckpt_dir=str(ckpt), device=device)
     env = setup(cfg.device, cfg.backend)
-    ctx = make_context(cfg, env)
+    stop = StopSignal()
+    stop.join(env)
+    ctx = make_context(cfg, env, stop)
     torch_seed_per_rank(cfg, env)
     train(ctx, Position())
     intervals = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
@@ -135,44 +140,51 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing written")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     root = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    env = setup(args.device, "auto")
-    data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
+    try:
+        env = setup(args.device, "auto")
+        data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
 
-    results: dict[str, list[float]] = {"a_ours": [], "b_reference": [], "c_bare": []}
-    for _ in range(args.rounds):
-        results["a_ours"].append(ours(root, args.device, args.steps, args.warmup))
-        results["b_reference"].append(reference(root, env.device, args.steps, args.warmup))
-        results["c_bare"].append(bare(root, env.device, args.steps, args.warmup))
-    med = {k: statistics.median(v) for k, v in results.items()}
-    # Each round runs a, b, c back to back: the ratio within a round cancels the machine's drift
-    # between rounds, so the headline ratios are the medians of the per-round ratios.
-    paired = {
-        "a_over_c": [a / c for a, c in zip(results["a_ours"], results["c_bare"])],
-        "a_over_b": [a / b for a, b in zip(results["a_ours"], results["b_reference"])],
-    }
-    record = {
-        "bench": "trainer", "device": str(env.device),
-        "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL, "batch": BATCH,
-        "steps": args.steps, "rounds": args.rounds, "samples_per_s": results, "median": med,
-        "a_over_c": statistics.median(paired["a_over_c"]), "a_over_b": statistics.median(paired["a_over_b"]),
-        "per_round": paired,
-        "a_over_c_of_medians": med["a_ours"] / med["c_bare"], "a_over_b_of_medians": med["a_ours"] / med["b_reference"],
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    for name, value in med.items():
-        print(f"{name:12s} {value:10.1f} samples/s   rounds: {', '.join(f'{v:.1f}' for v in results[name])}")
-    print(f"a/c = {record['a_over_c']:.3f}   a/b = {record['a_over_b']:.3f}   (medians of per-round ratios; "
-          f"ratios of medians: {record['a_over_c_of_medians']:.3f}, {record['a_over_b_of_medians']:.3f})")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"trainer-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+        results: dict[str, list[float]] = {"a_ours": [], "b_reference": [], "c_bare": []}
+        for _ in range(args.rounds):
+            results["a_ours"].append(ours(root, args.device, args.steps, args.warmup))
+            results["b_reference"].append(reference(root, env.device, args.steps, args.warmup))
+            results["c_bare"].append(bare(root, env.device, args.steps, args.warmup))
+        med = {k: statistics.median(v) for k, v in results.items()}
+        # Each round runs a, b, c back to back: the ratio within a round cancels the machine's drift
+        # between rounds, so the headline ratios are the medians of the per-round ratios.
+        paired = {
+            "a_over_c": [a / c for a, c in zip(results["a_ours"], results["c_bare"])],
+            "a_over_b": [a / b for a, b in zip(results["a_ours"], results["b_reference"])],
+        }
+        record = {
+            "bench": "trainer", "device": str(env.device),
+            "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL, "batch": BATCH,
+            "steps": args.steps, "rounds": args.rounds, "samples_per_s": results, "median": med,
+            "a_over_c": statistics.median(paired["a_over_c"]), "a_over_b": statistics.median(paired["a_over_b"]),
+            "per_round": paired,
+            "a_over_c_of_medians": med["a_ours"] / med["c_bare"], "a_over_b_of_medians": med["a_ours"] / med["b_reference"],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        for name, value in med.items():
+            print(f"{name:12s} {value:10.1f} samples/s   rounds: {', '.join(f'{v:.1f}' for v in results[name])}")
+        print(f"a/c = {record['a_over_c']:.3f}   a/b = {record['a_over_b']:.3f}   (medians of per-round ratios; "
+              f"ratios of medians: {record['a_over_c_of_medians']:.3f}, {record['a_over_b_of_medians']:.3f})")
+        if not args.smoke:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"trainer-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -450,11 +450,7 @@ def _verdict(inv, final, remote, redact) -> None:
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
     stalled = [n for n, s in final.items() if s.state == stall.STOPPED]
     if stalled:  # the cause of any other node's end: each launcher ends its part when it finds the stall
-        why = _newest_stall(inv, remote, redact)
-        raise RuntimeFailure(f"the job stalled and was stopped on {', '.join(stalled)} (job.on_stall: stop)"
-                             + (f": {why}" if why else ""),
-                             hint="`ddp-deploy status --run ID` shows each stall and where the ranks were; "
-                                  "launch again to resume from the newest checkpoint")
+        raise _stalled_and_stopped(inv, remote, stalled, redact)
     if failed:
         first = _first_failure(inv, remote, witnesses(final), redact)
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}" + (f": {first.describe()}" if first else ""),
@@ -464,6 +460,15 @@ def _verdict(inv, final, remote, redact) -> None:
                    "nodes exited with code 0")
         return
     click.echo("all nodes finished with exit code 0")
+
+
+def _stalled_and_stopped(inv, remote, stalled: list[str], redact) -> RuntimeFailure:
+    """The end of a job whose nodes' launchers stopped it on a stall, with the kept diagnosis."""
+    why = _newest_stall(inv, remote, redact)
+    return RuntimeFailure(f"the job stalled and was stopped on {', '.join(stalled)} (job.on_stall: stop)"
+                          + (f": {why}" if why else ""),
+                          hint="`ddp-deploy status --run ID` shows each stall and where the ranks were; "
+                               "launch again to resume from the newest checkpoint")
 
 
 @cli.command()
@@ -683,14 +688,17 @@ def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
 @cli.command(name="doctor")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_state
-@slurm_variant(refused="its ranks run under srun, where this tool does not reach their processes yet; "
-                       "`ddp-deploy status` shows a stall")
+@slurm_variant()
 def doctor_(st: _State, as_json: bool) -> None:
     """What every rank of the running job is doing: its Python stack (py-spy), grouped by where
     the ranks wait, the ones holding the others up named first (a hung job: README, "When a job hangs")."""
     inv = st.inv
     with Remote(inv) as remote:
         found = _diagnose(inv, remote, st.redact)
+    _show_diagnosis(found, as_json)
+
+
+def _show_diagnosis(found: doctor.Diagnosis, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(asdict(found)))
         return

@@ -170,6 +170,12 @@ def program_args(inv: Inventory) -> tuple[str, ...]:
     return payload(inv).program_args(data, ckpt, device_flags(inv))
 
 
+def stall_env(inv: Inventory) -> tuple[tuple[str, str], ...]:
+    """job.on_stall and job.stall_timeout for each node's launcher, which keeps a stall with the run
+    and acts on it itself (trainer/heartbeat.py, Watchdog): on the SSH fleet and under Slurm alike."""
+    return ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
+
+
 def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code: CodeDir | None = None,
                 run: str = "RUN_ID") -> LaunchSpec:
     """nodes[index]'s start command; ``run``: the run's id (runs.py), new at each launch."""
@@ -178,8 +184,7 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
     program = program_args(inv)
     # The started job's alone: a probe or a network check beside it never touches its heartbeats.
     env = (*node_env(inv, node, facts, code, run), (HEARTBEAT_DIR_ENV, heartbeat_dir(inv, node)))
-    # the node's launcher keeps a stall with the run and acts on it itself (trainer/heartbeat.py, Watchdog)
-    env += ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
+    env += stall_env(inv)
     rt = runtime(inv, code, run)
     argv = rt.start_argv(node, [*torchrun, *payload(inv).launcher_options(), "--", *program], env, facts)
     return LaunchSpec(node=node.name, node_rank=index, torchrun=torchrun, trainer=program,

@@ -328,6 +328,11 @@ def heartbeat_dir(inv: Inventory, node: Node) -> str:
     return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}"
 
 
+def spy_beside(python: str) -> str:
+    """py-spy, installed beside the job's interpreter (else the one on PATH): DIAGNOSE's second argument."""
+    return f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy"
+
+
 def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     """A log file's last ``tail`` lines (None: all), then its new ones with ``follow``."""
     argv = ["tail", "-n", "+1" if tail is None else str(tail)]
@@ -610,9 +615,7 @@ class HostRuntime(Runtime):
                 heartbeat_dir(self.inv, node))
 
     def diagnose_argv(self, node):
-        python = self.inv.python_path()
-        spy = f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy"  # installed beside it
-        return ("sh", "-c", DIAGNOSE, "sh", heartbeat_dir(self.inv, node), spy)
+        return ("sh", "-c", DIAGNOSE, "sh", heartbeat_dir(self.inv, node), spy_beside(self.inv.python_path()))
 
     def logs_argv(self, node, *, tail, follow):
         return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)

@@ -25,9 +25,16 @@ from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory
 from .payload import payload
-from .plan import contract_env, count, device_flags, rdzv_conf
+from .plan import contract_env, count, device_flags, rdzv_conf, stall_env
 from .runs import NODES_OF, parse as parse_runs
-from .runtime import RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime
+from trainer.heartbeat import DIAGNOSE, HEARTBEAT_DIR_ENV
+
+from .runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
+
+# Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the
+# Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the
+# allocation both have these variables; a requeued job's tasks find it again, emptied).
+HEARTBEATS = "/dev/shm/ddp-heartbeat-slurm-$SLURM_JOB_ID@$SLURMD_NODENAME"
 
 # $1 = "NAME=ADDR ..." of every allocated node, $2 = the first node's name, $3 = the rendezvous
 # port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, then
@@ -47,8 +54,8 @@ if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && command -v ip > /dev/null; then
   if [ -n "$nic" ]; then GLOO_SOCKET_IFNAME=$nic; NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$nic}; export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; fi
 fi
 case "$head_addr" in *:*) endpoint="[$head_addr]:$port" ;; *) endpoint="$head_addr:$port" ;; esac
-DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME
-export DDP_NODE_NAME """ + LOG_DIR_ENV + r"""
+DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME; """ + HEARTBEAT_DIR_ENV + "=" + HEARTBEATS + r"""
+export DDP_NODE_NAME """ + LOG_DIR_ENV + " " + HEARTBEAT_DIR_ENV + r"""
 mkdir -p "$kept/$SLURMD_NODENAME" || exit 1
 exec "$py" -c """ + shlex.quote(RUN_MODULE) + r""" trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
 """
@@ -166,6 +173,7 @@ def sbatch_options(inv: Inventory, run: str, code: CodeDir | None = None) -> lis
 def job_env(inv: Inventory, run: str, code: CodeDir | None = None) -> list[tuple[str, str]]:
     """The job's environment (plan.node_env's contract, but DDP_NODE_NAME and the NIC: each task's)."""
     env = contract_env(inv, *runtime(inv).job_dirs(), code, run)
+    env.update(stall_env(inv))
     env.update(inv.train.env)
     return list(env.items())
 
@@ -223,6 +231,58 @@ def batch_script(inv: Inventory, run: str = "RUN_ID", code: CodeDir | None = Non
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(inv, run, code)]
     lines += [BODY.rstrip("\n"), " ".join(_word(a) for a in srun_argv(inv, run, code)), ""]
     return "\n".join(lines)
+
+
+# What the tool reads on the allocation's nodes while the job runs: one step beside the job's
+# (srun --overlap), one task per node, each line labelled with its task (srun --label) and each
+# task's first line "node NAME". $1 = the run's directory: each node's PROGRESS (its heartbeats,
+# its log's age), as a fleet node's status script prints it.
+NODE_PROGRESS = PROGRESS + 'run=$1; echo "node $SLURMD_NODENAME"; progress "' + HEARTBEATS + '" "$run/$SLURMD_NODENAME/log"\nexit 0\n'
+# $1 = py-spy: each node's DIAGNOSE (the job's workers and their stacks, deploy/doctor.py). srun
+# cuts a long line (a stack's JSON) into pieces that it labels each: the task cuts them itself,
+# every piece after a line's first starting with "~ ", and :func:`by_node` joins them again.
+NODE_DIAGNOSE = ('echo "node $SLURMD_NODENAME"; set -- "' + HEARTBEATS + '" "$1"\n{\n' + DIAGNOSE + '} | awk '
+                 + "'{ print substr($0, 1, 400); for (i = 401; i <= length($0); i += 400) print \"~ \" substr($0, i, 400) }'\n")
+
+ON_NODES_S = 45
+"""How long a step on the allocation's nodes may take before the tool gives up on it (a node
+that does not answer, or a step Slurm does not start beside the job)."""
+
+
+def on_nodes_argv(inv: Inventory, job_id: str, script: str, *args: str) -> tuple[str, ...]:
+    """``script`` on every node of the running Slurm job ``job_id``, from the login node."""
+    return ("timeout", str(ON_NODES_S), "srun", f"--jobid={job_id}", "--overlap", f"--nodes={inv.slurm.nodes}",
+            "--ntasks-per-node=1", "--label", "--quiet", "--kill-on-bad-exit=0", "sh", "-c", script, "sh", *args)
+
+
+def progress_argv(inv: Inventory, job_id: str, run: str) -> tuple[str, ...]:
+    return on_nodes_argv(inv, job_id, NODE_PROGRESS, f"{job_dir(inv, runtime(inv).job_dirs()[1])}/runs/{run}")
+
+
+def diagnose_argv(inv: Inventory, job_id: str) -> tuple[str, ...]:
+    spy = "py-spy" if inv.slurm.container is not None else spy_beside(inv.python_path())
+    return on_nodes_argv(inv, job_id, NODE_DIAGNOSE, spy)
+
+
+def by_node(stdout: str) -> dict[str, str]:
+    """What a step on the nodes printed (:func:`on_nodes_argv`), each node's lines apart: srun's
+    label names the task, the task's "node NAME" line the node, a "~ " piece the line before it
+    goes on. Lines of no task are dropped."""
+    tasks: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        label, sep, text = line.partition(": ")
+        if not (sep and label.strip().isdigit()):
+            continue
+        lines = tasks.setdefault(label.strip(), [])
+        if text.startswith("~ ") and lines:
+            lines[-1] += text[2:]
+        else:
+            lines.append(text)
+    found = {}
+    for lines in tasks.values():
+        if lines and lines[0].startswith("node ") and lines[0][5:].strip():
+            found[lines[0][5:].strip()] = "\n".join(lines[1:]) + "\n"
+    return found
 
 
 def write_argv(path: str) -> tuple[str, ...]:

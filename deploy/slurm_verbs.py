@@ -7,10 +7,12 @@ from __future__ import annotations
 import re
 import threading
 import time
+from dataclasses import replace
 
 import click
-from . import codesync, plan, record, runs, runtime, secretenv, slurm, view
-from .cli import _kept_failure, _print_checks, _refuse_failed_checks, _show, _start_run, _sync_code, out, witnesses
+from . import codesync, doctor, plan, record, runs, runtime, secretenv, slurm, view
+from .cli import (_kept_failure, _print_checks, _refuse_failed_checks, _show, _show_diagnosis, _stalled_and_stopped,
+                  _start_run, _sync_code, out, witnesses)
 from .errors import InputError, RemoteFailure, RuntimeFailure
 from .payload import payload
 from .preflight import Check
@@ -144,6 +146,7 @@ def _follow(inv, remote, timeout, redact, every: float = 10.0) -> slurm.SlurmSta
     ``every`` seconds while its progress moves."""
     deadline = None if timeout is None else time.monotonic() + timeout
     said, state, at = None, None, 0.0
+    diagnosed = False
     while True:
         s = _state(inv, remote, redact)
         line = _line(s)
@@ -152,6 +155,11 @@ def _follow(inv, remote, timeout, redact, every: float = 10.0) -> slurm.SlurmSta
             said, state, at = line, s.state, time.monotonic()
         if not s.active:
             return s
+        stalled = {n: v.stall for n, v in _node_states(inv, remote, s, redact).items() if v.stall}
+        if stalled and not diagnosed:  # once per stall: where it stopped, then what every rank is doing
+            click.echo(safe(f"stalled: {', '.join(f'{n} {view.stall_text(v)}' for n, v in stalled.items())}; "
+                            f"{_diagnose(inv, remote, s, redact).summary} (`ddp-deploy doctor` shows each rank)"))
+        diagnosed = bool(stalled)
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeFailure(f"still in Slurm after {timeout:g} s: job {s.job_id} {s.state}",
                                  hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
@@ -167,6 +175,9 @@ def _line(s: slurm.SlurmState) -> str:
 
 
 def _verdict(inv, remote, s: slurm.SlurmState, redact) -> None:
+    stalled = [n for n, r in s.nodes.items() if r.stall_stopped]
+    if stalled:  # each node's launcher ended its part with 0 on the stall: Slurm says COMPLETED
+        raise _stalled_and_stopped(inv, remote, stalled, redact)
     if s.ok and all(n.exits and n.exits[-1][1] == 0 for n in s.nodes.values()):
         click.echo(f"Slurm job {s.job_id} COMPLETED: all nodes finished with exit code 0")
         return
@@ -195,8 +206,7 @@ def status(st, as_json: bool, follow: bool, run_id: str | None) -> None:
             return
         s = _state(inv, remote, st.redact)
         first = _first_failure(inv, remote, s, st.redact) if not s.active else None
-    states = {n: r.state() if r.exits or not s.active else plan.NodeState("running", r.metrics)
-              for n, r in s.nodes.items()}
+        states = _node_states(inv, remote, s, st.redact, warn=lambda line: click.echo(line, err=True))
     if as_json:
         import json
         from dataclasses import asdict
@@ -221,6 +231,51 @@ def status(st, as_json: bool, follow: bool, run_id: str | None) -> None:
 
 
 _HEADER = re.compile(r"^==> (.*)/([^/]+)/log <==$")
+
+
+def _node_states(inv, remote, s: slurm.SlurmState, redact, warn=None) -> dict[str, plan.NodeState]:
+    """Each node's state: how it ended, as kept in the run's directory; while the job runs, its
+    progress read on the node itself (a step beside the job's: its heartbeats, its log's age),
+    judged against job.stall_timeout as on the SSH fleet."""
+    states = {n: r.state() for n, r in s.nodes.items() if r.exits or not s.active}
+    running = [n for n in s.nodes if n not in states]
+    if not running:
+        return states
+    seen = {}
+    if s.state == "RUNNING":
+        got = remote.run({_login(inv): slurm.progress_argv(inv, s.job_id, s.run)}, check=False,
+                         timeout=slurm.ON_NODES_S + 15)[_login(inv)]
+        seen = slurm.by_node(got.stdout)
+        if warn is not None and not all(n in seen for n in running):
+            warn(safe(redact(f"warning: progress not read on {', '.join(n for n in running if n not in seen)} "
+                             f"({got.summary() if not got.ok else 'no answer'}): a stall there is not shown")))
+    for n in running:
+        found = plan.parse_status("running\n" + seen[n]) if n in seen else plan.NodeState("running")
+        found = replace(found, metrics=s.nodes[n].metrics)
+        states[n] = secretenv.masked(plan.with_stall(found, inv.job.stall_timeout), redact)
+    return states
+
+
+def _diagnose(inv, remote, s: slurm.SlurmState, redact) -> doctor.Diagnosis:
+    """Every node's workers and their stacks (deploy/doctor.py), read by a step beside the job's."""
+    if s.state != "RUNNING":
+        raise RuntimeFailure(f"doctor: Slurm job {s.job_id} is {s.state}: no rank runs" if s.job_id else
+                             f"doctor: {inv.job.name} was never submitted",
+                             hint="`ddp-deploy status --run ID` shows the stacks kept at a stall of a run that ended")
+    got = remote.run({_login(inv): slurm.diagnose_argv(inv, s.job_id)}, check=False,
+                     timeout=slurm.ON_NODES_S + 15)[_login(inv)]
+    found = slurm.by_node(got.stdout)
+    ranks = [r for n, text in found.items() for r in doctor.parse(n, redact(text))]
+    why = redact(got.summary()) if not got.ok else "no answer from its task"
+    silent = {n: why for n in s.nodes if n not in found} if s.nodes else {}
+    return doctor.diagnose(ranks, silent, inv.slurm.nodes * inv.slurm.nprocs)
+
+
+def doctor_(st, as_json: bool) -> None:
+    inv = st.inv
+    with Remote(inv) as remote:
+        found = _diagnose(inv, remote, _state(inv, remote, st.redact), st.redact)
+    _show_diagnosis(found, as_json)
 
 
 def logs(st, follow: bool, tail: int | None, only_nodes, only_ranks, run_id: str | None) -> None:
@@ -292,4 +347,4 @@ def export(inv) -> str:
     return slurm.batch_script(inv, "RUN_ID", codesync.code_dir(inv, codesync.snapshot_of(inv)))
 
 
-__all__ = ["validate", "check", "deploy", "launch", "status", "logs", "stop", "running", "export"]
+__all__ = ["validate", "check", "deploy", "launch", "status", "doctor_", "logs", "stop", "running", "export"]

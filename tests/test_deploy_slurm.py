@@ -3,8 +3,10 @@ and what the login node's status script prints. The real cluster runs in tests/c
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from deploy import slurm
+from deploy import doctor, plan, slurm
 from deploy.cli import cli
 from deploy.errors import InventoryError
 from deploy.inventory import loads
@@ -124,6 +126,72 @@ def test_each_task_gets_its_own_address_and_only_the_first_node_hosts_the_rendez
     assert second[cut + 1:cut + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
 
 
+def test_each_task_watches_its_own_ranks_with_the_jobs_stall_policy(tmp_path):
+    inv = inventory(job={"name": "mnist", "runtime": "host", "on_stall": "restart", "stall_timeout": 90})
+    got = _run_task(tmp_path, inv, "node2", 1, env_extra={"SLURM_JOB_ID": "41"})
+    assert "DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-slurm-41@node2" in got  # the Slurm job's, this node's
+    script = slurm.batch_script(inv, "R1")
+    assert "export DDP_ON_STALL=restart" in script and "export DDP_STALL_TIMEOUT=90" in script
+    default = slurm.batch_script(inventory(), "R1")
+    assert "export DDP_ON_STALL=report" in default and "export DDP_STALL_TIMEOUT=auto" in default
+
+
+def _on_node(argv, node: str, job_id: str, label: int) -> str:
+    """One task of a step on the allocation's nodes, run here with Slurm's variables, its lines
+    labelled as ``srun --label`` does."""
+    script = argv[argv.index("-c") + 1:]
+    done = subprocess.run(["sh", "-c", *script], env={"PATH": os.environ["PATH"], "SLURMD_NODENAME": node,
+                                                      "SLURM_JOB_ID": job_id},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return "".join(f"{label}: {line}\n" for line in done.stdout.splitlines())
+
+
+def test_status_reads_each_nodes_heartbeats_through_a_step_beside_the_job(tmp_path):
+    inv = inventory(storage={"data": {"host": str(tmp_path / "data"), "container": "/data"},
+                             "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}})
+    job_id = f"9{os.getpid()}"
+    argv = slurm.progress_argv(inv, job_id, "R1")
+    assert argv[:4] == ("timeout", str(slurm.ON_NODES_S), "srun", f"--jobid={job_id}")
+    assert {"--overlap", "--label", "--nodes=2", "--ntasks-per-node=1"} <= set(argv)
+    log = tmp_path / "ckpt" / ".ddp-deploy" / "mnist" / "runs" / "R1" / "node2" / "log"
+    log.parent.mkdir(parents=True)
+    log.write_text("started\n")
+    beats = {n: f"/dev/shm/ddp-heartbeat-slurm-{job_id}@{n}" for n in ("node1", "node2")}
+    try:
+        for n, d in beats.items():
+            os.makedirs(d)
+        open(f"{beats['node2']}/1", "w").write(f"{12:20d} {3:10d} {250:13d}\n")
+        printed = _on_node(argv, "node2", job_id, 1) + _on_node(argv, "node1", job_id, 0) + "srun: a line of srun's own\n"
+    finally:
+        for d in beats.values():
+            shutil.rmtree(d, ignore_errors=True)
+    seen = slurm.by_node(printed)
+    assert set(seen) == {"node1", "node2"}
+    state = plan.parse_status("running\n" + seen["node2"])
+    assert [(b.local_rank, b.step, b.rank) for b in state.beats] == [(1, 12, 3)] and state.quiet_s is not None
+    assert plan.parse_status("running\n" + seen["node1"]).beats == ()
+    assert slurm.by_node("0: beat 0 1 5 0 10\n1: node \n") == {}  # a task that named no node is nobody's
+
+
+def test_doctor_reads_the_stacks_on_each_node_of_the_allocation():
+    inv = inventory()
+    argv = slurm.diagnose_argv(inv, "41")
+    assert argv[argv.index("-c") + 1] == slurm.NODE_DIAGNOSE and argv[-1] == "/nas/venv/bin/py-spy"
+    pyxis = inventory(job={"name": "mnist", "runtime": "docker"},
+                      slurm={**BASE["slurm"], "container": {"kind": "pyxis", "image": "reg.example/ddp:1"}})
+    assert slurm.diagnose_argv(pyxis, "41")[-1] == "py-spy"  # the step runs on the node, outside the container
+    # a stack's JSON is longer than srun keeps in one labelled line: the task cuts it, by_node joins it
+    dump = json.dumps([{"pid": 7, "frames": [{"name": "all_reduce", "filename": "/x" * 900, "line": 8}]}])
+    fake = f'echo "rank 7 3 1 S"; echo "stack 7 {dump.replace(chr(34), chr(92) + chr(34))}"; echo "workers 1"'
+    script = slurm.NODE_DIAGNOSE[:slurm.NODE_DIAGNOSE.index("{\n") + 2] + fake + "\n" + \
+        slurm.NODE_DIAGNOSE[slurm.NODE_DIAGNOSE.index("} | awk"):]
+    printed = _on_node(("-c", script, "sh", "py-spy"), "node2", "41", 1)
+    assert max(len(line) for line in printed.splitlines()) <= 410
+    ranks = doctor.parse("node2", slurm.by_node(printed)["node2"])
+    assert [(r.rank, r.frames[0].name if r.frames else r.problem) for r in ranks] == [(3, "all_reduce")]
+
+
 def test_a_task_whose_node_slurm_did_not_list_fails_naming_it(tmp_path):
     inv = inventory()
     argv = slurm.srun_argv(inv, "R1")
@@ -185,7 +253,7 @@ def test_export_slurm_prints_the_script_launch_submits(tmp_path):
 
 def test_export_slurm_of_a_fleet_and_fleet_only_verbs_on_slurm_are_refused(tmp_path):
     hosts = write(tmp_path)
-    for argv in (["join", "node1"], ["unlock"], ["check", "--network"]):
+    for argv in (["join", "node1"], ["unlock"], ["check", "--network"]):  # doctor runs there: through srun
         got = CliRunner().invoke(cli, ["--hosts", hosts, *argv])
         assert got.exit_code == 2 and "not on Slurm" in got.output, got.output
     fleet = tmp_path / "fleet.yaml"

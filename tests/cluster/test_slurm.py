@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hung_job import hanging_program
+
 from .operator_cli import complete_checkpoint_steps, ddp, ok, records, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -24,10 +26,12 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-size", str(SAMPLES), "--batch-si
          "--log-every", "2", "--ckpt-every", "8", "--eval-batch-size", "256"]
 
 
-def _hosts(cluster, slurm, path: Path, train=TRAIN) -> Path:
+def _hosts(cluster, slurm, path: Path, train=TRAIN, job=None, program=None) -> Path:
     config = cluster.hosts_config(runtime="host", procs=PROCS, train_args=train)
     config.pop("nodes")
-    config["job"] = {"name": "ddp-slurm", "runtime": "host", "max_restarts": 1}
+    config["job"] = {"name": "ddp-slurm", "runtime": "host", "max_restarts": 1, **(job or {})}
+    if program is not None:
+        config["train"].update(program)
     config["rendezvous"] = {"port": 29400, "join_timeout": 120}
     config["slurm"] = {"login": {"name": "login", "address": cluster.host(slurm.login).address},
                        "nodes": NODES, "procs_per_node": PROCS, "partition": slurm.partition, "time": "00:30:00"}
@@ -109,3 +113,73 @@ def test_a_job_slurm_requeues_starts_again_and_resumes_from_its_checkpoint(clust
     logs = ok(ddp(cluster, hosts, "logs")).stdout
     assert "resumed from" in logs
     assert records(fresh_nas)[-1]["kind"] == "final"
+
+
+STALL_TIMEOUT = 5
+# node2's second process (global rank 3) sleeps before step 5's all-reduce; the 3 others wait in it
+CULPRIT = "node2 rank 3 is in <module> (hangs.py:7); the 3 other ranks wait in all_reduce (hangs.py:8)"
+
+
+def _hung(cluster, slurm, tmp_path: Path, on_stall: str) -> Path:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2))
+    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml", program={"script": "hangs.py", "code": str(code)},
+                   job={"stall_timeout": STALL_TIMEOUT, "on_stall": on_stall, "max_restarts": 0})
+    ok(ddp(cluster, hosts, "deploy"))
+    return hosts
+
+
+def _no_heartbeats_left(slurm) -> None:
+    left = [p.name for p in Path("/dev/shm").glob("ddp-heartbeat-slurm-*")]
+    assert left == [], f"heartbeat directories left behind: {left}"
+
+
+def test_a_hung_job_under_slurm_shows_every_node_stalled_and_doctor_names_the_rank_through_srun(
+        cluster, slurm, fresh_nas, tmp_path):
+    hosts = _hung(cluster, slurm, tmp_path, "report")
+    try:
+        ok(ddp(cluster, hosts, "launch"))
+        stalled = wait_until(lambda: (lambda s: s if s["nodes"] and all(n["stalled"] for n in s["nodes"]) else None)(
+            json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)), 180, "every node stalled", interval=1)
+        assert stalled["state"] == "RUNNING"
+        for n in stalled["nodes"]:  # read on the node itself: every rank's heartbeat, stopped at step 4
+            assert n["state"] == "running" and n["stalled"]["last_step"] == 4, n
+            assert {b["step"] for b in n["heartbeats"]} == {4} and len(n["heartbeats"]) == PROCS, n
+        table = ok(ddp(cluster, hosts, "status")).stdout
+        assert table.count("stalled ") == NODES and table.count("last step 4 since") == NODES, table
+
+        found = ok(ddp(cluster, hosts, "doctor")).stdout.splitlines()
+        assert found[0] == CULPRIT, found
+        data = json.loads(ok(ddp(cluster, hosts, "doctor", "--json")).stdout)
+        assert data["culprits"] == ["node2 rank 3"] and data["silent"] == {}
+        assert sorted(r["rank"] for r in data["ranks"]) == list(range(NODES * PROCS))
+
+        # each node's launcher kept the stall with the run, with the stacks its ranks were in then
+        _, run = _slurm_job(fresh_nas)
+        kept = wait_until(lambda: (lambda st: st if st and len(st[0]["nodes"]) == NODES else None)(json.loads(ok(ddp(
+            cluster, hosts, "status", "--run", run, "--json")).stdout)["stalls"]), 60, "the stall kept by every node")
+        assert [(st["action"], st["diagnosis"]) for st in kept] == [("report", CULPRIT)], kept
+    finally:
+        ok(ddp(cluster, hosts, "stop", "--now", timeout=300))
+    assert _queue(slurm) == []
+    _no_heartbeats_left(slurm)
+
+
+def test_on_stall_stop_under_slurm_ends_every_node_and_launch_wait_names_the_culprit(
+        cluster, slurm, fresh_nas, tmp_path):
+    hosts = _hung(cluster, slurm, tmp_path, "stop")
+    try:
+        ended = ddp(cluster, hosts, "launch", "--wait", "--timeout", "300", timeout=360)
+        assert ended.returncode == 1, ended.stdout[-3000:] + ended.stderr[-3000:]
+        assert f"the job stalled and was stopped on node1, node2 (job.on_stall: stop): {CULPRIT}" in ended.stderr, \
+            ended.stderr[-3000:]
+        assert _queue(slurm) == []  # each node's launcher ended its part: nothing holds the allocation
+        status = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)
+        assert {n["node"]: n["state"] for n in status["nodes"]} == {"node1": "stopped (stalled)",
+                                                                    "node2": "stopped (stalled)"}
+        kept = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]
+        assert kept["outcome"] == "stalled, stopped on node1, node2 (job.on_stall: stop)", kept
+    finally:
+        ddp(cluster, hosts, "stop", "--now", timeout=300)
+    _no_heartbeats_left(slurm)

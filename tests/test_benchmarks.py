@@ -1,0 +1,51 @@
+"""Every benchmark of bench/ that runs without the test cluster, in its smoke mode (tiny sizes, no
+timing asserted, nothing written to bench/results): none of them can rot unnoticed again."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_loop_and_writes_nothing(tmp_path):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, str(BENCH / "bench_trainer.py"), "--smoke", "--device", "cpu",
+                        "--out", str(tmp_path / "results")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shown = [line.split()[0] for line in r.stdout.splitlines() if "samples/s" in line]
+    assert shown == ["a_ours", "b_reference", "c_bare"], r.stdout
+    assert "a/c = " in r.stdout and "a/b = " in r.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_heartbeat_benchmark_runs():
+    r = subprocess.run([sys.executable, str(BENCH / "bench_heartbeat.py"), "--smoke"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("beat ") and " us, lenet step " in r.stdout and "beat/step " in r.stdout
+
+
+def test_the_faults_table_is_made_from_the_recorded_figures():
+    recorded = BENCH / "results" / "faults.jsonl"
+    rows = [json.loads(line) for line in recorded.read_text().splitlines() if line.strip()]
+    r = subprocess.run([sys.executable, str(BENCH / "faults_table.py"), str(recorded)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)  # the header and one row per recorded fault
+    assert all(table[i + 1].startswith(f"| {row['fault']} |") for i, row in enumerate(rows))
