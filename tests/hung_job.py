@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-# A job that hangs: global rank ``rank`` stops taking part (it sleeps) before the all-reduce of step
-# 5, the others wait in it. Every rank writes the documented one-line heartbeat (README, "When a job
-# hangs") after each step, rank 0 a METRICS line. Its sleep is line 7, the all-reduce line 8.
+# A job that hangs: global rank ``rank`` stops taking part (it sleeps, or does ``fault``: one line)
+# before the all-reduce of step 5, the others wait in it. Every rank writes the documented one-line
+# heartbeat (README, "When a job hangs") after each step, rank 0 a METRICS line. Its fault is line 7,
+# the all-reduce line 8.
 HANGS = """\
 import os, time
 import torch, torch.distributed as dist
@@ -12,7 +13,7 @@ dist.init_process_group("gloo")
 rank, t = dist.get_rank(), torch.zeros(1)
 for step in range(1, 100000):
     if step == 5 and rank == {rank}:
-        time.sleep(3600)
+        {fault}
     dist.all_reduce(t)
     open(f"{{os.environ['DDP_HEARTBEAT_DIR']}}/{{os.environ['LOCAL_RANK']}}", "w").write(f"{{step}} {{os.environ['RANK']}}\\n")
     if rank == 0:
@@ -21,6 +22,6 @@ for step in range(1, 100000):
 """
 
 
-def hanging_program(rank: int, pause: float) -> str:
-    """:data:`HANGS` with the rank that sleeps and the pause between steps."""
-    return HANGS.format(rank=rank, pause=pause)
+def hanging_program(rank: int, pause: float, fault: str = "time.sleep(3600)") -> str:
+    """:data:`HANGS` with the rank that hangs, how (one line) and the pause between steps."""
+    return HANGS.format(rank=rank, pause=pause, fault=fault)

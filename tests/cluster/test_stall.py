@@ -85,6 +85,93 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
+# Each fault on rank 3 (node2's second process) before step 5's all-reduce: what it does there (line 7
+# of the program) and what doctor must say first. The FIFO is on the shared volume, with no writer.
+FAULTS = {
+    "one rank spins in a Python loop": (
+        "while True: pass",
+        "node2 rank 3 is in <module> (hangs.py:7); the 5 other ranks wait in all_reduce (hangs.py:8)"),
+    "one rank blocked reading a FIFO on the NAS": (
+        'open("/ckpt/stuck.fifo").read()',
+        "node2 rank 3 is in <module> (hangs.py:7); the 5 other ranks wait in all_reduce (hangs.py:8)"),
+    "ranks in mismatched collectives (one in broadcast, the others in all_reduce)": (
+        "dist.broadcast(t, 0)",
+        "node2 rank 3 is in broadcast (hangs.py:7); the 5 other ranks wait in all_reduce (hangs.py:8)"),
+}
+
+
+def _all_stalled(cluster, hosts: Path, nodes=("node1", "node2", "node3")):
+    states = _states(cluster, hosts)
+    return states if all(n["stalled"] for n in states if n["node"] in nodes) else None
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the_one_rank_behind_it(
+        cluster, fresh_nas, tmp_path, record_fault, fault):
+    line, culprit = FAULTS[fault]
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2, fault=line))
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train={"script": "hangs.py", "code": str(code)},
+                                     job={"stall_timeout": STALL_TIMEOUT, "max_restarts": 0})
+    ok(ddp(cluster, hosts, "deploy"))
+    os.mkfifo(fresh_nas / "ckpt" / "stuck.fifo")
+    try:
+        ok(ddp(cluster, hosts, "launch"))
+        stalled = wait_until(lambda: _all_stalled(cluster, hosts), 180, "every node stalled", interval=0.5)
+        seen = time.time()
+        assert all(n["state"] == "running" and n["stalled"]["last_step"] == 4 for n in stalled), stalled
+        detect = seen - max(n["stalled"]["since"] for n in stalled)
+        assert detect <= STALL_TIMEOUT + 15, f"the stall was shown {detect:.1f} s after the last beat"
+        asked = time.monotonic()
+        found = ok(ddp(cluster, hosts, "doctor", "--json"))
+        diagnosed = time.monotonic() - asked
+        data = json.loads(found.stdout)
+        assert data["summary"] == culprit and data["culprits"] == ["node2 rank 3"], data["summary"]
+    finally:
+        ok(ddp(cluster, hosts, "stop", "--now"))
+    record_fault(fault=fault, finished="no (stopped)", redone_steps=None, ckpt_every=None, detect_s=round(detect, 1),
+                 detect_what=f"the last heartbeat to `status` naming every node stalled at step 4 (stall_timeout "
+                             f"{STALL_TIMEOUT} s); `doctor` named node2 rank 3 in {diagnosed:.1f} s",
+                 left_running="nothing after stop --now", bit_identical="n/a")
+
+
+def test_a_node_whose_link_goes_down_mid_training_is_named_and_the_others_shown_stalled(
+        cluster, fresh_nas, tmp_path, record_fault):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=-1, pause=0.2))  # no rank hangs by itself
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train={"script": "hangs.py", "code": str(code)},
+                                     job={"stall_timeout": STALL_TIMEOUT, "max_restarts": 0}, ssh={"connect_timeout": 3})
+    ok(ddp(cluster, hosts, "deploy"))
+    try:
+        ok(ddp(cluster, hosts, "launch"))
+        wait_until(lambda: (lambda s: s if all(len(n["heartbeats"]) == 2 for n in s) else None)(
+            _states(cluster, hosts)), 180, "every rank's heartbeat in status", interval=0.5)
+        cluster.take_link_down("node3")
+        down = time.time()
+        try:
+            states = wait_until(lambda: _all_stalled(cluster, hosts, ("node1", "node2")), 120,
+                                "node1 and node2 stalled", interval=0.5)
+            seen = time.time()
+            assert {n["node"]: n["state"] for n in states}["node3"] == "unreachable"
+            found = json.loads(ok(ddp(cluster, hosts, "doctor", "--json")).stdout)
+            assert list(found["silent"]) == ["node3"] and found["culprits"] == [], found
+            assert found["summary"].startswith("all 4 ranks found are in all_reduce (hangs.py:8); node3 did not "
+                                               "answer ("), found["summary"]
+        finally:
+            cluster.bring_link_up("node3")
+    finally:
+        ok(ddp(cluster, hosts, "stop", "--now"))
+    record_fault(fault="a node's link down mid-training (a hang: no peer closes its connection)", finished="no (stopped)",
+                 redone_steps=None, ckpt_every=None, detect_s=round(seen - down, 1),
+                 detect_what=f"link down to `status` naming node3 unreachable and the others stalled (stall_timeout "
+                             f"{STALL_TIMEOUT} s); `doctor`: node3 did not answer, the other ranks wait in all_reduce",
+                 left_running="nothing after stop --now", bit_identical="n/a")
+
+
 def test_on_stall_stop_in_docker_ends_every_node_of_a_hung_job_names_the_culprit_and_nothing_restarts_it(
         cluster, fresh_nas, tmp_path, record_fault):
     code = tmp_path / "code"
