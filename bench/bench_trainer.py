@@ -1,6 +1,7 @@
 """Training throughput, side by side in one process, same model, batch size and device:
 
-  (a) our trainer (DDP, tensors on the device, metrics reduced once per interval),
+  (a) our trainer as ddp-deploy starts it (DDP, tensors on the device, metrics reduced once per
+      interval, the stop flag agreed on every step, a heartbeat per step, torch's flight recorder on),
   (b) the tutorials' loop (torchvision MNIST files -> ToTensor/Normalize per sample -> DataLoader,
       DDP, loss.item() and an all-reduce of the loss every step),
   (c) a bare loop over tensors already normalised on the device (no DDP, no metrics): the limit.
@@ -33,10 +34,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import data  # noqa: E402
+from trainer import data, flight  # noqa: E402
 from trainer.__main__ import make_context, torch_seed_per_rank  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.dist import setup  # noqa: E402
+from trainer.heartbeat import HEARTBEAT_DIR_ENV  # noqa: E402
 from trainer.loop import Position, train  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 from trainer.stopping import StopSignal  # noqa: E402
@@ -149,6 +151,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     root = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
+    beats = tempfile.mkdtemp(prefix="ddp-bench-beats-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    os.environ[HEARTBEAT_DIR_ENV] = beats  # as every launched job has (trainer/heartbeat.py, trainer/flight.py)
     try:
         env = setup(args.device, "auto")
         data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
@@ -166,7 +170,7 @@ def main() -> None:
             "a_over_b": [a / b for a, b in zip(results["a_ours"], results["b_reference"])],
         }
         record = {
-            "bench": "trainer", "device": str(env.device),
+            "bench": "trainer", "device": str(env.device), "flight_recorder": flight.dumper(env.backend) is not None,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL, "batch": BATCH,
             "steps": args.steps, "rounds": args.rounds, "samples_per_s": results, "median": med,
@@ -185,6 +189,7 @@ def main() -> None:
             (out / f"trainer-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(beats, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

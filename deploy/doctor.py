@@ -61,6 +61,9 @@ class RankStack:
     frames: tuple[Frame, ...] = ()
     """Its main thread's stack, innermost first (empty: not read, see ``problem``)."""
     problem: str | None = None
+    collective: tuple[int, str] | None = None
+    """Its newest collective in torch's flight recorder (trainer/flight.py): sequence number and name;
+    None where the rank keeps none (a program other than the built-in trainer, an older torch)."""
 
     @property
     def label(self) -> str:
@@ -86,7 +89,13 @@ class RankStack:
             call = (next((f for f in inside if f.short == "distributed_c10d.py"), inside[0])  # not its wrappers
                     if inside else Frame("backward", BACKWARD, None))
             caller = next((f for f in self.frames if "/torch/" not in f.file), None)
-            return f"{call.name} ({caller.short}:{'?' if caller.line is None else caller.line})" if caller else call.text()
+            at = caller or call
+            where = f"({at.short}:{'?' if at.line is None else at.line})"
+            if self.collective is None:
+                return f"{call.name} {where}"
+            # ranks on one line may be in different collectives (one a step behind): the number tells
+            seq, op = self.collective
+            return f"{call.name} #{seq} {where}" if op == call.name else f"{call.name} {where} in {op} #{seq}"
         return self.frames[0].text()
 
 
@@ -122,6 +131,11 @@ def parse(node: str, stdout: str) -> list[RankStack]:
             pid, _, dump = rest.partition(" ")
             if _whole(pid) in found:
                 found[int(pid)].update(_stack(int(pid), dump))
+        elif word == "fr":  # "fr PID SEQ OP" (trainer/flight.py)
+            parts = rest.split()
+            if len(parts) == 3 and _whole(parts[0]) in found and _whole(parts[1]) is not None \
+                    and parts[2].isascii() and parts[2].replace("_", "").isalpha() and len(parts[2]) <= 40:
+                found[int(parts[0])]["collective"] = (int(parts[1]), parts[2])
     return [RankStack(node=node, pid=pid, **fields) for pid, fields in found.items()]
 
 
@@ -199,5 +213,6 @@ def detail(d: Diagnosis, depth: int = 6) -> list[str]:
     out = []
     for r in d.ranks:
         top = " < ".join(f.text() for f in r.frames[:depth])
-        out.append(f"{r.label} (pid {r.pid}, state {r.state}): {r.where()}" + (f"\n    {top}" if top else ""))
+        newest = f", newest collective {r.collective[1]} #{r.collective[0]}" if r.collective and not r.waiting else ""
+        out.append(f"{r.label} (pid {r.pid}, state {r.state}{newest}): {r.where()}" + (f"\n    {top}" if top else ""))
     return out

@@ -40,6 +40,13 @@ def test_the_heartbeat_benchmark_runs():
     assert r.stdout.startswith("beat ") and " us, lenet step " in r.stdout and "beat/step " in r.stdout
 
 
+def test_the_flight_recorder_benchmark_runs():
+    r = subprocess.run([sys.executable, str(BENCH / "bench_flight.py"), "--smoke"], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("all_reduce ") and " per collective; x2 per lenet step of " in r.stdout, r.stdout
+
+
 def test_the_faults_table_is_made_from_the_recorded_figures():
     recorded = BENCH / "results" / "faults.jsonl"
     rows = [json.loads(line) for line in recorded.read_text().splitlines() if line.strip()]

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from deploy.runtime import HOST_STATUS
 from deploy.text import safe
 from hung_job import hanging_program
 from local_job import local_hosts
-from trainer import heartbeat
+from trainer import flight, heartbeat
 from trainer.heartbeat import Heartbeat, parse_beat
 from trainer_helpers import final_weights
 from waiting import wait_until
@@ -354,6 +355,14 @@ def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_a
         assert _ddp(hosts, "stop").exit_code == 0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # --- the diagnosis (deploy/doctor.py) ------------------------------------------------------------
 
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -406,6 +415,72 @@ def test_a_rank_in_backward_waits_in_ddp_s_gradient_all_reduce_and_the_rank_that
     d = doctor.diagnose(ranks, {}, 2)
     assert d.summary == "node1 rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in backward (loop.py:130)"
     assert d.culprits == ("node1 rank 1",)
+
+
+def test_ranks_on_the_same_line_in_different_collectives_are_told_apart_by_the_flight_recorder():
+    # rank 2 called one all_reduce more than the others: py-spy sees the same line, torch's record does not
+    ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", WAITS))
+                         + "\nfr 10 1233 all_reduce\nfr 11 1233 all_reduce\nfr 12 1234 all_reduce\nfr 12 9 x;y\nfr 99 1 all_reduce")
+    d = doctor.diagnose(ranks, {}, 3)
+    assert d.summary == ("node1 rank 2 is in all_reduce #1234 (train.py:88); the 2 other ranks wait in all_reduce #1233 "
+                         "(train.py:88)")
+    assert [r.collective for r in ranks] == [(1233, "all_reduce"), (1233, "all_reduce"), (1234, "all_reduce")]
+    sleeper = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", _dump(("<module>", "/code/train.py", 7), pid=11)))
+                           + "\nfr 10 5 all_reduce\nfr 11 4 all_reduce")
+    d = doctor.diagnose(sleeper, {}, 2)
+    assert d.summary == "node1 rank 1 is in <module> (train.py:7); the 1 other rank waits in all_reduce #5 (train.py:88)"
+    assert doctor.detail(d)[1].startswith("node1 rank 1 (pid 11, state S, newest collective all_reduce #4): <module> (train.py:7)")
+
+
+def test_a_worker_s_flight_watch_answers_each_request_with_the_newest_collective_of_the_default_group(tmp_path):
+    entries = [{"process_group": ["0", "default_pg"], "collective_seq_id": 4, "profiling_name": "gloo:all_reduce"},
+               {"process_group": ["0", "default_pg"], "collective_seq_id": 5, "profiling_name": "gloo:broadcast"},
+               {"process_group": ["1", "stop"], "collective_seq_id": 99, "profiling_name": "gloo:all_reduce"},
+               {"process_group": ["0", "default_pg"], "collective_seq_id": 6, "profiling_name": "\x1b[2J"},
+               "junk", {"collective_seq_id": "7"}]
+    dumps = [json.dumps({"entries": entries}), "not json"]
+    watch = flight.FlightWatch(str(tmp_path), 1, lambda collectives, active: dumps.pop(0))
+    assert (tmp_path / "fr-1").read_text() == "- none\n"  # there from its start: DIAGNOSE waits for this rank
+    assert not watch.check()  # nothing asked
+    (tmp_path / "fr-request").write_text("123-456\n")
+    assert watch.check() and (tmp_path / "fr-1").read_text() == "123-456 5 broadcast\n"
+    assert not watch.check()  # answered once per request
+    (tmp_path / "fr-request").write_text("124-1\n")
+    assert watch.check() and (tmp_path / "fr-1").read_text() == "124-1 none\n"  # a dump that does not parse
+    (tmp_path / "fr-request").write_text("$(reboot)\n")
+    assert not watch.check()  # not a token: never echoed
+
+
+def test_the_recorder_is_turned_on_only_for_a_launched_job_and_only_where_torch_reads_the_backend_s(tmp_path):
+    env = {"DDP_HEARTBEAT_DIR": str(tmp_path)}
+    assert flight.enable("gloo", env) == (flight.dumper("gloo") is not None)
+    assert set(env) - {"DDP_HEARTBEAT_DIR"} == ({flight.buffer_env()} if flight.dumper("gloo") else set())
+    assert not flight.enable("gloo", {}) and not flight.enable(None, dict(env))  # no heartbeats; not distributed
+    own = {"DDP_HEARTBEAT_DIR": str(tmp_path), flight.buffer_env(): "4096"}
+    flight.enable("gloo", own)
+    assert own[flight.buffer_env()] == "4096"  # the job's own size is kept
+
+
+def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_answer(tmp_path):
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "3"}
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    watch = flight.FlightWatch(str(beats), 0, lambda collectives, active: json.dumps({"entries": [
+        {"process_group": ["0", ""], "collective_seq_id": 41, "profiling_name": "gloo:all_reduce"}]}), every=0.05)
+    thread = threading.Thread(target=watch.run, daemon=True)
+    thread.start()
+    try:
+        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"], capture_output=True,
+                             text=True, timeout=30)
+    finally:
+        watch.close()
+        worker.kill()
+        worker.wait()
+    assert got.returncode == 0, got.stderr
+    assert f"rank {worker.pid} 3 0 S" in got.stdout and f"fr {worker.pid} 41 all_reduce" in got.stdout.splitlines()
+    (ranked,) = doctor.parse("node1", got.stdout)
+    assert ranked.collective == (41, "all_reduce")
 
 
 def test_ranks_in_mismatched_collectives_name_the_smaller_group():
@@ -488,6 +563,9 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     (stall,) = json.loads(_ddp(hosts, "status", "--run", run, "--json").stdout)["stalls"]
     assert stall["action"] == "restart" and stall["culprits"] == ["here rank 1"], stall
     assert stall["diagnosis"].startswith("here rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in "), stall
+    if flight.dumper("gloo") is not None:  # this torch records gloo's collectives: the waiting rank's is named
+        assert re.search(r"waits in (all_reduce #\d+ \(\w+\.py:\d+\)|backward \(loop\.py:\d+\) in all_reduce #\d+)$",
+                         stall["diagnosis"]), stall
     assert "workers, which torchrun starts again from the newest checkpoint (job.on_stall: restart)" in log
     resumed = [rec for rec in _records(hosts) if rec["kind"] == "resumed" and rec["time"] > stopped]
     assert len(resumed) == 1 and resumed[0]["world_size"] == 2
@@ -537,6 +615,44 @@ def test_on_stop_the_watchdog_kills_and_ends_its_launcher_so_that_nothing_starts
     assert out.getvalue().endswith("killing its 0 workers, and ending this node's part of the job, which nothing "
                                    "starts again (job.on_stall: stop): launch again to resume from the newest "
                                    "checkpoint\n")
+
+
+# rank 1 hangs after its first beat; rank 0's all-reduce gives up after 6 s (its process group's timeout), while
+# the launcher's watchdog, which found the stall at 2 s, still waits out its 5 s before killing
+FAILS_DURING_THE_STOP = """\
+import datetime, os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=6))
+rank, t = dist.get_rank(), torch.zeros(1)
+dist.all_reduce(t)
+open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"1 {rank}\\n")
+if rank == 1:
+    time.sleep(3600)
+dist.all_reduce(t)
+"""
+
+
+@pytest.mark.e2e
+def test_once_its_watchdog_chose_to_stop_the_launcher_ends_with_0_even_when_its_workers_fail_first(tmp_path):
+    """Under job.on_stall: stop every node's launcher stops its part; another node's stop (its
+    workers' connections closing) may fail this node's workers before this launcher kills them:
+    that is the same stop, and the node must not read as failed."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_DURING_THE_STOP)
+    run, beats = tmp_path / "run", tmp_path / "beats"
+    run.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "DDP_HEARTBEAT_DIR": str(beats), "DDP_ON_STALL": "stop", "DDP_STALL_TIMEOUT": "2",
+           "DDP_DEPLOY_LOG_DIR": str(run)}
+    port = _free_port()
+    done = subprocess.run([sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+                           "--script", str(script), "--"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (kept,) = [stall.StallRecord.parse(line) for line in (run / "stalls").read_text().splitlines()]
+    assert kept.action == "stop" and kept.step == 1
+    assert "Timed out" in (run / "log").read_text() or "timed out" in (run / "log").read_text().lower()
+    assert not beats.exists()
 
 
 def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_only_after_progress(tmp_path):

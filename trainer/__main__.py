@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from .build import build
 from .checkpoint import CheckpointError, CheckpointManager, Found, save_final_model
 from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
-from .heartbeat import Heartbeat
+from .flight import FlightWatch
+from .heartbeat import HEARTBEAT_DIR_ENV, Heartbeat
 from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
 from .metrics import MetricsWriter
 from .stopping import STOPPED_EXIT, Stopped, StopSignal
@@ -46,9 +48,12 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
     stop = stop or StopSignal()
     stop.join(env)
     ctx = make_context(cfg, env, stop)
+    watch = FlightWatch.start_for(os.environ.get(HEARTBEAT_DIR_ENV), env.local_rank, env.backend) if env.distributed else None
     try:
         return resume_and_train(ctx)
     finally:
+        if watch is not None:
+            watch.close()
         ctx.heartbeat.close()
         ctx.metrics.close()  # the TensorBoard files' last events, after a stop or a failure too
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import flight
 from .compat import binds_stores
 
 
@@ -96,6 +97,7 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if backend is not None and not dist.is_initialized():
+        flight.enable(backend)  # doctor can then name the collective each rank is in
         timeout = timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

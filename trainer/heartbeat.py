@@ -192,9 +192,15 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
 # started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none).
 # Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
 # it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
-# line (or its error). Last, "workers N". The job's own values are printed only as digits or py-spy's JSON.
-DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0
+# line (or its error). Then "workers N". Last, where the workers keep torch's flight recorder
+# (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
+# this request within 2 s: the newest collective it is in or did. The job's own values are printed
+# only as digits, lowercase names or py-spy's JSON.
+DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""
 [ -x "$spy" ] || spy=py-spy
+if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
+  ask="$$-$(date +%s%N)"; echo "$ask" > "$1/fr-request" 2>/dev/null || ask=""
+fi
 for p in /proc/[0-9]*; do
   pid=${p#/proc/}
   grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
@@ -204,10 +210,24 @@ for p in /proc/[0-9]*; do
   state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)
   found=$((found + 1))
   echo "rank $pid ${rank:-?} $lrank ${state:-?}"
+  [ -f "$1/fr-$lrank" ] && fr="$fr $pid:$lrank"
   [ "$state" = T ] && continue
   echo "stack $pid $(timeout 20 "$spy" dump --pid "$pid" --json 2>&1 | tr '\n' ' ')"
 done
 echo "workers $found"
+[ -n "$ask" ] && [ -n "$fr" ] || exit 0
+i=0
+while [ $i -lt 20 ]; do
+  all=1; for pl in $fr; do [ "$(head -c 64 "$1/fr-${pl#*:}" 2>/dev/null | cut -d ' ' -f 1)" = "$ask" ] || all=0; done
+  [ $all = 1 ] && break; sleep 0.1; i=$((i+1))
+done
+for pl in $fr; do
+  read -r tok seq op <<ANSWER
+$(head -c 80 "$1/fr-${pl#*:}" 2>/dev/null | head -n 1 | tr -cd 'a-z0-9_ .-')
+ANSWER
+  [ "$tok" = "$ask" ] && [ -n "$seq" ] && [ "$seq" != none ] && echo "fr ${pl%%:*} $seq ${op:-?}"
+done
+exit 0
 """
 
 
@@ -280,6 +300,9 @@ class Watchdog:
         self.end = end or self._end_here
         self.spy = spy or os.path.join(os.path.dirname(sys.executable), "py-spy")  # installed beside it
         self.actions = 0
+        self.stopping = False
+        """Set once it has decided to stop (job.on_stall: stop), before it kills: from then on the
+        launcher ends with 0 however torchrun ends (another node's stop may fail these workers first)."""
         self._reported = False
 
     @classmethod
@@ -320,6 +343,7 @@ class Watchdog:
             self._reported = True
             self.actions += 1
             return True
+        self.stopping = self.action == "stop"
         time.sleep(self.settle)  # the other nodes' launchers read their stacks before these workers' end shakes them
         pids = workers(self.directory)
         then = ("which torchrun starts again from the newest checkpoint (job.on_stall: restart)"

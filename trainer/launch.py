@@ -334,6 +334,12 @@ def main() -> None:
     with torch_log_dir(argv, owner) as log_dir:
         try:
             torchrun([*log_dir, *args])
+        except BaseException:
+            # job.on_stall: stop decided here: another node's stop ended these workers first (their
+            # peers closed), which is this stop too, not a failure of this node
+            if watchdog is not None and watchdog.stopping:
+                watchdog.end()
+            raise
         finally:  # a write into the code snapshot: say so, where the worker's error may name no path
             heartbeat.remove(beats)
             snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))

@@ -172,6 +172,36 @@ def test_a_node_whose_link_goes_down_mid_training_is_named_and_the_others_shown_
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
+def test_a_rank_that_exits_0_early_is_named_as_the_cause_and_never_a_rank_it_left_waiting(
+        cluster, fresh_nas, tmp_path, record_fault):
+    """With gloo the others do not wait for good: the leaver's connections close, their all-reduce
+    fails, and the job ends; what must be named is the rank that left, not those it failed."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2, fault="raise SystemExit(0)"))
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train={"script": "hangs.py", "code": str(code)},
+                                     job={"stall_timeout": STALL_TIMEOUT, "max_restarts": 0})
+    ok(ddp(cluster, hosts, "deploy"))
+    try:
+        started = time.time()
+        ended = ddp(cluster, hosts, "launch", "--wait", "--timeout", "300", timeout=400)
+        took = time.time() - started
+        assert ended.returncode == 1, ended.stdout[-3000:] + ended.stderr[-3000:]
+        said = ended.stderr.strip().splitlines()[0]
+        # the cause is the rank that left; the ranks it failed are named as what followed
+        assert re.match(r"error: the job failed on node[123](, node[123])*: rank 3 on node2 exited 0 (at|before) "
+                        r"[0-9_:-]+ while the others still trained; the others then lost their connection to it ",
+                        said), said
+        assert "stalled" not in ended.stdout
+    finally:
+        ok(ddp(cluster, hosts, "stop", "--now"))
+    record_fault(fault="a rank exits 0 early while the others train (gloo: their all-reduce fails)",
+                 finished="no (failed, the leaver named)", redone_steps=None, ckpt_every=None, detect_s=round(took, 1),
+                 detect_what="`launch --wait` to its end naming rank 3 on node2 as the rank that left",
+                 left_running="nothing", bit_identical="n/a")
+
+
 def test_on_stall_stop_in_docker_ends_every_node_of_a_hung_job_names_the_culprit_and_nothing_restarts_it(
         cluster, fresh_nas, tmp_path, record_fault):
     code = tmp_path / "code"
