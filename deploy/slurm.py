@@ -244,6 +244,11 @@ NODE_PROGRESS = PROGRESS + 'run=$1; echo "node $SLURMD_NODENAME"; progress "' + 
 NODE_DIAGNOSE = ('echo "node $SLURMD_NODENAME"; set -- "' + HEARTBEATS + '" "$1"\n{\n' + DIAGNOSE + '} | awk '
                  + "'{ print substr($0, 1, 400); for (i = 401; i <= length($0); i += 400) print \"~ \" substr($0, i, 400) }'\n")
 
+PROGRESS_EVERY_S = 10.0
+"""How often ``launch --wait`` and ``status -f`` read the nodes' progress. Each read is a job step,
+which Slurm logs and counts against the job (MaxStepCount, 40000 by default): a day's follow makes
+under 9000 of them."""
+
 ON_NODES_S = 45
 """How long a step on the allocation's nodes may take before the tool gives up on it (a node
 that does not answer, or a step Slurm does not start beside the job)."""

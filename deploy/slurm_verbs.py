@@ -146,7 +146,7 @@ def _follow(inv, remote, timeout, redact, every: float = 10.0) -> slurm.SlurmSta
     ``every`` seconds while its progress moves."""
     deadline = None if timeout is None else time.monotonic() + timeout
     said, state, at = None, None, 0.0
-    diagnosed = False
+    diagnosed, probed = False, None
     while True:
         s = _state(inv, remote, redact)
         line = _line(s)
@@ -155,11 +155,13 @@ def _follow(inv, remote, timeout, redact, every: float = 10.0) -> slurm.SlurmSta
             said, state, at = line, s.state, time.monotonic()
         if not s.active:
             return s
-        stalled = {n: v.stall for n, v in _node_states(inv, remote, s, redact).items() if v.stall}
-        if stalled and not diagnosed:  # once per stall: where it stopped, then what every rank is doing
-            click.echo(safe(f"stalled: {', '.join(f'{n} {view.stall_text(v)}' for n, v in stalled.items())}; "
-                            f"{_diagnose(inv, remote, s, redact).summary} (`ddp-deploy doctor` shows each rank)"))
-        diagnosed = bool(stalled)
+        if probed is None or time.monotonic() - probed >= slurm.PROGRESS_EVERY_S:
+            probed = time.monotonic()
+            stalled = {n: v.stall for n, v in _node_states(inv, remote, s, redact).items() if v.stall}
+            if stalled and not diagnosed:  # once per stall: where it stopped, then what every rank is doing
+                click.echo(safe(f"stalled: {', '.join(f'{n} {view.stall_text(v)}' for n, v in stalled.items())}; "
+                                f"{_diagnose(inv, remote, s, redact).summary} (`ddp-deploy doctor` shows each rank)"))
+            diagnosed = bool(stalled)
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeFailure(f"still in Slurm after {timeout:g} s: job {s.job_id} {s.state}",
                                  hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")

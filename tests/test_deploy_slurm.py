@@ -174,6 +174,20 @@ def test_status_reads_each_nodes_heartbeats_through_a_step_beside_the_job(tmp_pa
     assert slurm.by_node("0: beat 0 1 5 0 10\n1: node \n") == {}  # a task that named no node is nobody's
 
 
+def test_following_a_job_reads_the_nodes_progress_only_every_few_seconds(monkeypatch):
+    """Each read is a Slurm job step: polled every 2 s it would spend a job's MaxStepCount in a day."""
+    from deploy import slurm_verbs
+
+    clock, steps = [0.0], []
+    running = slurm.SlurmState("7", "R1", "RUNNING")
+    monkeypatch.setattr(slurm_verbs, "_state", lambda *a: running if clock[0] < 60 else slurm.SlurmState("7", "R1", "COMPLETED"))
+    monkeypatch.setattr(slurm_verbs, "_node_states", lambda *a: steps.append(clock[0]) or {})
+    monkeypatch.setattr(slurm_verbs.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(slurm_verbs.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    assert slurm_verbs._follow(inventory(), None, None, str).state == "COMPLETED"
+    assert len(steps) == 6 and all(b - a >= slurm.PROGRESS_EVERY_S for a, b in zip(steps, steps[1:])), steps
+
+
 def test_doctor_reads_the_stacks_on_each_node_of_the_allocation():
     inv = inventory()
     argv = slurm.diagnose_argv(inv, "41")
