@@ -173,3 +173,22 @@ def test_records_carry_the_run_id_in_the_printed_line_and_the_file_alike(tmp_pat
     assert list(record)[:3] == ["time", "run", "kind"] and record["run"] == RUN
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["signal"] == "SIGTERM"
     assert not (tmp_path / TENSORBOARD_DIR).exists()  # a stop measures nothing: no empty event file
+
+
+def test_a_metrics_line_reaches_stdout_in_one_write_so_no_reader_sees_half_of_it(tmp_path, monkeypatch):
+    """With PYTHONUNBUFFERED (the image sets it) print() makes the text and its newline two writes;
+    torch 2.5's line prefixer read between them once and printed "[rank0]: METRICS {...}[rank0]: "."""
+    import io
+
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", Recording())
+    writer = MetricsWriter(main_env(), str(tmp_path))
+    writer.write({"kind": "train", "step": 1})
+    writer.close()
+    assert len(writes) == 1 and writes[0].startswith("METRICS {") and writes[0].endswith("}\n"), writes

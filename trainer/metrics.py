@@ -140,7 +140,11 @@ class MetricsWriter:
             head["run"] = self.run
         record = {**head, **record}
         line = json.dumps(record, sort_keys=False)
-        print(PREFIX + line, file=sys.stdout, flush=True)
+        # One write: print() writes the text and its newline apart, and with PYTHONUNBUFFERED (the
+        # image sets it) each is its own system call; torchrun's line prefixer (torch 2.5) reading
+        # in between printed "[rank0]: METRICS {...}[rank0]: ", a line no reader can parse.
+        sys.stdout.write(f"{PREFIX}{line}\n")
+        sys.stdout.flush()
         try:
             with open(self.path, "a") as handle:
                 handle.write(line + "\n")
