@@ -21,14 +21,13 @@ import shlex
 from dataclasses import dataclass, field
 
 from trainer.entry import RUN_MODULE
+from trainer.heartbeat import DIAGNOSE, HEARTBEAT_DIR_ENV
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory
 from .payload import payload
 from .plan import contract_env, count, device_flags, rdzv_conf, stall_env
 from .runs import NODES_OF, parse as parse_runs
-from trainer.heartbeat import DIAGNOSE, HEARTBEAT_DIR_ENV
-
 from .runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
 
 # Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the

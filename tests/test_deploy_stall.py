@@ -483,6 +483,19 @@ def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_a
     assert ranked.collective == (41, "all_reduce")
 
 
+def test_diagnose_never_writes_its_request_through_a_link_the_job_put_in_its_directory(tmp_path):
+    beats, outside = tmp_path / "beats", tmp_path / "precious"
+    beats.mkdir()
+    outside.write_text("kept\n")
+    (beats / "fr-0").write_text("- none\n")  # a worker keeps the recorder: DIAGNOSE asks
+    (beats / "fr-request").symlink_to(outside)
+    got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"], capture_output=True,
+                         text=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    assert outside.read_text() == "kept\n"
+    assert not (beats / "fr-request").is_symlink() and (beats / "fr-request").read_text().strip()
+
+
 def test_ranks_in_mismatched_collectives_name_the_smaller_group():
     other = _dump(("broadcast", C10D, 2600), ("sync", "/code/train.py", 120))
     ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", other)))

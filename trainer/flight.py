@@ -8,9 +8,9 @@ thread of the rank's own can still answer.
 
 Each worker of the built-in trainer runs :class:`FlightWatch` when the job has heartbeats
 (trainer/heartbeat.py) and its torch records its backend's collectives. When ``fr-request`` in the
-heartbeat directory changes (``DIAGNOSE`` touches it), the thread writes ``fr-<LOCAL_RANK>`` there:
-one line ``SEQ OP``, the newest collective of the default process group (its sequence number and
-name, e.g. ``1234 all_reduce``). ``doctor`` and the watchdog read it beside the stacks
+heartbeat directory holds a new token (``DIAGNOSE`` writes one), the thread writes
+``fr-<LOCAL_RANK>`` there: one line ``TOKEN SEQ OP``, the newest collective of the default process
+group (its sequence number and name, e.g. ``1234 all_reduce``). ``doctor`` and the watchdog read it beside the stacks
 (deploy/doctor.py). Where torch has no recorder for the backend (gloo before torch 2.7, say),
 nothing is written and the stacks alone tell.
 """

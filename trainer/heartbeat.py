@@ -199,7 +199,8 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
 DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""
 [ -x "$spy" ] || spy=py-spy
 if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
-  ask="$$-$(date +%s%N)"; echo "$ask" > "$1/fr-request" 2>/dev/null || ask=""
+  # the directory is the job's: a new file (noclobber: O_EXCL), never through a link it put there
+  ask="$$-$(date +%s%N)"; rm -f "$1/fr-request"; (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || ask=""
 fi
 for p in /proc/[0-9]*; do
   pid=${p#/proc/}
