@@ -156,6 +156,19 @@ def test_weights_that_differ_are_a_figure_with_the_largest_difference():
     assert figures["max_abs_diff"] == 0.5
 
 
+def test_resumed_weights_identical_to_an_uninterrupted_run_pass():
+    ok, said = gpu_check.judge_weights({"bit_identical": True, "max_abs_diff": 0.0}, None)
+    assert ok and said == "bit-identical to an uninterrupted run's"
+
+
+def test_resumed_weights_that_differ_pass_only_where_two_uninterrupted_runs_differ_too():
+    differ = {"bit_identical": False, "max_abs_diff": 0.02}
+    ok, said = gpu_check.judge_weights(differ, {"bit_identical": False, "max_abs_diff": 0.0076})
+    assert ok and "nor are two uninterrupted runs (max |diff| 0.0076)" in said and "not deterministic" in said
+    ok, said = gpu_check.judge_weights(differ, {"bit_identical": True, "max_abs_diff": 0.0})
+    assert not ok and said.endswith("two uninterrupted runs are: the resume is not exact")
+
+
 def test_final_models_with_different_keys_fail_the_comparison():
     with pytest.raises(StepFailed, match="keys"):
         gpu_check.compare_weights({"w": torch.ones(1)}, {"v": torch.ones(1)})

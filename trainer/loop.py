@@ -177,13 +177,13 @@ def train(ctx: Context, pos: Position) -> Position:
                 images = augment(images, generator)
             x, y = ctx.normalize(images), ctx.train.labels[idx]
             stepping = (i + 1) % cfg.grad_accum == 0
-            sync = contextlib.nullcontext() if stepping or not env.distributed else b.model.no_sync()
+            sync = contextlib.nullcontext() if stepping or b.model is b.raw_model else b.model.no_sync()
             with sync:
                 with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
                     out = b.model(x)
                     loss = F.cross_entropy(out, y)
                 b.scaler.scale(loss / cfg.grad_accum).backward()
-            stats.add(loss.detach().float() * y.numel(), (out.argmax(1) == y).sum(), y.numel())
+            stats.add(loss, (out.argmax(1) == y).sum(), y.numel())
             if not stepping:
                 continue
             _optimizer_step(cfg, b)
@@ -205,9 +205,10 @@ def train(ctx: Context, pos: Position) -> Position:
             _log_train(ctx, pos, stats, timer)
         ctx.metrics.write({"kind": "eval", "epoch": pos.epoch, "step": pos.global_step, **evaluate(ctx)})
         save_checkpoint(ctx, pos)
-        if pos.epoch < cfg.epochs and not done() and ctx.stop.requested(env):
+        if pos.epoch < cfg.epochs and not done() and ctx.stop.requested_now(env):
             raise _stopped(ctx, pos)  # the epoch's checkpoint is this position
         timer.reset()  # evaluation and the checkpoint are not training throughput
+    ctx.stop.settle()
     return pos
 
 

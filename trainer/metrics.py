@@ -27,18 +27,40 @@ log = logging.getLogger(__name__)
 
 
 class RunningStats:
-    """Sums of loss, correct predictions and samples, kept on the device between reductions."""
+    """Each step's mean loss and correct predictions, kept on the device as they come (no host
+    synchronisation per step, and no arithmetic either: a small model on a GPU is bound by the
+    kernels it launches), summed once per logging interval."""
+
+    FOLD = 256
+    """Steps kept one by one before they are summed into the running totals (memory stays bounded)."""
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self._losses: list[torch.Tensor] = []
+        self._correct: list[torch.Tensor] = []
+        self._counts: list[int] = []
 
-    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> None:
-        self._sums[0] += loss_sum.detach().to(torch.float64)
-        self._sums[1] += correct.to(torch.float64)
-        self._sums[2] += count
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, count: int) -> None:
+        """A step: its batch's mean loss (0-d), its correct predictions (0-d) and its samples."""
+        self._losses.append(loss.detach())
+        self._correct.append(correct)
+        self._counts.append(count)
+        if len(self._counts) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._counts:
+            return
+        counts = torch.tensor(self._counts, dtype=torch.float64).to(self._device)
+        self._sums[0] += (torch.stack(self._losses).double() * counts).sum()
+        self._sums[1] += torch.stack(self._correct).double().sum()
+        self._sums[2] += float(sum(self._counts))
+        self._losses, self._correct, self._counts = [], [], []
 
     def reduce(self, env: DistEnv) -> dict:
         """Totals over all ranks (one all-reduce), then resets the sums."""
+        self._fold()
         totals = all_reduce_sum(env, self._sums.clone()).tolist()
         self._sums.zero_()
         loss_sum, correct, count = totals
