@@ -1,7 +1,8 @@
 """Training throughput, side by side in one process, same model, batch size and device:
 
-  (a) our trainer as ddp-deploy starts it (DDP, tensors on the device, metrics reduced once per
-      interval, the stop flag agreed on every step, a heartbeat per step, torch's flight recorder on),
+  (a) our trainer as ddp-deploy starts it, as a job of one process (tensors on the device, metrics
+      reduced once per interval, a heartbeat per step, torch's flight recorder on; no DDP and no stop
+      flag to agree on: a job of one process has no peers),
   (b) the tutorials' loop (torchvision MNIST files -> ToTensor/Normalize per sample -> DataLoader,
       DDP, loss.item() and an all-reduce of the loss every step),
   (c) a bare loop over tensors already normalised on the device (no DDP, no metrics): the limit.

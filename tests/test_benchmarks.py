@@ -33,6 +33,18 @@ def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.e2e
+def test_the_step_parts_benchmark_times_every_rung_from_the_bare_loop_to_the_trainer_and_writes_nothing(tmp_path):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    r = subprocess.run([sys.executable, str(BENCH / "bench_step_parts.py"), "--smoke", "--device", "cpu",
+                        "--out", str(tmp_path / "results")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("rung "):].splitlines()[1:]
+    assert [line.split()[0] for line in table] == ["bare", "+gather", "+stats", "+sched", "+beat", "+stop", "+log",
+                                                   "trainer", "bare+ddp"], r.stdout
+    assert not (tmp_path / "results").exists()
+
+
 def test_the_heartbeat_benchmark_runs():
     r = subprocess.run([sys.executable, str(BENCH / "bench_heartbeat.py"), "--smoke"], capture_output=True, text=True,
                        timeout=120)
