@@ -12,7 +12,7 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-fast test-area clean
+.PHONY: install install-oldest operator-wheels gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-fast test-area clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
@@ -32,6 +32,16 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 	$(call venv,$(OLDEST_VENV),$(OLDEST_TORCH_PINS))
 
 install-oldest: $(OLDEST_VENV)/.installed
+
+# The wheels of the operator's install (ddp-deploy without torch: pyproject.toml's dependencies),
+# fetched here so that tests/test_operator_install.py installs them into a fresh venv offline.
+OPERATOR_WHEELS ?= .wheels-operator
+$(OPERATOR_WHEELS)/.done: pyproject.toml $(VENV)/.installed
+	rm -rf $(OPERATOR_WHEELS)
+	$(VENV)/bin/pip download -q -d $(OPERATOR_WHEELS) . setuptools wheel
+	touch $@
+
+operator-wheels: $(OPERATOR_WHEELS)/.done
 
 ## The main job on the shipped hosts.yaml (this machine alone): check, deploy, launch, wait, status.
 run: install
@@ -76,7 +86,7 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-test: install install-oldest
+test: install install-oldest operator-wheels
 	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: install

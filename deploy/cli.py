@@ -924,6 +924,7 @@ def plot(st: _State, run_ids: tuple[str, ...], output: str | None) -> None:
     from the METRICS lines of its kept logs: every numeric field against the step."""
     from . import plot as plotting  # matplotlib: only for this verb
 
+    plotting.require_matplotlib()
     inv = st.inv
     path = output or f"{inv.job.name}-metrics.png"
     with Remote(inv) as remote:

@@ -208,6 +208,16 @@ def series(records: Sequence[dict], kind: str, key: str) -> tuple[list[int], lis
     return steps, values
 
 
+def require_matplotlib() -> None:
+    """The operator's install (``pip install ddp-bundle``) leaves matplotlib out: say so before
+    any node is asked for its metrics."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("plot needs matplotlib, which the operator's install leaves out",
+                         hint="pip install 'ddp-bundle[plot]' (or [all])")
+
+
 def select(runs: dict[str, list[dict]], wanted: Sequence[str] = ()) -> dict[str, list[dict]]:
     """The runs to plot: all, or those named in ``wanted`` (an id or the start of one)."""
     if not any(runs.values()):

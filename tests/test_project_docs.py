@@ -60,8 +60,9 @@ def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base(
     from trainer.compat import TORCH_SUPPORTED
     from torch_ends import range_ends
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert f"torch{TORCH_SUPPORTED}" in deps
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"torch{TORCH_SUPPORTED}" in project["optional-dependencies"]["trainer"]
+    assert not any(dep.startswith("torch") for dep in project["dependencies"])  # the operator's install has none
     base = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", (ROOT / "Dockerfile").read_text(), re.M)
     assert base and torch_supported(base.group(1))  # a CUDA PyTorch image inside the range
     assert f"`torch{TORCH_SUPPORTED}`" in (ROOT / "README.md").read_text()

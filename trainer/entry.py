@@ -19,3 +19,17 @@ def module_argv(module: str) -> list[str]:
     """The interpreter's arguments that run ``module`` as ``-m`` would, the working directory left
     off the import path; the module's own arguments follow."""
     return ["-c", RUN_MODULE, module]
+
+
+def train_main() -> int:
+    """``ddp-train``: the trainer, or one line saying what to install where the operator's install
+    (``pip install ddp-bundle``, no torch) is all there is."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        sys.exit("ddp-train: torch is not installed here (the operator's install leaves the trainer out): "
+                 "pip install 'ddp-bundle[trainer]'")
+    from .__main__ import main
+
+    return main()
