@@ -47,6 +47,7 @@ from .image_cache import CACHE_ENV, bound, cache_path, clean_cache, config_of, r
 from .inventory import Inventory
 from .oci import Identity
 from .remote import Remote, Result, run_here
+from .node import node_program
 
 WHOLE_ENV = "DDP_DEPLOY_WHOLE_IMAGE"
 """Set to 1 to send every layer, even those a node already holds."""
@@ -69,34 +70,17 @@ def save_argv(inv: Inventory) -> list[str]:
 # store reports the driver type io.containerd.snapshotter.v1), "ID <the ID $1 names, or ->" and
 # "LISTED yes|no": whether `docker image ls` shows that ID (the containerd store leaves out an
 # image whose content is not all there).
-IDENTIFY = r"""store=$(docker info --format '{{json .DriverStatus}}') || exit $?
-case $store in *io.containerd.snapshotter*) echo "STORE containerd" ;; *) echo "STORE classic" ;; esac
-id=$(docker image inspect --format '{{.Id}}' "$1" 2>/dev/null) || id=-
-echo "ID $id"
-ids=$(docker image ls -q --no-trunc) || exit $?
-if printf '%s\n' $ids | grep -qxF -- "$id"; then echo "LISTED yes"; else echo "LISTED no"; fi
-"""
+IDENTIFY = node_program("identify.sh")
 
 # $1 = image name, then optionally a command run first (the storage directories). Prints
 # PREPARED once that command succeeded, IDENTIFY's lines, then one
 # "LAYERS <json list of diff IDs>" line per image the node holds.
-SURVEY = r"""name=$1; shift
-if [ $# -gt 0 ]; then "$@" || exit $?; fi
-echo PREPARED
-sh -c "$0" sh "$name" || exit $?
-ids=$(docker image ls -q --no-trunc) || exit $?
-[ -z "$ids" ] || docker image inspect --format 'LAYERS {{json .RootFS.Layers}}' $ids 2>/dev/null || true
-"""
+SURVEY = node_program("survey.sh")
 
 # $1 = image name. Loads the tar on stdin; prints docker load's output (stdout and stderr), each
 # line as "LOAD <line>", then "EXIT <docker load's exit status>" and IDENTIFY's lines; exits with
 # docker load's status. load_problem() judges it.
-LOAD = r"""out=$(docker load 2>&1); rc=$?
-printf '%s\n' "$out" | sed -e '/^$/d' -e 's/^/LOAD /'
-echo "EXIT $rc"
-sh -c "$0" sh "$1"
-exit $rc
-"""
+LOAD = node_program("load.sh")
 
 
 def survey_argv(inv: Inventory, before: Sequence[str] = ()) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from datetime import datetime, timezone
 from .errors import RuntimeFailure
 from .inventory import Inventory, Node
 from .remote import Remote, Result
+from .node import node_program
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,7 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 # $1 = lock directory. Prints "held TAKEN QUIET" (seconds since the lock was taken and since its
 # last heartbeat, on this node's clock) and then the owner file; fails when there is no lock.
-_HELD = r"""held() {
-  taken=$(stat -c %Y "$1/owner" 2>/dev/null || stat -c %Y "$1" 2>/dev/null) || return 1
-  beat=$(stat -c %Y "$1/heartbeat" 2>/dev/null || echo "$taken")
-  now=$(date +%s)
-  echo "held $((now - taken)) $((now - beat))"
-  cat "$1/owner" 2>/dev/null
-  return 0
-}
-"""
+_HELD = node_program("held.sh")
 
 # $1 = lock directory. What `held` prints, or "free".
 LOOK = _HELD + 'held "$1" || echo free\n'
@@ -96,13 +89,7 @@ fi
 
 # $1 = lock directory, $2 = the token of the lock to remove ("" = a lock with no valid owner).
 # Prints removed, gone (no lock) or kept (another lock is there now).
-RELEASE = r"""lock=$1
-if [ ! -d "$lock" ]; then echo gone
-elif { [ -n "$2" ] && grep -qsF -e "$2" "$lock/owner"; } || { [ -z "$2" ] && ! grep -qs '"token"' "$lock/owner"; }; then
-  rm -rf "$lock" && echo removed
-else echo kept
-fi
-"""
+RELEASE = node_program("release.sh")
 
 
 def path(node: Node) -> str:

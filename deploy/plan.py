@@ -20,15 +20,11 @@ from .payload import payload
 from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
 from .stall import Beat, Stall, StallRecord, ended_state, judge
+from .node import node_program
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
-MAKE_DIRS = r"""mode=$1; shift
-mkdir -p "$@" || exit 1
-if [ "$mode" = chown ] && [ "$(id -u)" = 0 ]; then chown 1000:1000 "$@" || exit 1
-else for d in "$@"; do [ -w "$d" ] || { echo "$d is not writable by $(id -un)" >&2; exit 1; }; done
-fi
-"""
+MAKE_DIRS = node_program("make_dirs.sh")
 
 
 @dataclass(frozen=True)

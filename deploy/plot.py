@@ -24,6 +24,7 @@ from .errors import InputError, RuntimeFailure
 from .inventory import Inventory
 from .runs import RUN_ID, runs_dir
 from .text import safe
+from .node import node_program
 
 NO_RUN = "(no run id)"
 """The group of records without a run id: the trainer run by hand, or before runs had ids."""
@@ -46,23 +47,11 @@ FROM_FILE, FROM_LOGS = "metrics.jsonl", "its logs' METRICS lines"
 
 # $1 = metrics.jsonl, $2 = the runs dir. The kept runs' ids, one a line, then "@@jsonl" and the
 # file (none: nothing after it). The file comes last: job data, it may hold any line.
-SOURCES = r"""ls -1 "$2" 2>/dev/null | grep -E '^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$' | sort
-echo @@jsonl
-[ -e "$1" ] || exit 0
-exec cat "$1"
-"""
+SOURCES = node_program("sources.sh")
 
 # $1 = the runs dir, $2... = run ids. Per run "@@run ID", then the METRICS lines of its nodes'
 # logs (grep prints no other line, so none of them starts with "@@").
-LOG_METRICS = r"""dir=$1; shift
-for run in "$@"; do
-  echo "@@run $run"
-  for log in "$dir/$run"/*/log; do
-    [ -f "$log" ] && grep -a -h -E '^(\[rank[0-9]+\]: )*METRICS ' "$log"
-  done
-done
-exit 0
-"""
+LOG_METRICS = node_program("log_metrics.sh")
 
 
 def sources_argv(inv: Inventory) -> tuple[str, ...]:

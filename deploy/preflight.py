@@ -45,54 +45,20 @@ from .payload import payload
 from .remote import Remote, Result
 from .runtime import CodeDir, NodeFacts, runtime
 from .versions import torch_supported
+from .node import node_program
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
-STORAGE = r"""for p in "$@"; do
-  q=$p; while [ ! -e "$q" ]; do q=$(dirname "$q"); done
-  if [ ! -d "$q" ] || [ ! -w "$q" ]; then echo "FAIL $p $q is not a writable directory"; continue; fi
-  kb=$(df -Pk "$q" | awk 'NR==2 {print $4}')
-  if [ "$q" = "$p" ]; then echo "OK $p $kb"; else echo "MISSING $p $kb $q"; fi
-done
-"""
+STORAGE = node_program("storage.sh")
 
 # $1 = directory, $2 = token. Writes the token into $1 (or its nearest existing ancestor, as
 # STORAGE does); prints the file's path before writing it; exit 3: no writable directory.
-TOKEN = r"""q=$1; while [ ! -e "$q" ]; do q=$(dirname "$q"); done
-if [ ! -d "$q" ] || [ ! -w "$q" ]; then echo "$q is not a writable directory" >&2; exit 3; fi
-p="${q%/}/.ddp-deploy-check-$2"
-echo "$p"
-printf %s "$2" > "$p"
-"""
+TOKEN = node_program("token.sh")
 
 # argv: PORT N TIMEOUT. Binds the port (fails if in use), accepts N connections or times out.
-LISTEN = r"""import socket, sys, time
-port, n, t = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-try:
-    s = socket.create_server(("", port))
-except OSError as e:
-    print(f"port {port} is in use ({e.strerror})")
-    sys.exit(3)
-end, got = time.time() + t, 0
-while got < n and time.time() < end:
-    s.settimeout(max(0.05, end - time.time()))
-    try:
-        c, _ = s.accept()
-    except OSError:
-        break
-    got += 1
-    c.close()
-print(f"accepted {got} of {n}")
-sys.exit(0 if got >= n else 4)
-"""
+LISTEN = node_program("listen.py")
 
 # $1 = address, $2 = port, $3 = seconds. Retries while the listener starts.
-CONNECT = r"""end=$((SECONDS + $3))
-while [ $SECONDS -lt $end ]; do
-  if timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; then echo connected; exit 0; fi
-  sleep 0.1
-done
-echo "cannot connect to $1:$2" >&2; exit 1
-"""
+CONNECT = node_program("connect.bash")
 
 MARKER = "@phase2"
 

@@ -30,6 +30,7 @@ from .plan import NodeState
 from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
 from .stall import STOPPED as STALL_STOPPED
 from .stall import StallRecord, ended_state
+from .node import node_program
 
 RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 """UTC start time and 4 random hex digits: sorted by name, runs are sorted by start."""
@@ -50,16 +51,7 @@ def tensorboard_dir(inv: Inventory) -> str:
 # $1 = job dir, $2 = run id, $3 = runs to keep, $4 = TensorBoard dir. stdin: the run's record.
 # Writes runs/ID/run.json and launch.json (the current run) atomically, then removes the oldest
 # runs beyond the count (never this one) and their TensorBoard directories, saying which.
-START_RUN = r"""job=$1; run=$2; keep=$3; tb=$4
-mkdir -p "$job/runs/$run" || exit 1
-cat > "$job/runs/$run/run.json.tmp" && mv "$job/runs/$run/run.json.tmp" "$job/runs/$run/run.json" || exit 1
-cp "$job/runs/$run/run.json" "$job/launch.json.tmp" && mv "$job/launch.json.tmp" "$job/launch.json" || exit 1
-ls -1 "$job/runs" | grep -E '^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$' | sort -r | tail -n +$((keep + 1)) | while read -r old; do
-  [ "$old" = "$run" ] && continue
-  rm -rf "$job/runs/$old" "$tb/$old" && echo "pruned $old"
-done
-exit 0
-"""
+START_RUN = node_program("start_run.sh")
 
 # A shell function: nodes_of RUNDIR prints, per node of the run, "@@node NAME", its exits and its
 # last METRICS line (what ``parse`` reads; slurm.STATUS uses it too).
@@ -78,14 +70,7 @@ NODES_OF = r"""nodes_of() {
 # $1 = a run's directory, then NODE/TIME for each kept stall wanted (runs.StallRecord): for each,
 # "@@node NAME", "@@stall TIME" and what the node's DIAGNOSE printed then (trainer/heartbeat.py,
 # Watchdog.keep). Only the files the stall records name: the job can write this directory too.
-STALL_DIAGNOSES = r"""run=$1; shift
-for want in "$@"; do
-  f="$run/${want%%/*}/stall-${want#*/}"
-  [ -f "$f" ] && [ ! -L "$f" ] || continue
-  echo "@@node ${want%%/*}"; echo "@@stall ${want#*/}"; head -c 1048576 "$f"; echo
-done
-exit 0
-"""
+STALL_DIAGNOSES = node_program("stall_diagnoses.sh")
 
 # $1 = runs dir, $2 = an id or the start of one ("" for all). For every such run, oldest first:
 # "@@run ID", its record, then its nodes (NODES_OF).

@@ -18,6 +18,7 @@ from trainer.heartbeat import DIAGNOSE, STALL_RECORD_ENV
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory, Node
+from .node import node_program
 
 # Host runtime: per-node run directory (under the checkpoint dir, so logs sit with the run)
 # holding `pid` (the process-group id of the detached torchrun), `log` (its stdout+stderr)
@@ -29,17 +30,12 @@ RUN_SUBDIR = ".ddp-deploy"
 # except PID. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
 # directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
 # No single quote in it: the supervisor's script below is one quoted word.
-KILL_RUN = r"""kill_run() {
-  for p in /proc/[0-9]*; do
-    [ "${p#/proc/}" = "$2" ] || ! grep -qzxF -e "DDP_DEPLOY_RUN=$1" "$p/environ" 2>/dev/null || kill -KILL "${p#/proc/}" 2>/dev/null
-  done
-}
-"""
+KILL_RUN = node_program("kill_run.sh")
 
 # Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
 # torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
 # The last METRICS line, without the prefix:
-LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*//'"""
+LAST_METRICS = node_program("last_metrics.sh")
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
 # its last such line, unless the job resumed after it (a METRICS line of kind "resumed": torchrun
 # started its workers again, from that stop's checkpoint). A stop reaches the nodes one after
@@ -47,8 +43,7 @@ LAST_METRICS = r"""grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E '
 # stop begins: its line is then older than the stop, and still this stop's. (Only "resumed": a
 # worker's stdout and stderr reach the log through two pipes, so its METRICS lines of the steps
 # before the stop may come after the stop's line.)
-STOPPED_LINE = (r"""awk '/: stopped by / { said = $0 } /^(\[rank[0-9]+\]: )*METRICS .*"kind": "resumed"/ { said = "" } """
-                r"""END { if (said != "") print said }' | sed -E 's/^(\[rank[0-9]+\]: )*/: /'""")
+STOPPED_LINE = node_program("stopped_line.sh")
 
 # A shell function: record_stop KEPT SCOPE MODE BY TIME [said], stdin: the end of what the program
 # printed in this run. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY"
@@ -86,6 +81,7 @@ rm -f "$run/exit" "$run/restarts"
 ln -sfn "$kept/log" "$run/log" || exit 1
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
 """ + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (trainer/heartbeat.py)
+# shellcheck disable=SC2016  # the supervisor's script expands its own arguments
 setsid sh -c '""" + KILL_RUN + r"""
 run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
@@ -110,25 +106,11 @@ cat "$run/pid"
 # node, its ages in seconds as this node's clock has them: "beat LOCAL_RANK AGE LINE" for each
 # rank's heartbeat file (trainer/heartbeat.py; LINE: its first line's digits and spaces, the file
 # being the job's), and "quiet AGE", the time since the run's log was last written.
-PROGRESS = r"""progress() {
-  now=$(date +%s)
-  for f in "$1"/*; do
-    name=${f##*/}
-    case $name in ''|*[!0-9]*) continue ;; esac
-    [ -f "$f" ] && [ ! -L "$f" ] && m=$(stat -c %Y "$f" 2>/dev/null) || continue
-    echo "beat $name $((now - m)) $(head -c 64 "$f" 2>/dev/null | head -n 1 | tr -cd '0-9 ')"
-  done
-  m=$(stat -L -c %Y "$2" 2>/dev/null) && echo "quiet $((now - m))"
-}
-"""
+PROGRESS = node_program("progress.sh")
 
 # A shell function: last_stall KEPT prints "stall LINE", the last stall the node's launcher kept
 # in the run's directory KEPT (trainer/heartbeat.py, Watchdog; job.on_stall: stop ends a node so).
-LAST_STALL = r"""last_stall() {
-  [ -f "$1/stalls" ] && tail -n 1 "$1/stalls" 2>/dev/null | head -c 200 | head -n 1 | sed 's/^/stall /'
-  return 0
-}
-"""
+LAST_STALL = node_program("last_stall.sh")
 
 # $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | exited CODE; then
 # "restarts N" (the supervisor's count), a running job's PROGRESS, an ended one's LAST_STALL, and
@@ -146,11 +128,7 @@ exit 0
 
 # A shell function: drop_beats DIR removes a stopped job's heartbeat directory (a launcher killed
 # at once leaves it), where it is a directory and not a link.
-DROP_BEATS = r"""drop_beats() {
-  if [ -d "$1" ] && [ ! -L "$1" ]; then rm -rf -- "$1"; fi
-  return 0
-}
-"""
+DROP_BEATS = node_program("drop_beats.sh")
 
 # $1 = run dir, $2 = grace in seconds (0: kill at once), $3 = who stops it (user@host), $4 = the job's
 # heartbeat dir. SIGTERM
@@ -191,12 +169,7 @@ rm -f "$run/pid" "$run/exit"
 
 # A shell function: launch_id CONTAINER prints the run id (runs.py) in the container's DDP_LAUNCH_ID,
 # and fails where it holds none of that exact shape: the job's kept directory is named by it.
-LAUNCH_ID = r"""launch_id() {
-  lid=$(docker inspect --type container --format '{{range .Config.Env}}{{println .}}{{end}}' "$1" 2>/dev/null |
-       sed -n 's/^DDP_LAUNCH_ID=//p' | head -n 1)
-  printf '%s\n' "$lid" | grep -qxE '[0-9]{8}-[0-9]{6}-[0-9a-f]{4}' && printf '%s' "$lid"
-}
-"""
+LAUNCH_ID = node_program("launch_id.sh")
 
 # $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
 # the node. The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
@@ -278,18 +251,7 @@ SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
 # (slave propagation); nothing of the namespace reaches the node. Where root cannot (no unshare,
 # no CAP_SYS_ADMIN: a node that is itself an unprivileged container), the log says so and the
 # command runs in the writable snapshot.
-IN_DIR = r"""dir=$1; shift
-if [ "$(id -u)" = 0 ]; then
-  if why=$(unshare --mount --propagation slave true 2>&1); then
-    exec unshare --mount --propagation slave sh -c '
-      { mount --bind "$1" "$1" && mount -o remount,bind,ro "$1"; } ||
-        echo "ddp-deploy: warning: the code snapshot $1 stays writable for root on this node (mount failed)" >&2
-      cd "$1" || exit 1; shift; exec "$@"' sh "$dir" "$@"
-  fi
-  echo "ddp-deploy: warning: the code snapshot $dir stays writable for root on this node (unshare: $why)" >&2
-fi
-cd "$dir" || exit 1; exec "$@"
-"""
+IN_DIR = node_program("in_dir.sh")
 
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only, the working directory)."""

@@ -29,6 +29,7 @@ from .payload import payload
 from .plan import contract_env, count, device_flags, rdzv_conf, stall_env
 from .runs import NODES_OF, parse as parse_runs
 from .runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
+from .node import node_program
 
 # Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the
 # Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the
@@ -46,6 +47,7 @@ for kv in $addrs; do
   [ "${kv%%=*}" = "$SLURMD_NODENAME" ] && self=${kv#*=}
   [ "${kv%%=*}" = "$head" ] && head_addr=${kv#*=}
 done
+# shellcheck disable=SC2015  # either address missing: the message and out
 [ -n "$self" ] && [ -n "$head_addr" ] || { echo "ddp-deploy: no address for $SLURMD_NODENAME or $head in: $addrs" >&2; exit 1; }
 [ "$SLURMD_NODENAME" = "$head" ] && conf="is_host=1,$conf"
 if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && command -v ip > /dev/null; then
@@ -61,14 +63,7 @@ exec "$py" -c """ + shlex.quote(RUN_MODULE) + r""" trainer.launch --rdzv-endpoin
 
 # The batch script's body, after its #SBATCH lines and exports: the nodes' addresses from
 # Slurm, then one task per node. Its exit code is the tasks' (srun's).
-BODY = r"""addrs=""
-for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
-  a=$(scontrol show node -o "$n" | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
-  addrs="$addrs $n=${a:-$n}"
-done
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-echo "ddp-deploy: Slurm job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)), nodes:$addrs, rendezvous on $head"
-"""
+BODY = node_program("body.sh")
 
 # $1 = the file to write from stdin (atomically).
 WRITE_FILE = 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"'
@@ -76,13 +71,7 @@ WRITE_FILE = 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"'
 # $1 = job dir, $2 = the batch script, $3 = the run id; stdin: the secrets' NAME=VALUE lines (none:
 # empty). Submits with them in sbatch's environment (Slurm hands it to the job; never in the
 # script), then records "JOBID RUN" as the job's current Slurm job.
-SUBMIT = r"""job=$1; script=$2; run=$3; shift 3
-while IFS= read -r kv; do export "$kv"; done
-id=$(sbatch --parsable "$script") || exit 1
-id=${id%%;*}
-echo "$id $run" > "$job/slurm-job.tmp" && mv "$job/slurm-job.tmp" "$job/slurm-job" || exit 1
-echo "$id"
-"""
+SUBMIT = node_program("submit.sh")
 
 # $1 = job dir. "none" when no job was submitted; else "job ID RUN", then Slurm's line for it
 # (scontrol: key=value; sacct once Slurm has forgotten it: "sacct STATE|EXITCODE|ELAPSED|NODES";
@@ -131,16 +120,7 @@ echo "stopped Slurm job $id$said"
 
 # What the login node offers: the Slurm commands, the partition, the shared volume, the interpreter.
 # $1 = partition ("" for the default), $2 = checkpoint dir, $3 = data dir. One tagged line each.
-CHECK = r"""part=$1
-for t in sbatch squeue scontrol scancel srun; do command -v $t > /dev/null || { echo "tools missing: $t"; exit 0; }; done
-echo "tools ok"
-if [ -n "$part" ]; then s=$(sinfo -h -p "$part" -o '%a %D %T' 2>&1); else s=$(sinfo -h -o '%a %D %T' 2>&1); fi
-echo "sinfo ${s:-none}" | tr '\n' ';'; echo
-for d in "$2" "$3"; do
-  mkdir -p "$d" 2>/dev/null && [ -w "$d" ] && echo "dir ok $d" || echo "dir missing $d"
-done
-exit 0
-"""
+CHECK = node_program("check.sh")
 
 
 def script_path(inv: Inventory, run: str) -> str:

@@ -1,6 +1,6 @@
 """The operator's install: ``pip install ddp-bundle`` is ddp-deploy alone, without torch.
 
-Installed from this tree into a fresh venv, with the wheels ``make operator-wheels`` fetched (the
+Installed from this tree (a copy of what a build reads) into a fresh venv, with the wheels ``make operator-wheels`` fetched (the
 test reaches no package index), it validates the shipped hosts.yaml, shows ``check --help``,
 prints ``launch --dry-run`` and says in one line what to install for the verbs that need more.
 Its size and install time are printed (README: Install).
@@ -9,6 +9,7 @@ Its size and install time are printed (README: Install).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,11 +31,19 @@ def operator(tmp_path_factory):
     """(the venv's bin folder, install seconds, size in MiB)."""
     if not (WHEELS / ".done").exists():
         pytest.skip(f"no operator wheels in {WHEELS}: `make operator-wheels` fetches them (`make test` does)")
-    venv = tmp_path_factory.mktemp("operator") / "venv"
+    work = tmp_path_factory.mktemp("operator")
+    venv, source = work / "venv", work / "source"
+    # What a build reads, copied: setuptools builds in the source tree, and a build/ folder left
+    # in this one could carry files deleted since into the wheel.
+    junk = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("trainer", "deploy"):
+        shutil.copytree(ROOT / part, source / part, ignore=junk)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     began = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     got = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-index", "--find-links", str(WHEELS),
-                          str(ROOT)], capture_output=True, text=True, timeout=600)
+                          str(source)], capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]
     seconds, size = time.monotonic() - began, _size_mb(venv)
     print(f"\noperator install: {size:.0f} MiB, {seconds:.1f} s (venv, pip and ddp-bundle's dependencies, offline)")
