@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_trainer  # noqa: E402
 from trainer import data  # noqa: E402
-from trainer.dist import setup  # noqa: E402
 from trainer.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat  # noqa: E402
 from trainer.metrics import IntervalTimer, RunningStats  # noqa: E402
 from trainer.models import build_model  # noqa: E402
@@ -140,45 +138,39 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.steps, args.warmup, args.log_every = 1, 4, 2, 2
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    root = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    os.environ[HEARTBEAT_DIR_ENV] = tempfile.mkdtemp(prefix="ddp-bench-beats-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    env = setup(args.device, "auto")
-    data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
-    stop = StopSignal()
-    stop.join(env)  # as the trainer's: on nccl, a gloo group of its own
-    names = (*RUNGS, "trainer", DDP_SIDE)
-    rates: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for level, name in enumerate(RUNGS):
-            rates[name].append(rung(level, env, stop, root, args.steps, args.warmup, args.log_every))
-        # the trainer's intervals are --log-every long; its warm-up is one interval
-        rates["trainer"].append(bench_trainer.ours(root, args.device, args.steps, args.log_every))
-        rates[DDP_SIDE].append(rung(0, env, stop, root, args.steps, args.warmup, args.log_every, ddp=True))
-    ratio = {name: statistics.median(r / b for r, b in zip(rates[name], rates["bare"])) for name in names}
-    median = {name: statistics.median(rates[name]) for name in names}
-    print(f"{'rung':10s} {'samples/s':>10s} {'/bare':>6s} {'us/step':>8s} {'+us':>7s}")
-    previous = None
-    for name in names:
-        us = 1e6 * BATCH / median[name]
-        if name == DDP_SIDE:
-            previous = 1e6 * BATCH / median["bare"]
-        print(f"{name:10s} {median[name]:10.0f} {ratio[name]:6.3f} {us:8.1f} "
-              f"{'' if previous is None else f'{us - previous:+7.1f}'}")
-        previous = us
-    if args.profile:
-        print(profile_trainer(root, args.device, args.steps))
-    if not args.smoke:
-        record = {"bench": "step-parts", "device": str(env.device), "torch": torch.__version__,
-                  "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
-                  "model": MODEL, "batch": BATCH, "steps": args.steps, "rounds": args.rounds,
-                  "log_every": args.log_every, "samples_per_s": rates, "median": median, "over_bare": ratio,
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"step-parts-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+    with bench_trainer.one_rank(args.device, "29534") as (env, root):
+        stop = StopSignal()
+        stop.join(env)  # as the trainer's: on nccl, a gloo group of its own
+        names = (*RUNGS, "trainer", DDP_SIDE)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.rounds):
+            for level, name in enumerate(RUNGS):
+                rates[name].append(rung(level, env, stop, root, args.steps, args.warmup, args.log_every))
+            # the trainer's intervals are --log-every long; its warm-up is one interval
+            rates["trainer"].append(bench_trainer.ours(root, args.device, args.steps, args.log_every))
+            rates[DDP_SIDE].append(rung(0, env, stop, root, args.steps, args.warmup, args.log_every, ddp=True))
+        ratio = {name: statistics.median(r / b for r, b in zip(rates[name], rates["bare"])) for name in names}
+        median = {name: statistics.median(rates[name]) for name in names}
+        print(f"{'rung':10s} {'samples/s':>10s} {'/bare':>6s} {'us/step':>8s} {'+us':>7s}")
+        previous = None
+        for name in names:
+            us = 1e6 * BATCH / median[name]
+            if name == DDP_SIDE:
+                previous = 1e6 * BATCH / median["bare"]
+            print(f"{name:10s} {median[name]:10.0f} {ratio[name]:6.3f} {us:8.1f} "
+                  f"{'' if previous is None else f'{us - previous:+7.1f}'}")
+            previous = us
+        if args.profile:
+            print(profile_trainer(root, args.device, args.steps))
+        if not args.smoke:
+            record = {"bench": "step-parts", "device": str(env.device), "torch": torch.__version__,
+                      "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
+                      "model": MODEL, "batch": BATCH, "steps": args.steps, "rounds": args.rounds,
+                      "log_every": args.log_every, "samples_per_s": rates, "median": median, "over_bare": ratio,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"step-parts-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ the per-round ratios, so that the machine's drift between rounds cancels out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -136,6 +137,28 @@ def bare(root: Path, device: torch.device, steps: int, warmup: int) -> float:
     return steps * BATCH / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def one_rank(device: str, port: str):
+    """This process as a launched job of one rank, as ddp-deploy starts one (with a heartbeat
+    directory: trainer/heartbeat.py, trainer/flight.py), the synthetic dataset prepared in a scratch
+    folder; yields (the DistEnv, the folder). Both folders and the process group go after."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    root = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
+    beats = tempfile.mkdtemp(prefix="ddp-bench-beats-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    os.environ[HEARTBEAT_DIR_ENV] = beats
+    try:
+        env = setup(device, "auto")
+        data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
+        yield env, root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(beats, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -148,16 +171,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.steps, args.warmup = 1, 2, 1
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    root = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    beats = tempfile.mkdtemp(prefix="ddp-bench-beats-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    os.environ[HEARTBEAT_DIR_ENV] = beats  # as every launched job has (trainer/heartbeat.py, trainer/flight.py)
-    try:
-        env = setup(args.device, "auto")
-        data.prepare(env, "synthetic", str(root / "data"), TRAIN_SIZE, True)
-
+    with one_rank(args.device, "29533") as (env, root):
         results: dict[str, list[float]] = {"a_ours": [], "b_reference": [], "c_bare": []}
         for _ in range(args.rounds):
             results["a_ours"].append(ours(root, args.device, args.steps, args.warmup))
@@ -188,11 +202,6 @@ def main() -> None:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             (out / f"trainer-{env.device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(beats, ignore_errors=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

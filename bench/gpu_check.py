@@ -354,13 +354,14 @@ def step_resume(check: Check) -> tuple[bool, str, dict]:
     problems = judge_relaunch(relaunch.stderr(), printed_metrics(relaunch.stdout()), killed_at, expected)
     if problems:
         raise StepFailed("; ".join(problems), relaunch.tail())
-    weights = compare_weights(load_final(straight.folder / "ckpt"), load_final(resumed / "ckpt"))
+    uninterrupted = load_final(straight.folder / "ckpt")
+    weights = compare_weights(uninterrupted, load_final(resumed / "ckpt"))
     detail = {"killed_after_checkpoint_step": killed_at, "final_step": expected, **weights}
     if not weights["bit_identical"]:
         # Either the resume is not exact, or the device's kernels are not deterministic (cuDNN's
         # algorithms, atomics): a second uninterrupted run tells which.
         again, _ = train(check, "resume-straight-again", *flags)
-        detail["uninterrupted_twice"] = compare_weights(load_final(straight.folder / "ckpt"), load_final(again.folder / "ckpt"))
+        detail["uninterrupted_twice"] = compare_weights(uninterrupted, load_final(again.folder / "ckpt"))
     ok, verdict = judge_weights(weights, detail.get("uninterrupted_twice"))
     return ok, f"killed after step {killed_at}, resumed and finished; final weights {verdict}", detail
 

@@ -45,9 +45,9 @@ from . import oci
 from .errors import RemoteFailure, RuntimeFailure
 from .image_cache import CACHE_ENV, bound, cache_path, clean_cache, config_of, remember, report
 from .inventory import Inventory
+from .node import node_program
 from .oci import Identity
 from .remote import Remote, Result, run_here
-from .node import node_program
 
 WHOLE_ENV = "DDP_DEPLOY_WHOLE_IMAGE"
 """Set to 1 to send every layer, even those a node already holds."""

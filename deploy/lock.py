@@ -42,8 +42,8 @@ from datetime import datetime, timezone
 
 from .errors import RuntimeFailure
 from .inventory import Inventory, Node
-from .remote import Remote, Result
 from .node import node_program
+from .remote import Remote, Result
 
 log = logging.getLogger(__name__)
 

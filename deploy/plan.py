@@ -16,11 +16,11 @@ from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from .inventory import Inventory, Node
+from .node import node_program
 from .payload import payload
 from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
 from .stall import Beat, Stall, StallRecord, ended_state, judge
-from .node import node_program
 
 # $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
 # when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.

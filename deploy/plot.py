@@ -22,9 +22,9 @@ from trainer.output import PREFIX, RANK_PREFIXES
 
 from .errors import InputError, RuntimeFailure
 from .inventory import Inventory
+from .node import node_program
 from .runs import RUN_ID, runs_dir
 from .text import safe
-from .node import node_program
 
 NO_RUN = "(no run id)"
 """The group of records without a run id: the trainer run by hand, or before runs had ids."""

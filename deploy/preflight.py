@@ -41,11 +41,11 @@ from trainer.compat import TORCH_SUPPORTED
 from . import build as builder
 from . import plan
 from .inventory import Inventory, Node
+from .node import node_program
 from .payload import payload
 from .remote import Remote, Result
 from .runtime import CodeDir, NodeFacts, runtime
 from .versions import torch_supported
-from .node import node_program
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
 STORAGE = node_program("storage.sh")

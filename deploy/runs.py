@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from .inventory import Inventory
+from .node import node_program
 from .plan import NodeState
 from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
 from .stall import STOPPED as STALL_STOPPED
 from .stall import StallRecord, ended_state
-from .node import node_program
 
 RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
 """UTC start time and 4 random hex digits: sorted by name, runs are sorted by start."""

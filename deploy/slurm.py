@@ -25,11 +25,11 @@ from trainer.heartbeat import DIAGNOSE, HEARTBEAT_DIR_ENV
 from trainer.output import LOG_DIR_ENV
 
 from .inventory import Inventory
+from .node import node_program
 from .payload import payload
 from .plan import contract_env, count, device_flags, rdzv_conf, stall_env
 from .runs import NODES_OF, parse as parse_runs
 from .runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
-from .node import node_program
 
 # Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the
 # Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.e2e
-def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_loop_and_writes_nothing(tmp_path):
+def _one_rank_smoke(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """A benchmark that runs as a one-rank job (bench_trainer.one_rank), in its smoke mode on the CPU,
+    on a free port; it must end well."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    r = subprocess.run([sys.executable, str(BENCH / "bench_trainer.py"), "--smoke", "--device", "cpu",
+    before = _scratch()
+    r = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--device", "cpu",
                         "--out", str(tmp_path / "results")], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert _scratch() <= before, "its scratch folders were left behind"
+    return r
+
+
+def _scratch() -> set[Path]:
+    """bench_trainer.one_rank's scratch folders: the dataset's and the heartbeats'."""
+    return {*Path(tempfile.gettempdir()).glob("ddp-bench-*"), *Path("/dev/shm").glob("ddp-bench-beats-*")}
+
+
+@pytest.mark.e2e
+def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_loop_and_writes_nothing(tmp_path):
+    r = _one_rank_smoke("bench_trainer.py", tmp_path)
     shown = [line.split()[0] for line in r.stdout.splitlines() if "samples/s" in line]
     assert shown == ["a_ours", "b_reference", "c_bare"], r.stdout
     assert "a/c = " in r.stdout and "a/b = " in r.stdout
@@ -35,10 +50,7 @@ def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_
 
 @pytest.mark.e2e
 def test_the_step_parts_benchmark_times_every_rung_from_the_bare_loop_to_the_trainer_and_writes_nothing(tmp_path):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    r = subprocess.run([sys.executable, str(BENCH / "bench_step_parts.py"), "--smoke", "--device", "cpu",
-                        "--out", str(tmp_path / "results")], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _one_rank_smoke("bench_step_parts.py", tmp_path)
     table = r.stdout[r.stdout.index("rung "):].splitlines()[1:]
     assert [line.split()[0] for line in table] == ["bare", "+gather", "+stats", "+sched", "+beat", "+stop", "+log",
                                                    "trainer", "bare+ddp"], r.stdout

@@ -30,13 +30,12 @@ def amp_dtype(cfg: TrainConfig) -> torch.dtype | None:
 
 def build(cfg: TrainConfig, env: DistEnv, spec: DatasetSpec, steps_per_epoch: int) -> Built:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    several = env.distributed and env.world_size > 1
-    raw = build_model(cfg.model, spec.channels, spec.size, spec.classes, sync_bn=cfg.sync_bn and several)
+    raw = build_model(cfg.model, spec.channels, spec.size, spec.classes, sync_bn=cfg.sync_bn and env.has_peers)
     raw = raw.to(env.device)
     model: nn.Module = raw
     # A job of one process has no gradients to average: DDP would only cost its hooks and its
     # all-reduce of one (1.1 ms a step of a small model on one GPU, bench/bench_step_parts.py).
-    if several:
+    if env.has_peers:
         ids = [env.device.index] if env.device.type == "cuda" else None
         # DDP re-lays its gradient buckets after a process's first step, and with more than two
         # ranks gloo's sum order follows an element's place in its bucket: a resumed process

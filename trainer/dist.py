@@ -38,6 +38,11 @@ class DistEnv:
         return self.backend is not None
 
     @property
+    def has_peers(self) -> bool:
+        """In a process group with other processes: gradients to average, a stop to agree on."""
+        return self.distributed and self.world_size > 1
+
+    @property
     def is_main(self) -> bool:
         """Global rank 0: the only process that writes shared files."""
         return self.rank == 0

@@ -35,7 +35,6 @@ class RunningStats:
     """Steps kept one by one before they are summed into the running totals (memory stays bounded)."""
 
     def __init__(self, device: torch.device) -> None:
-        self._device = device
         self._sums = torch.zeros(3, dtype=torch.float64, device=device)
         self._losses: list[torch.Tensor] = []
         self._correct: list[torch.Tensor] = []
@@ -52,7 +51,7 @@ class RunningStats:
     def _fold(self) -> None:
         if not self._counts:
             return
-        counts = torch.tensor(self._counts, dtype=torch.float64).to(self._device)
+        counts = torch.tensor(self._counts, dtype=torch.float64).to(self._sums.device)
         self._sums[0] += (torch.stack(self._losses).double() * counts).sum()
         self._sums[1] += torch.stack(self._correct).double().sum()
         self._sums[2] += float(sum(self._counts))

@@ -71,7 +71,7 @@ class StopSignal:
         """Collective (every rank, once, after the process group exists): the group the flag
         travels in, gloo's, so that the question stays on the CPU, off the GPU's stream, and its
         collectives apart from the training's (whose sequence numbers doctor reads)."""
-        if env.distributed and env.world_size > 1:
+        if env.has_peers:
             self._group = dist.new_group(backend="gloo")
 
     def requested(self, env: DistEnv) -> bool:
@@ -80,11 +80,9 @@ class StopSignal:
         if self._group is None:
             return self.received is not None
         signum = self._answer()
-        if signum:
-            return self._agreed(signum)
-        flag = torch.tensor([self._signum], dtype=torch.int32)
-        self._asked = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
-        return False
+        if not signum:
+            self._ask()  # read at the next call
+        return self._agreed(signum)
 
     def requested_now(self, env: DistEnv) -> bool:
         """Collective: as :meth:`requested`, but asked and answered in this call (where a
@@ -93,15 +91,18 @@ class StopSignal:
             return self.received is not None
         signum = self._answer()
         if not signum:
-            flag = torch.tensor([self._signum], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            signum = int(flag.item())
-        return self._agreed(signum) if signum else False
+            self._ask()
+            signum = self._answer()
+        return self._agreed(signum)
 
     def settle(self) -> None:
         """Collective: waits for the question still in flight (before the group goes away)."""
         if self._group is not None:
             self._answer()
+
+    def _ask(self) -> None:
+        flag = torch.tensor([self._signum], dtype=torch.int32)
+        self._asked = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
 
     def _answer(self) -> int:
         if self._asked is None:
@@ -112,6 +113,8 @@ class StopSignal:
         return int(flag.item())
 
     def _agreed(self, signum: int) -> bool:
+        if not signum:
+            return False
         if self.received is None:
             self.received = f"{signal.Signals(signum).name} to another rank"
         return True
