@@ -217,9 +217,9 @@ class SpoolWatch:
 
 
 def ways_supported() -> list[str]:
-    from deploy.delivery import deliveries
+    from deploy.images.deliveries import WAYS
 
-    return list(deliveries())
+    return list(WAYS)
 
 
 class Bench:

@@ -417,6 +417,40 @@ def step_nccl_2proc(check: Check) -> tuple[bool | None, str, dict]:
     return judge_final(records, check.backend, 2)
 
 
+def _pairs_of_gpus(check: Check) -> str | None:
+    """Why a step of 2-stage processes cannot run here, or None."""
+    if check.gpus < 2:
+        return f"{check.gpus} GPU visible, a process of 2 stages needs 2"
+    return None
+
+
+def step_stages(check: Check) -> tuple[bool | None, str, dict]:
+    """One process of 2 stages (resnet50 split over 2 GPUs), pipelined in micro-batches."""
+    reason = _pairs_of_gpus(check)
+    if reason:
+        return None, f"skipped: {reason}", {"skipped": reason}
+    run, records = train(check, "stages-2", *check.short_flags, "--model", "resnet50", "--stages", "2",
+                         "--micro-batches", "2")
+    ok, summary, detail = judge_final(records, check.backend, 1)
+    placed = "stages=2 on ['cuda:0', 'cuda:1']" in run.stderr()
+    detail["split_logged"] = placed
+    return ok and placed, summary + ("" if placed else "; the trainer did not log its split on cuda:0 and cuda:1"), detail
+
+
+def step_parallelism(check: Check) -> tuple[bool | None, str, dict]:
+    """bench/bench_parallel.py: DataParallel, DDP, DDP with 2 stages, with and without micro-batches."""
+    if check.gpus < 2 or check.gpus % 2:
+        reason = f"{check.gpus} GPU(s) visible, the comparison needs an even count of 2 or more"
+        return None, f"skipped: {reason}", {"skipped": reason}
+    cmd = [check.python, str(ROOT / "bench" / "bench_parallel.py"), "--device", check.device, "--out", str(check.out)]
+    finish(start(cmd, check.work / "parallel"), check.bench_timeout)
+    record_path = check.out / f"parallel-{check.device}.json"
+    record = json.loads(record_path.read_text())
+    rates = record["samples_per_s"]
+    summary = ", ".join(f"{way} {rate:.0f}/s ({record['over_ddp'][way]:.2f})" for way, rate in rates.items())
+    return all(rate > 0 for rate in rates.values()), summary, {**record, "record": str(record_path)}
+
+
 def step_bench(check: Check) -> tuple[bool, str, dict]:
     cmd = [check.python, str(ROOT / "bench" / "bench_trainer.py"), "--device", check.device,
            "--out", str(check.out), *check.bench_args]
@@ -445,6 +479,10 @@ STEPS = [
          "same final step; final weights bit-identical to an uninterrupted run's, or, where they differ, so "
          "do two uninterrupted runs' (the device's kernels are not deterministic)", step_resume),
     Step("nccl-2proc", "2-process run on 2 GPUs with NCCL, world_size 2 (skipped with fewer GPUs)", step_nccl_2proc),
+    Step("stages-2", "1 process of 2 stages (resnet50 split over 2 GPUs, --micro-batches 2) trains to its final "
+         "record and logs its split (skipped with fewer GPUs)", step_stages),
+    Step("parallelism", "bench/bench_parallel.py: DataParallel, DDP, DDP with 2 stages with and without "
+         "micro-batches, samples/s side by side (skipped without an even count of 2+ GPUs)", step_parallelism),
     Step("bench", f"bench/bench_trainer.py --device cuda: a/b >= {TARGETS['a_over_b']:g} and "
          f"a/c >= {TARGETS['a_over_c']:g}", step_bench),
 ]

@@ -110,11 +110,11 @@ def _no_nul(v: str) -> str:
 
 
 # Set by the tool: GPU selection (nodes[].gpu_ids), the job's contract with its program (node name,
-# directories, run id, device, code snapshot: README, "Your own training code"), the marker `stop`
+# directories, run id, device, code snapshot: docs/own-code.md), the marker `stop`
 # finds a host run's processes by, the secrets' names the launcher masks. Overriding them would
 # bypass what check verified or what stop and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
-                "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND",
+                "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND", "DDP_STAGES",
                 "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
                 STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV)
 
@@ -128,7 +128,7 @@ def _identifier(v: str) -> str:
 def _env_name(v: str) -> str:
     _identifier(v)
     if v in RESERVED_ENV:
-        raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids; the rest: README, \"Your own training code\")")
+        raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids; the rest: docs/own-code.md)")
     return v
 
 
@@ -197,13 +197,18 @@ class Job(_Model):
     """Seconds without progress on a node (no rank's step moved; without heartbeats, no output)
     before ``status`` and ``launch --wait`` call it stalled. ``auto``: ten times the longest
     interval the ranks' heartbeats have shown, at least 300 s (a program without heartbeats: 1800 s
-    of silence); ``null``: never (README, "When a job hangs")."""
+    of silence); ``null``: never (docs/failures.md, "When a job hangs")."""
     on_stall: Literal["report", "restart", "stop"] = "report"
     """What a stalled node does: ``report`` (status and launch --wait say so); ``restart``: the
     node's launcher kills its workers and torchrun starts them again from the newest checkpoint,
     counted against max_restarts; ``stop``: it kills its workers and ends the node's part of the
     job, nothing started again. Each stall is kept with the run, with the stacks the ranks were in
-    (README, "When a job hangs")."""
+    (docs/failures.md, "When a job hangs")."""
+    stages: int = Field(default=1, ge=1)
+    """Devices per process (model parallelism): the built-in trainer splits its model into this
+    many stages (``--stages``), a program of your own reads ``DDP_STAGES``. On a GPU node each
+    process gets this many of the node's GPUs, in order (gpus: 8 and stages: 2 run 4 processes);
+    on a CPU node the stages share the CPU."""
     keep_runs: int = Field(default=20, ge=1)
     """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
     TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""
@@ -283,30 +288,35 @@ class Node(_Model):
     gpus: int = Field(default=0, ge=0)
     """0 = CPU node (gloo); >0: a GPU node (CUDA + NCCL), nvidia-smi must list at least that many."""
     procs: int | None = Field(default=None, ge=1)
-    """Processes on this node; defaults to len(gpu_ids), else gpus, or 1 on a CPU node."""
+    """Processes on this node; defaults to len(gpu_ids), else gpus, or 1 on a CPU node (divided by
+    job.stages: each process then has that many GPUs)."""
     gpu_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
-    """GPU indices (as nvidia-smi numbers them) this job uses, one per process; default: the
-    first ``procs`` GPUs."""
+    """GPU indices (as nvidia-smi numbers them) this job uses, one per process (job.stages per
+    process, in order); default: the first ``procs`` (x stages) GPUs."""
     interface: SafeName | None = None
     """NIC for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME."""
     env: Env = Field(default_factory=dict)
     """Extra environment for this node's processes (NCCL settings, ...); overrides train.env."""
     ssh: SshOverrides | None = None
 
+    _stages: int = PrivateAttr(default=1)
+    """job.stages, given by the inventory that holds the node: GPUs per process."""
+
     @property
     def nprocs(self) -> int:
         if self.procs is not None:
             return self.procs
         if self.gpu_ids:
-            return len(self.gpu_ids)
-        return self.gpus or 1
+            return max(1, len(self.gpu_ids) // self._stages)
+        return max(1, self.gpus // self._stages)
 
     @property
     def devices(self) -> tuple[int, ...]:
-        """The GPU indices this node's processes use (local rank i -> devices[i]); empty on a CPU node."""
+        """The GPU indices this node's processes use (local rank i -> devices[i*stages:(i+1)*stages]);
+        empty on a CPU node."""
         if self.gpus == 0:
             return ()
-        return self.gpu_ids if self.gpu_ids else tuple(range(self.nprocs))
+        return self.gpu_ids if self.gpu_ids else tuple(range(self.nprocs * self._stages))
 
 
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
@@ -334,7 +344,7 @@ class SlurmLogin(_Model):
 
 
 class SlurmContainer(_Model):
-    """The container route of Slurm sites, for job.runtime docker (rendered; README, "Running on Slurm")."""
+    """The container route of Slurm sites, for job.runtime docker (rendered; docs/slurm-kubernetes.md)."""
 
     kind: Literal["pyxis", "apptainer"]
     """pyxis: ``srun --container-image`` (enroot); apptainer: ``apptainer exec`` on each node."""
@@ -367,9 +377,12 @@ class Slurm(_Model):
     container: SlurmContainer | None = None
     """job.runtime docker: the site's container runtime and the image it opens."""
 
+    _stages: int = PrivateAttr(default=1)
+    """job.stages, given by the inventory: GPUs per process."""
+
     @property
     def nprocs(self) -> int:
-        return self.procs_per_node or self.gpus_per_node or 1
+        return self.procs_per_node or max(1, self.gpus_per_node // self._stages)
 
 
 class Image(_Model):
@@ -381,7 +394,7 @@ class Image(_Model):
     compress: bool = False
     """gzip -1 in the save|load pipe (slower on a fast link, see FIELD_NOTES)."""
     transfer: Literal["auto", "star", "chain", "registry"] = "auto"
-    """How the image reaches the nodes (deploy/delivery.py): ``star`` (one copy from here per
+    """How the image reaches the nodes (deploy/images/delivery.py): ``star`` (one copy from here per
     node), ``chain`` (one copy from here; each node forwards it to the next), ``registry``
     (push once, every node pulls). ``auto``: registry when ``name`` names one, star when
     ``compress`` is set, else chain."""
@@ -432,8 +445,11 @@ class Storage(_Model):
     min_free_gb: float = Field(default=1, ge=0)
 
 
-# Chosen by the tool from nodes[].gpus, so that a GPU node never trains on the CPU.
-TOOL_FLAGS = ("--device", "--backend")
+# Chosen by the tool: the device and backend from nodes[].gpus, so that a GPU node never trains on
+# the CPU; the stages from job.stages, which also lays out each node's GPUs.
+_BY_GPUS = "cuda + nccl on GPU nodes (nodes[].gpus > 0), cpu + gloo on CPU nodes"
+TOOL_FLAGS = {"--device": _BY_GPUS, "--backend": _BY_GPUS,
+              "--stages": "from job.stages, which also gives each process that many of a node's GPUs"}
 
 
 class Secret(_Model):
@@ -474,7 +490,7 @@ class Train(_Model):
     """The program's arguments. The built-in trainer gets --data-dir/--ckpt-dir, --device and
     --backend from the tool first, then these, checked with its own parser before any connection;
     a module or script gets these alone, as they are, and reads DDP_DATA_DIR, DDP_CKPT_DIR,
-    DDP_DEVICE and DDP_BACKEND from its environment."""
+    DDP_DEVICE, DDP_BACKEND and DDP_STAGES from its environment."""
     env: Env = Field(default_factory=dict)
     """Extra environment for every node's processes; nodes[].env overrides it per node. Shown by
     --dry-run: not for secrets (see secrets)."""
@@ -514,9 +530,9 @@ class Train(_Model):
     @classmethod
     def _no_tool_flags(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for arg in v:
-            if arg.split("=", 1)[0] in TOOL_FLAGS:
-                raise ValueError(f"{arg.split('=', 1)[0]} is set by the tool: cuda + nccl on GPU nodes "
-                                 "(nodes[].gpus > 0), cpu + gloo on CPU nodes")
+            flag = arg.split("=", 1)[0]
+            if flag in TOOL_FLAGS:
+                raise ValueError(f"{flag} is set by the tool: {TOOL_FLAGS[flag]}")
         return v
 
 
@@ -537,6 +553,8 @@ class Inventory(_Model):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Inventory":
+        for part in (*self.nodes, *([self.slurm] if self.slurm else [])):
+            part._stages = self.job.stages
         problems = cross_field_problems(self)
         if problems:
             raise _CrossFieldProblems(problems)
@@ -658,17 +676,14 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
             out.append((("nodes", i, "address"),
                         f"duplicate address {n.address!r} (connection {n.connection}); each node needs its own host"))
         seen_pairs.add(pair)
-        if n.gpus > 0 and n.procs is not None and n.procs > n.gpus:
-            out.append((("nodes", i, "procs"),
-                        f"procs ({n.procs}) must be <= gpus ({n.gpus}) on a GPU node"))
-        out += [(("nodes", i, "gpu_ids"), msg) for msg in _gpu_id_problems(n)]
+        out += _layout_problems(n, i, inv.job.stages)
     gpu = [n.name for n in inv.nodes if n.gpus > 0]
     cpu = [n.name for n in inv.nodes if n.gpus == 0]
     if gpu and cpu:
         out.append((("nodes",), f"mixes GPU nodes ({', '.join(gpu)}) and CPU nodes ({', '.join(cpu)}): their "
                                 "ranks would pick different backends (nccl, gloo) and hang; give every node "
                                 "gpus > 0, or every node gpus: 0"))
-    out += _train_problems(inv.train, [n.env for n in inv.nodes])
+    out += _train_problems(inv.train, [n.env for n in inv.nodes], inv.job.stages)
     if inv.slurm is not None:
         return out + _slurm_problems(inv)
     if not inv.nodes:
@@ -694,8 +709,12 @@ def _slurm_problems(inv: Inventory) -> list[tuple[tuple, str]]:
         out.append((("nodes",), "give nodes (an SSH fleet) or slurm (a Slurm cluster), not both"))
     if inv.rendezvous.node is not None:
         out.append((("rendezvous", "node"), "not on Slurm: the allocation's first node hosts the rendezvous"))
-    if s.gpus_per_node and s.procs_per_node and s.procs_per_node > s.gpus_per_node:
-        out.append((("slurm", "procs_per_node"), f"{s.procs_per_node} must be <= gpus_per_node ({s.gpus_per_node})"))
+    k = inv.job.stages
+    if s.gpus_per_node and s.procs_per_node and s.procs_per_node * k > s.gpus_per_node:
+        out.append((("slurm", "procs_per_node"), f"{s.procs_per_node}{_times(k)} must be <= gpus_per_node "
+                                                 f"({s.gpus_per_node})"))
+    if s.gpus_per_node and s.procs_per_node is None:
+        out += [(("slurm", "gpus_per_node"), msg) for msg in _divisible(s.gpus_per_node, k)]
     if inv.job.min_nodes is not None:
         out.append((("job", "min_nodes"), "not on Slurm: the allocation is the job's nodes (Slurm requeues "
                                           "a job whose node fails)"))
@@ -707,13 +726,14 @@ def _slurm_problems(inv: Inventory) -> list[tuple[tuple, str]]:
     return out
 
 
-def _train_problems(train: Train, node_envs: list[dict[str, str]]) -> list[tuple[tuple, str]]:
+def _train_problems(train: Train, node_envs: list[dict[str, str]], stages: int) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
     if train.builtin:
         # The trainer's own parser, here: a bad flag is exit 2 now, not exited(1) after restarts.
+        # With the stages the tool gives it (job.stages), which --micro-batches needs.
         from trainer.config import flag_problem
 
-        problem = flag_problem(list(train.args))
+        problem = flag_problem(["--stages", str(stages), *train.args])
         if problem:
             out.append((("train", "args"), f"the built-in trainer refuses these flags: {problem} "
                                            "(see python -m trainer --help)"))
@@ -725,19 +745,51 @@ def _train_problems(train: Train, node_envs: list[dict[str, str]]) -> list[tuple
     return out
 
 
-def _gpu_id_problems(n: Node) -> list[str]:
+def _times(stages: int) -> str:
+    return f" x job.stages ({stages})" if stages > 1 else ""
+
+
+def _per_process(stages: int) -> str:
+    return f"job.stages ({stages}) GPUs per process" if stages > 1 else "one GPU per process"
+
+
+def _divisible(gpus: int, stages: int) -> list[str]:
+    """A GPU count that job.stages must divide, with no procs given to use fewer."""
+    if gpus < stages:
+        return [f"{gpus} GPU(s), fewer than one process needs: job.stages ({stages}) GPUs per process"]
+    if gpus % stages:
+        return [f"{gpus} GPUs do not divide into processes of job.stages ({stages}) GPUs each; "
+                f"set procs to use {gpus - gpus % stages} of them, or change job.stages"]
+    return []
+
+
+def _layout_problems(n: Node, i: int, stages: int) -> list[tuple[tuple, str]]:
+    """A GPU node's processes, each with ``stages`` of its GPUs: a layout that fits the node,
+    or what does not fit, each message naming the node."""
+    return [(where, f"node {n.name}: {message}") for where, message in _layout(n, i, stages)]
+
+
+def _layout(n: Node, i: int, stages: int) -> list[tuple[tuple, str]]:
+    if n.gpus == 0:
+        if n.gpu_ids is not None:
+            return [(("nodes", i, "gpu_ids"), "gpu_ids on a CPU node (gpus: 0); set gpus to the node's GPU count")]
+        return []
+    out: list[tuple[tuple, str]] = []
+    if n.procs is not None and n.procs * stages > n.gpus:
+        out.append((("nodes", i, "procs"), f"procs ({n.procs}){_times(stages)} must be <= gpus ({n.gpus}) "
+                                           "on a GPU node"))
     ids = n.gpu_ids
     if ids is None:
-        return []
-    if n.gpus == 0:
-        return ["gpu_ids on a CPU node (gpus: 0); set gpus to the node's GPU count"]
-    out = []
+        if n.procs is None:
+            out += [(("nodes", i, "gpus"), msg) for msg in _divisible(n.gpus, stages)]
+        return out
+    where = ("nodes", i, "gpu_ids")
     if len(set(ids)) != len(ids):
-        out.append(f"{list(ids)} lists a GPU twice; one GPU per process")
-    if len(ids) != n.nprocs:
-        out.append(f"{len(ids)} GPU ids for {n.nprocs} processes; one GPU per process")
-    if any(i >= n.gpus for i in ids):
-        out.append(f"{list(ids)}: ids are 0 .. {n.gpus - 1} on a node with gpus: {n.gpus}")
+        out.append((where, f"{list(ids)} lists a GPU twice; {_per_process(stages)}"))
+    if len(ids) != n.nprocs * stages:
+        out.append((where, f"{len(ids)} GPU ids for {n.nprocs} processes; {_per_process(stages)}"))
+    if any(g >= n.gpus for g in ids):
+        out.append((where, f"{list(ids)}: ids are 0 .. {n.gpus - 1} on a node with gpus: {n.gpus}"))
     return out
 
 

@@ -1,9 +1,9 @@
-"""Makes docs/plot.png, the README's example picture of deploy/plot.py (``ddp-deploy plot``).
+"""Makes docs/plot.png, the README's example picture of deploy/observe/plot.py (``ddp-deploy plot``).
 
 Two short runs of the real trainer on this machine's CPU (the launcher, 2 processes, gloo, the
 synthetic dataset), each with its own run id as ``ddp-deploy launch`` gives one, at two learning
 rates; their metrics.jsonl lines, one after the other, are what a job's file holds after two
-launches. Then deploy.plot renders them.
+launches. Then deploy.observe.plot renders them.
 
 Run from the repository root: .venv/bin/python docs/make_plot.py [--out docs/plot.png]
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deploy.plot import records_by_run, render  # noqa: E402
+from deploy.observe.plot import records_by_run, render  # noqa: E402
 from trainer.output import RUN_ID_ENV  # noqa: E402
 
 RUNS = (("0.02", "a1f3"), ("0.002", "7c0e"))  # learning rate, the run id's random part

@@ -4,7 +4,7 @@ At the end of every run: where the time went (cluster, e2e and unit tests, each 
 the slowest tests, and every test over its own limit or the whole run over the suite's. A test's
 limit is its kind's (``LIMITS``) unless it says otherwise with ``@pytest.mark.budget(seconds)``;
 the suite's is ``$DDP_TEST_BUDGET_S`` (default ``SUITE_LIMIT_S``: CI's 30 minutes less its installs).
-``$DDP_TEST_TIMES=FILE`` also writes every test's seconds there as JSON (README's Tests section).
+``$DDP_TEST_TIMES=FILE`` also writes every test's seconds there as JSON (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -37,13 +37,11 @@ class Budget:
         self.limits: dict[str, float] = {}
         self.seconds: dict[str, float] = defaultdict(float)
 
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            self.kinds[item.nodeid] = _kind(item)
-            self.limits[item.nodeid] = _limit(item)
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration  # setup, call and teardown together
+        said = dict(report.user_properties)  # set where the test ran: here, or in an xdist worker
+        if "budget_kind" in said:
+            self.kinds[report.nodeid], self.limits[report.nodeid] = said["budget_kind"], said["budget_limit"]
 
     def lines(self, wall: float, suite_limit: float) -> list[str]:
         by_kind: dict[str, float] = defaultdict(float)
@@ -81,6 +79,13 @@ class Budget:
             with open(target, "w") as fh:
                 json.dump({"wall_s": round(wall, 1), "tests": {n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit")}
                                                                for n, s in self.seconds.items()}}, fh, indent=1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its kind and limit in its reports, which reach the controller from any worker."""
+    for item in items:
+        item.user_properties += [("budget_kind", _kind(item)), ("budget_limit", _limit(item))]
 
 
 def pytest_configure(config: pytest.Config) -> None:

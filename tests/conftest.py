@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_ends import torch_python  # noqa: E402,F401  (the fixture: both ends of the torch range)
 
-pytest_plugins = ("budget",)  # the suite's time budget, reported at the end of every run (budget.py)
+pytest_plugins = ("budget", "lanes")  # the time budget, reported at the end of every run; the lanes of `make test-lanes`
 
 # The Ctrl-C tests press Ctrl-C for real (SIGINT to this process or to a CLI it starts). A suite
 # started in the background of a non-interactive shell (`./.ci/run &`, nohup) inherits SIGINT
@@ -21,7 +21,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(autouse=True)
 def fleet_lock_path(tmp_path_factory, monkeypatch) -> Path:
-    """Each test's own fleet lock directory (deploy/lock.py), never this machine's /tmp/ddp-deploy.lock:
+    """Each test's own fleet lock directory (deploy/job/lock.py), never this machine's /tmp/ddp-deploy.lock:
     a test that launches is not refused by an operator's lock here, nor by a lock an earlier test left."""
     path = tmp_path_factory.mktemp("fleet-lock") / "ddp-deploy.lock"
     monkeypatch.setenv("DDP_DEPLOY_LOCK_PATH", str(path))

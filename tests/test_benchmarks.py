@@ -57,6 +57,16 @@ def test_the_step_parts_benchmark_times_every_rung_from_the_bare_loop_to_the_tra
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.e2e
+def test_the_parallelism_benchmark_compares_dp_ddp_and_ddp_with_stages_and_writes_nothing(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH / "bench_parallel.py"), "--smoke", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["dp", "ddp", "ddp-stages", "ddp-pipeline"]
+    assert all(line.endswith(" x ddp") and " samples/s " in line for line in r.stdout.splitlines())
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_heartbeat_benchmark_runs():
     r = subprocess.run([sys.executable, str(BENCH / "bench_heartbeat.py"), "--smoke"], capture_output=True, text=True,
                        timeout=120)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 INNER = '''
@@ -27,18 +29,19 @@ def test_an_e2e_within_its_kinds_limit():
 '''
 
 
-def _run(tmp_path: Path, budget_s: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run(tmp_path: Path, budget_s: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     (tmp_path / "test_inner.py").write_text(INNER)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    e2e: x\n")
     times = tmp_path / "times.json"
     env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_BUDGET_S": budget_s, "DDP_TEST_TIMES": str(times)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", *args, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return proc, json.loads(times.read_text())
 
 
-def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_nothing_fails(tmp_path):
-    proc, times = _run(tmp_path, "0.1")
+@pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
+def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_nothing_fails(tmp_path, lanes):
+    proc, times = _run(tmp_path, "0.1", *lanes)
     assert proc.returncode == 0, proc.stdout  # a report, not a failure
     report = proc.stdout[proc.stdout.index("time budget"):]
     over = report[report.index("over their own limit (1):"):].splitlines()
@@ -47,6 +50,8 @@ def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_noth
     assert report.index("test_slow_beyond_its_own_limit") < report.index("test_quick")  # slowest first
     assert times["tests"]["test_inner.py::test_slow_beyond_its_own_limit"]["s"] >= 0.3
     assert times["tests"]["test_inner.py::test_an_e2e_within_its_kinds_limit"]["kind"] == "e2e"
+    assert set(times["tests"]) == {f"test_inner.py::{t}" for t in
+                                   ("test_slow_beyond_its_own_limit", "test_quick", "test_an_e2e_within_its_kinds_limit")}
 
 
 def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):

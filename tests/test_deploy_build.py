@@ -1,4 +1,4 @@
-"""The image build here (deploy/build.py): both builders' real output read into steps (captured in
+"""The image build here (deploy/images/build.py): both builders' real output read into steps (captured in
 tests/build_logs), the failing step and its own output named, the output streamed as the build
 runs and kept in a file, and the image's platform held against the nodes' before anything ships."""
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from deploy import build, preflight, prepare
+from deploy.images import build, prepare
+from deploy.checks import preflight
 from deploy.errors import RuntimeFailure
 from deploy.inventory import loads
-from deploy.remote import Result
+from deploy.nodes.remote import Result
 from fakes import install_command
 
 LOGS = Path(__file__).resolve().parent / "build_logs"

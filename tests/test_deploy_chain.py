@@ -1,4 +1,4 @@
-"""The image chain with real relays (deploy/node_relay.py run by local nodes' python3, real
+"""The image chain with real relays (deploy/node/node_relay.py run by local nodes' python3, real
 sockets between them, real spool files); only ``docker load`` is replaced, by a command that keeps
 what it was fed, so the bytes each node would load can be compared. The chain with real Docker
 daemons on real hosts is tests/cluster/test_image_chain.py."""
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import chain, image, oci
+from deploy.images import chain, image, oci
 from deploy.inventory import loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 
 INVENTORY = """
 job: {{name: chain}}

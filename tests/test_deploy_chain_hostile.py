@@ -1,4 +1,4 @@
-"""The image chain's relays under hostile or broken peers (deploy/node_relay.py, deploy/chain.py):
+"""The image chain's relays under hostile or broken peers (deploy/node/node_relay.py, deploy/images/chain.py):
 real relays as local processes, real sockets and spool files; only ``docker load`` is replaced
 (tests/test_deploy_chain.py's keeper). Where a fault cannot be made from outside (a forwarder that
 fails or sticks mid-stream), the relay program sent to the nodes carries a few injected lines that
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from test_deploy_chain import SECRET, STALL, Relay, _connect_as_sender, _inv, _keeper, _saved, _sha, _whole
 
-from deploy import chain, node_relay
-from deploy.remote import Remote
+from deploy.images import chain
+from deploy.node import node_relay
+from deploy.nodes.remote import Remote
 
 MARGIN = 1.5
 """Seconds past a relay's bound that a test allows for a loaded machine."""

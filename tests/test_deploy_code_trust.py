@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import codesync
-from deploy.remote import Remote
+from deploy.job import codesync
+from deploy.nodes.remote import Remote
 from test_deploy_codesync import _inv, _project, _put
 
 

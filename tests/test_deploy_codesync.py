@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import codesync
+from deploy.job import codesync
 from deploy.inventory import loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 
 INVENTORY = """
 job: {{name: codejob, runtime: host}}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from deploy.failure import Failure, LeftEarly, first_failure, program_error
+from deploy.observe.failure import Failure, LeftEarly, first_failure, program_error
 from fakes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +159,8 @@ def test_a_node_whose_rank_exited_0_is_named_with_the_time_its_torchrun_s_exit_b
 
 
 def test_once_a_node_failed_the_nodes_that_exited_0_are_read_too_for_a_rank_that_left_early():
-    from deploy.cli import witnesses
-    from deploy.plan import NodeState
+    from deploy.engines.fleet import witnesses
+    from deploy.job.plan import NodeState
 
     states = {"n1": NodeState("exited(1)"), "n2": NodeState("exited(0)"), "n3": NodeState("running"),
               "n4": NodeState("exited(?)")}

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy import image, image_cache, oci
+from deploy.images import image, image_cache, oci
 from deploy.errors import RemoteFailure
 from deploy.inventory import loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 from fakes import FAKE_DOCKER_START, install_command
 from test_deploy_ship_layers import docker_save_tar
 

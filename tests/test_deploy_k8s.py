@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from deploy import k8s
+from deploy.engines import k8s
 from deploy.errors import InputError
 from deploy.inventory import loads
 from fakes import install_command
@@ -397,7 +397,7 @@ def test_deploy_k8s_imports_neither_torch_nor_kubernetes():
     code = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # any import of torch now fails
-        from deploy import k8s
+        from deploy.engines import k8s
         from deploy.inventory import loads
         inv = loads({FLEET!r})
         for kind in k8s.KINDS:

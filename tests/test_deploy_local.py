@@ -62,6 +62,13 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     # not a terminal: plain lines as the state changes (the live table is for terminals)
     assert any(line.startswith("here  exited(0)") for line in r.stdout.splitlines()), r.stdout
     assert not Path("/dev/shm/ddp-heartbeat-host-localtest@here").exists()  # the run's heartbeats went with it
+    # where the launch's time went: every part timed, in order, and those before the start kept
+    took = next(line for line in r.stdout.splitlines() if line.startswith("launch took "))
+    assert [part.rsplit(" ", 2)[0] for part in took.split(": ", 1)[1].split(", ")] == [
+        "lock", "node states", "code sync", "checks", "image check", "record", "start"], took
+    kept = json.loads(ddp(hosts, "runs", "--json").stdout)[-1]
+    assert list(kept["record"]["launch_phases"]) == ["lock", "states", "code", "checks", "image"]
+    assert "launch before the start took " in ddp(hosts, "status", "--run", kept["id"]).stdout
 
     st = _state(ddp, hosts)
     assert st["state"] == "exited(0)" and st["ranks"] == 2
@@ -116,10 +123,10 @@ def test_on_a_terminal_status_follow_redraws_a_table_and_ends_with_the_verdict(d
 
     from rich.console import Console
 
-    import deploy.cli
+    import deploy.engines.render
 
     screen = io.StringIO()
-    monkeypatch.setattr(deploy.cli, "out", Console(file=screen, force_terminal=True, width=160))
+    monkeypatch.setattr(deploy.engines.render, "out", Console(file=screen, force_terminal=True, width=160))
     hosts = _inventory(tmp_path, [*TRAIN_ARGS, "--epochs", "2"], procs=1)
     assert ddp(hosts, "launch").exit_code == 0
     r = ddp(hosts, "status", "--follow")

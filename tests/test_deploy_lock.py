@@ -1,4 +1,4 @@
-"""One operator at a time: the fleet lock (deploy/lock.py), for real, on `connection: local` nodes.
+"""One operator at a time: the fleet lock (deploy/job/lock.py), for real, on `connection: local` nodes.
 
 Holders are real processes that take the lock as `launch` does (HOLDER below) and are raced,
 killed, frozen or interrupted; the operator's side goes through the CLI. Each test has its own
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import lock
+from deploy.job import lock
 from deploy.cli import cli
 from deploy.errors import RuntimeFailure
 from deploy.inventory import load, loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 from fakes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,10 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 # until the next line (or an interrupt); refused, it prints the one line the operator would see.
 HOLDER = """
 import os, sys
-from deploy import lock
+from deploy.job import lock
 from deploy.errors import DeployError
 from deploy.inventory import load
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 
 hosts = sys.argv[1]
 inv = load(hosts)
@@ -519,12 +519,12 @@ def _unlock_force(hosts: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("meanwhile", ["removed", "taken"])
 def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_names_the_node(
         ddp, tmp_path, holders, monkeypatch, fleet_lock_path, meanwhile):
-    from deploy import cli as cli_module
+    from deploy.engines import fleet
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     other = holders(hosts) if meanwhile == "taken" else None
     took = []
-    one_image = cli_module._one_image
+    one_image = fleet.one_image
 
     def then_unlocked(inv, remote):  # the last step of the preparation
         image = one_image(inv, remote)
@@ -533,7 +533,7 @@ def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_nam
             took.append(other.take())
         return image
 
-    monkeypatch.setattr(cli_module, "_one_image", then_unlocked)
+    monkeypatch.setattr(fleet, "one_image", then_unlocked)
     try:
         r = ddp(hosts, "launch")
         assert r.exit_code == 1, r.output
@@ -548,7 +548,7 @@ def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_nam
             assert json.loads((fleet_lock_path / "owner").read_text())["pid"] == took[0]  # left to its holder
         assert "started locktest run" not in r.stdout
         inv = load(hosts)
-        from deploy import runs
+        from deploy.job import runs
         assert not Path(runs.runs_dir(inv)).exists()  # no run record: nothing started
         status = ddp(hosts, "status", "--json")
         assert json.loads(status.stdout)[0]["state"] == "absent", status.output
@@ -558,8 +558,9 @@ def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_nam
 
 def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_path, monkeypatch):
     # The docker runtime's build and ship cannot run here: a deployer whose build is the forced
-    # unlock, handing over to the CLI's ship step, and a record of what reaches the shipping.
-    from deploy import cli as cli_module, prepare
+    # unlock, handing over to the engine's ship step, and a record of what reaches the shipping.
+    from deploy.images import prepare
+    from deploy.engines import render
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     shipped = []
@@ -570,7 +571,7 @@ def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_p
             ship("sha256:" + "0" * 64, {})
 
     monkeypatch.setattr(prepare, "deployer", UnlockedWhileItBuilds)
-    monkeypatch.setattr(cli_module, "_ship_with_progress", lambda inv, remote, image_id, held: shipped.append(image_id))
+    monkeypatch.setattr(render, "ship_with_progress", lambda inv, remote, image_id, held: shipped.append(image_id))
     r = ddp(hosts, "deploy")
     assert r.exit_code == 1, r.output
     assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from deploy.inventory import loads
-from deploy.remote import Remote
-from deploy.transport import MAX_LINE
+from deploy.nodes.remote import Remote
+from deploy.nodes.transport import MAX_LINE
 from fakes import free_port
 from sshd import SSHD, start_sshd
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import runs, runtime, slurm, view
+from deploy.job import runs, runtime
+from deploy.engines import slurm
+from deploy.observe import view
 from deploy.inventory import loads
 from local_job import local_hosts
 from procs import alive

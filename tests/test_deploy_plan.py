@@ -7,10 +7,10 @@ import subprocess
 
 import pytest
 
-from deploy import plan
+from deploy.job import plan
 from deploy.inventory import loads
-from deploy.remote import command_line
-from deploy.runtime import HOST_START, STOP_GRACE_S
+from deploy.nodes.remote import command_line
+from deploy.job.runtime import HOST_START, STOP_GRACE_S
 from fakes import install_command
 from trainer.entry import module_argv
 
@@ -30,9 +30,9 @@ train:
 
 
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
-    """The environment every program gets (README, "Your own training code")."""
+    """The environment every program gets (docs/own-code.md)."""
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
-            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_LAUNCH_ID=RUN_ID"]
+            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID"]
 
 
 def beats(node, runtime="docker"):
@@ -187,12 +187,12 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[4:7] == ["/nas/ckpt/.ddp-deploy/demo/a", "/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/a",
                          str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
     cmd = argv[7:]
-    assert cmd[:15] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+    assert cmd[:16] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
                         *beats("a", "host")]
-    assert cmd[15:19] == ["python3", *module_argv("trainer.launch")]
+    assert cmd[16:20] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
-    assert tuple(cmd[19:t]) == spec.torchrun
+    assert tuple(cmd[20:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 
@@ -329,7 +329,7 @@ def test_an_elastic_job_without_a_node_keeps_room_for_it_to_join_later():
 
 
 def test_the_launch_record_says_where_the_rendezvous_is_and_how_many_nodes_may_join():
-    from deploy import record
+    from deploy.job import record
 
     elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"}).without(["b"])
     kept = record.decode(record.encode(record.launch_record(elastic, None)).decode())

@@ -1,4 +1,4 @@
-"""deploy/plot.py: one PNG of a job's metrics, its runs overlaid, from a real metrics.jsonl.
+"""deploy/observe/plot.py: one PNG of a job's metrics, its runs overlaid, from a real metrics.jsonl.
 
 The records come from the real trainer: one job, launched twice (two run ids), the second launch
 resuming from the first one's checkpoint and training one more epoch, as an operator's job does.
@@ -14,8 +14,8 @@ import numpy
 import pytest
 
 from deploy.errors import InputError, RuntimeFailure
-from deploy import plot as plotting
-from deploy.plot import NO_RUN, PANELS, SIZE_IN, DPI, records_by_run, render, series
+from deploy.observe import plot as plotting
+from deploy.observe.plot import NO_RUN, PANELS, SIZE_IN, DPI, records_by_run, render, series
 from trainer.output import RUN_ID_ENV
 from trainer_helpers import ROOT, SMALL, trainer_env
 
@@ -151,7 +151,7 @@ def test_a_resumed_attempt_replaces_what_the_crashed_one_logged_after_its_checkp
 
 
 def test_importing_the_module_imports_neither_matplotlib_nor_torch():
-    code = "import sys, deploy.plot; print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))"
+    code = "import sys, deploy.observe.plot; print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -189,7 +189,7 @@ def test_a_field_is_drawn_against_the_step_and_values_that_are_not_numbers_are_l
 
 
 def test_a_secret_equal_to_the_metrics_prefix_is_masked_after_the_lines_are_read_not_before():
-    from deploy.secretenv import Redactor
+    from deploy.job.secretenv import Redactor
 
     redact = Redactor({"TOKEN": "METRICS", "KEY": "s3cr3t-field"})
     log = f'@@run {RUN}\n[rank0]: METRICS {{"step": 1, "s3cr3t-field": 2.0, "note": "METRICS"}}\n'

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import preflight
+from deploy.checks import preflight
 from deploy.inventory import loads
-from deploy.remote import Remote, Result
+from deploy.nodes.remote import Remote, Result
 from fakes import free_port, install_command
 
 # `docker run ... --entrypoint python IMAGE ARGS` runs ARGS with this machine's python: the real

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from deploy.inventory import loads
-from deploy.preflight import _torch
-from deploy.remote import Result
-from deploy.versions import torch_supported
+from deploy.checks.preflight import _torch
+from deploy.nodes.remote import Result
+from deploy.checks.versions import torch_supported
 from trainer.compat import TORCH_SUPPORTED
 
 INVENTORY = """
@@ -70,6 +70,14 @@ def test_a_driver_too_old_for_the_image_s_cuda_is_named():
 def test_fewer_visible_devices_than_processes_is_refused():
     c = _judge({**H100, "devices": 4, "device_names": ["NVIDIA H100 80GB HBM3"] * 4})
     assert not c.ok and c.detail.startswith("4 CUDA device(s) visible in image ddp-trainer:latest for 8 processes")
+
+
+def test_fewer_visible_devices_than_the_processes_stages_need_is_refused():
+    inv = loads(INVENTORY.replace("RUNTIME", "docker").replace("GPUS", "8").replace("runtime: docker}",
+                                                                                 "runtime: docker, stages: 2}"))
+    c = _torch(inv, Result("a", 0, "PROBE " + json.dumps({**H100, "devices": 6}), ""), False)
+    assert not c.ok and c.detail == ("6 CUDA device(s) visible in image ddp-trainer:latest for 4 processes "
+                                     "(GPUs 0,1,2,3,4,5,6,7); job.stages (2) GPUs per process")
 
 
 def test_a_torch_without_nccl_cannot_run_a_gpu_job():

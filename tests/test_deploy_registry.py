@@ -1,4 +1,4 @@
-"""Registry delivery (deploy/registry.py): the planned commands, how docker's output is read, and the
+"""Registry delivery (deploy/images/registry.py): the planned commands, how docker's output is read, and the
 whole push-then-pull against a fake ``docker`` on PATH. With a real registry, real daemons and
 real nodes: tests/cluster/test_registry.py."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import delivery, image, registry
+from deploy.images import deliveries, delivery, image, registry
 from deploy.cli import cli
 from deploy.errors import RemoteFailure, RuntimeFailure
-from deploy.image import NodeImages
+from deploy.images.image import NodeImages
 from deploy.inventory import loads
-from deploy.registry import Manifest, PullProgress, Registry
-from deploy.remote import Remote
+from deploy.images.registry import Manifest, PullProgress, Registry
+from deploy.nodes.remote import Remote
 from fakes import FAKE_DOCKER_START, install_command
 
 NAME = "registry.example.com:5000/team/ddp:v1"
@@ -83,9 +83,9 @@ def test_the_pull_names_the_repository_by_digest_never_by_tag(name, repo):
 
 
 def test_a_name_that_names_a_registry_picks_the_registry_way(tmp_path):
-    assert isinstance(delivery.delivery(_inv(tmp_path)), Registry)
-    assert not isinstance(delivery.delivery(_inv(tmp_path, "ddp-trainer:test")), Registry)
-    assert isinstance(delivery.delivery(_inv(tmp_path, "localhost:5000/ddp:1", transfer="registry")), Registry)
+    assert isinstance(deliveries.for_inventory(_inv(tmp_path)), Registry)
+    assert not isinstance(deliveries.for_inventory(_inv(tmp_path, "ddp-trainer:test")), Registry)
+    assert isinstance(deliveries.for_inventory(_inv(tmp_path, "localhost:5000/ddp:1", transfer="registry")), Registry)
 
 
 def test_the_planned_commands_push_once_read_the_manifest_and_pull_by_digest_on_each_node(tmp_path):

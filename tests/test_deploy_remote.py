@@ -12,10 +12,10 @@ import time
 import paramiko
 import pytest
 
-from deploy.fanout import fan_out, outcome
+from deploy.nodes.fanout import fan_out, outcome
 from deploy.inventory import loads
-from deploy.ssh import endpoint, read_config
-from deploy.transport import NodeError, Result, TimedOut
+from deploy.nodes.ssh import endpoint, read_config
+from deploy.nodes.transport import NodeError, Result, TimedOut
 
 
 def test_every_kind_of_failure_becomes_that_nodes_result_naming_the_cause():

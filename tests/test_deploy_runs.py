@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import record, runs, secretenv
+from deploy.job import record, runs, secretenv
 from deploy.cli import cli
 from deploy.inventory import loads
 from test_deploy_local import TRAIN_ARGS, _inventory

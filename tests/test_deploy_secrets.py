@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import cli, plan, runs, secretenv, slurm_verbs
+from deploy.engines import engine_slurm, fleet
+from deploy.job import plan, runs, secretenv
 from deploy.errors import InputError, InventoryError
 from deploy.inventory import loads
-from deploy.runtime import SECRETS_FROM_STDIN
-from deploy.transport import Result
+from deploy.job.runtime import SECRETS_FROM_STDIN
+from deploy.nodes.transport import Result
 from trainer.masking import SECRET_NAMES_ENV, Mask, StreamMask
 
 INVENTORY = """
@@ -125,14 +126,14 @@ def test_the_launcher_reads_the_secrets_names_from_a_reserved_variable_that_a_jo
 
 
 def _states_for(stdout: str, secret: str) -> plan.NodeState:
-    """cli._states over one node whose status command printed ``stdout``."""
+    """fleet.node_states over one node whose status command printed ``stdout``."""
     inv = loads(INVENTORY.format(key="k"), base_dir=Path("/nonexistent"))
 
     class Printed:  # what the node printed; reaching a node is not what is tested
         def run(self, cmds, **_):
             return {n: Result(n, 0, stdout, "") for n in cmds}
 
-    return cli._states(inv, Printed(), secretenv.Redactor({"TOKEN": secret}))["a"]
+    return fleet.node_states(inv, Printed(), secretenv.Redactor({"TOKEN": secret}))["a"]
 
 
 @pytest.mark.parametrize("secret, head, state", [("running", "running", "running"),
@@ -165,6 +166,6 @@ def test_a_secret_equal_to_slurms_job_state_leaves_the_job_active_on_slurm():
         def run(self, cmds, **_):
             return {n: Result(n, 0, printed, "") for n in cmds}
 
-    s = slurm_verbs._state(inv, Login(), secretenv.Redactor({"TOKEN": "RUNNING"}))
+    s = engine_slurm._state(inv, Login(), secretenv.Redactor({"TOKEN": "RUNNING"}))
     assert s.state == "RUNNING" and s.active
     assert s.nodes["n1"].metrics == 'METRICS {"step": 5, "note": "***"}'

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import image, oci
+from deploy.images import image, oci
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from deploy.cli import cli
 from deploy.inventory import loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 from fakes import free_port
 from procs import children_of
 from sshd import SSHD, start_sshd

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deploy import failure, runs, view
+from deploy.observe import failure, view
+from deploy.job import runs
 from deploy.cli import cli
-from deploy.plan import NodeState
+from deploy.job.plan import NodeState
 from deploy.text import safe
 from test_deploy_local import _inventory
 
@@ -149,22 +150,22 @@ def test_plot_names_runs_whose_ids_hold_escape_sequences_as_text(ddp, hosts, tmp
 
 
 def test_a_slurm_job_s_progress_line_escapes_its_state():
-    from deploy import slurm, slurm_verbs
+    from deploy.engines import engine_slurm, slurm
 
-    said = slurm_verbs._line(slurm.SlurmState("7", "r", "RUNNING\x1b[2J"))
+    said = engine_slurm._line(slurm.SlurmState("7", "r", "RUNNING\x1b[2J"))
     assert said == "Slurm job 7: RUNNING\\x1b[2J"
 
 
 def test_a_check_s_detail_with_markup_and_escapes_is_printed_as_text(monkeypatch):
     import io
 
-    import deploy.cli
-    from deploy.preflight import Check
+    import deploy.engines.render
+    from deploy.checks.preflight import Check
     from deploy.text import Screen
 
     screen = io.StringIO()
-    monkeypatch.setattr(deploy.cli, "out", Screen(file=screen, width=200))
-    deploy.cli._print_checks([Check("n1", "storage", False, f"{MARKUP} \x1b[2J")])
+    monkeypatch.setattr(deploy.engines.render, "out", Screen(file=screen, width=200))
+    deploy.engines.render.print_checks([Check("n1", "storage", False, f"{MARKUP} \x1b[2J")])
     assert f"{MARKUP} \\x1b[2J" in screen.getvalue() and "FAIL" in screen.getvalue()
     assert not _raw(screen.getvalue())
 

@@ -8,9 +8,10 @@ import subprocess
 
 from rich.console import Console
 
-from deploy import plan, view
-from deploy.plan import NodeState
-from deploy.runtime import DOCKER_STATUS, HOST_STATUS
+from deploy.job import plan
+from deploy.observe import view
+from deploy.job.plan import NodeState
+from deploy.job.runtime import DOCKER_STATUS, HOST_STATUS
 from fakes import install_command
 
 TRAINER_LINE = 'METRICS ' + json.dumps({"time": 1.0, "kind": "train", "epoch": 1, "epochs": 8, "step": 37,

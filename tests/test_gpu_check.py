@@ -21,7 +21,8 @@ import gpu_check  # noqa: E402
 from gpu_check import StepFailed  # noqa: E402
 
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-STEP_NAMES = ["environment", "nccl-init", "amp-bf16", "amp-fp16", "resume", "nccl-2proc", "bench"]
+STEP_NAMES = ["environment", "nccl-init", "amp-bf16", "amp-fp16", "resume", "nccl-2proc", "stages-2", "parallelism",
+              "bench"]
 
 
 def run_script(*args, env=None):
@@ -336,3 +337,14 @@ def test_the_two_process_step_is_skipped_with_the_reason_on_one_device(tmp_path)
 def test_printed_metrics_reads_lines_as_torchrun_echoes_them_with_the_rank():
     out = '[rank0]: METRICS {"kind": "resumed"}\n[rank1]: noise\n[rank0]: [rank0]: METRICS {"kind": "final"}\n'
     assert [r["kind"] for r in gpu_check.printed_metrics(out)] == ["resumed", "final"]
+
+
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_the_model_parallel_steps_are_skipped_with_a_reason_where_the_gpus_do_not_pair(gpus, tmp_path):
+    check = gpu_check.Check(work=tmp_path, out=tmp_path / "out", gpus=gpus)
+    ok, summary, detail = gpu_check.step_parallelism(check)
+    assert ok is None and summary == f"skipped: {gpus} GPU(s) visible, the comparison needs an even count of 2 or more"
+    if gpus == 1:
+        ok, summary, _ = gpu_check.step_stages(check)
+        assert ok is None and summary == "skipped: 1 GPU visible, a process of 2 stages needs 2"
+    assert not (tmp_path / "out").exists()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from deploy import plan
+from deploy.job import plan
 from trainer import netcheck
 from trainer.netcheck import nccl_transport, pair_rounds, report, slow_nodes, unique_names
 from trainer_helpers import trainer_env

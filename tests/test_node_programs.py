@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import preflight, runs, runtime, slurm
+from deploy.checks import preflight
+from deploy.job import runs, runtime
+from deploy.engines import slurm
 from deploy.node import HERE, node_program
 from trainer import heartbeat
 

@@ -1,4 +1,4 @@
-"""README, Makefile and the CLI say the same thing."""
+"""README, the docs (docs/*.md), Makefile and the CLI say the same thing."""
 
 import json
 import re
@@ -14,14 +14,19 @@ from deploy.cli import cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def docs() -> str:
+    """The README and every page of docs/: what a user reads."""
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 def make_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
     return {t for line in re.findall(r"^([a-z][\w -]*):", text, re.M) for t in line.split()}
 
 
 def test_every_make_target_the_readme_names_exists():
-    named = set(re.findall(r"`make ([a-z-]+)", (ROOT / "README.md").read_text()))
-    named |= set(re.findall(r"^make ([a-z-]+)", (ROOT / "README.md").read_text(), re.M))
+    named = set(re.findall(r"`make ([a-z-]+)", docs()))
+    named |= set(re.findall(r"^make ([a-z-]+)", docs(), re.M))
     assert named and named <= make_targets()
 
 
@@ -30,7 +35,7 @@ def test_the_issue_s_make_targets_exist():
 
 
 def test_every_ddp_deploy_verb_in_the_readme_and_makefile_is_a_cli_command():
-    used = set(re.findall(r"ddp-deploy (?:--hosts \S+ )?([a-z]+)", (ROOT / "README.md").read_text()))
+    used = set(re.findall(r"ddp-deploy (?:--hosts \S+ )?([a-z]+)", docs()))
     used |= set(re.findall(r"\$\(DEPLOY\) ([a-z]+)", (ROOT / "Makefile").read_text()))
     assert used and used <= set(cli.commands)
 
@@ -42,7 +47,7 @@ def test_the_readme_s_test_command_is_what_ci_runs():
 
 def test_every_flag_the_readme_shows_for_the_trainer_exists():
     help_text = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
-    shown = set(re.findall(r"(--[a-z][a-z-]+)", (ROOT / "README.md").read_text().split("## The image")[0].split("## The trainer")[1]))
+    shown = set(re.findall(r"(--[a-z][a-z-]+)", _readme_section("The trainer")))
     torchrun_only = {"--standalone", "--nproc-per-node"}
     assert shown - torchrun_only and all(flag in help_text for flag in shown - torchrun_only)
 
@@ -56,7 +61,7 @@ def test_deploy_help_lists_every_verb():
 def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
-    from deploy.versions import torch_supported
+    from deploy.checks.versions import torch_supported
     from trainer.compat import TORCH_SUPPORTED
     from torch_ends import range_ends
 
@@ -75,7 +80,8 @@ def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base(
 
 
 def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    """A section of the README or of a page of docs/, by its title."""
+    text = docs()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end]
@@ -97,7 +103,7 @@ def test_the_readme_s_own_code_example_is_a_valid_train_section(tmp_path):
 
 
 def test_the_readme_s_metrics_helper_prints_the_line_status_reads(capsys):
-    from deploy.plan import parse_status
+    from deploy.job.plan import parse_status
 
     code = re.search(r"```python\n(.*?)```", _readme_section("Your own training code"), re.S).group(1)
     scope: dict = {}
@@ -109,14 +115,37 @@ def test_the_readme_s_metrics_helper_prints_the_line_status_reads(capsys):
 
 
 def test_every_variable_the_readme_promises_a_program_is_set_by_the_plan():
-    from deploy import plan
+    from deploy.job import plan
     from deploy.inventory import RESERVED_ENV, loads
 
     promised = set(re.findall(r"^\| `(DDP_[A-Z_]+)`(?:, `(DDP_[A-Z_]+)`)?", _readme_section("Your own training code"), re.M))
     promised = {v for pair in promised for v in pair if v}
     inv = loads("job: {name: j}\nrendezvous: {node: a}\nnodes: [{name: a, address: 10.0.0.1}]\nstorage:\n"
                 "  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n")
-    from deploy.runtime import CodeDir
+    from deploy.job.runtime import CodeDir
 
     env = dict(plan.launch_spec(inv, 0, code=CodeDir("abc", "/c/x"), run="20261123-101341-6d79").env)
     assert promised and promised <= set(env) and promised <= set(RESERVED_ENV)
+
+
+def test_the_readme_s_python_api_example_calls_what_the_api_has():
+    import ast
+    import inspect
+
+    from deploy.engines.fleet import Fleet
+
+    text = docs().split("**From a program**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    tree = ast.parse(text)
+    called = {node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.value.id == "fleet"}
+    assert called == {"check", "launch", "wait", "verdict", "stop", "runs"}
+    assert all(callable(getattr(Fleet, name, None)) for name in called)
+    assert {"say", "without"} <= set(inspect.signature(Fleet).parameters)
+    assert "timeout" in inspect.signature(Fleet.wait).parameters
+
+
+def test_the_readme_stays_short_and_links_every_page_of_the_docs():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 300
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages and {m for m in re.findall(r"\]\(docs/([\w-]+\.md)\)", readme)} == pages

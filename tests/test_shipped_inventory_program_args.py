@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from deploy.inventory import load, loads
-from deploy.plan import contract_env, program_args
+from deploy.job.plan import contract_env, program_args
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ["hosts.yaml", "hosts.example.yaml"]

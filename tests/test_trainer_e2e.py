@@ -43,6 +43,12 @@ def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_fi
     assert printed(proc.stdout) == records  # rank 0 alone prints, one line per record
     assert (ckpt / "final_model.pt").exists()
     assert (tmp_path / "data" / "synthetic" / "synthetic-1024.pt").exists()
+    # where the time went before the first step, said once by the node's first process
+    ready = [line.removeprefix("[rank0]: ") for line in proc.stderr.splitlines() if "trainer: ready to train " in line]
+    assert len(ready) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(r"trainer: ready to train \d+\.\d s after the launcher started: launcher to this process "
+                        r"\d+\.\d s, imports \d+\.\d s, process group \d+\.\d s, data \d+\.\d s, model \d+\.\d s, "
+                        r"resume \d+\.\d s", ready[0]), ready[0]
 
 
 def test_test_made_mnist_files_train_through_torchvision(torch_python, tmp_path):
@@ -270,3 +276,30 @@ def test_sync_bn_on_cpu_is_one_clear_error_at_start(torch_python, tmp_path):
     assert "trainer: error: sync_bn: SyncBatchNorm needs CUDA devices" in proc.stderr
     assert "Traceback" not in proc.stderr.split("trainer: error:")[0]
     assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()
+
+
+def test_two_processes_of_two_stages_end_as_one_stage_does_and_resume_exactly_with_another_split(
+        torch_python, tmp_path):
+    """Model parallelism inside each DDP process (--stages): on gloo the split changes nothing the
+    job computes, and a checkpoint of one split resumes bit-exactly in another."""
+    import shutil
+
+    flags = [*SMALL, "--model", "resnet", "--ckpt-every", "4", "--keep-last", "10"]
+    one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
+    assert_ok(run_torchrun(torch_python.python, one, *flags))
+    split = run_torchrun(torch_python.python, two, *flags, "--stages", "2")
+    assert_ok(split)
+    assert re.search(r"model resnet split: stages=2 on \['cpu', 'cpu'\]", split.stderr), split.stderr[-2000:]
+    expected = final_weights(one / "ckpt")
+    for name, tensor in final_weights(two / "ckpt").items():
+        assert torch.equal(tensor, expected[name]), name
+    # the 2-stage run's mid-epoch checkpoint at step 8, resumed with 3 stages
+    (three / "ckpt").mkdir(parents=True)
+    for f in (two / "ckpt").glob("ckpt-000000008.pt*"):
+        shutil.copy(f, three / "ckpt" / f.name)
+    resumed = run_torchrun(torch_python.python, three, *flags, "--stages", "3")
+    assert_ok(resumed)
+    said = printed(resumed.stdout)
+    assert said[0]["kind"] == "resumed" and said[0]["step"] == 8 and said[0]["micro"] == 8
+    for name, tensor in final_weights(three / "ckpt").items():
+        assert torch.equal(tensor, expected[name]), name

@@ -18,21 +18,29 @@ from .flight import FlightWatch
 from .heartbeat import HEARTBEAT_DIR_ENV, Heartbeat
 from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
 from .metrics import MetricsWriter
+from .stages import SplitError
+from .startup import Startup
 from .stopping import STOPPED_EXIT, Stopped, StopSignal
 
 log = logging.getLogger("trainer")
 
 
-def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal) -> Context:
+def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal, startup: Startup | None = None) -> Context:
     """Makes the dataset present (once per node), loads it onto the device and builds everything."""
+    startup = startup or Startup()
     fetched = data.prepare(env, cfg.dataset, cfg.data_dir, cfg.synthetic_size, cfg.download)
     if fetched:
         log.info("dataset %s %s under %s", cfg.dataset, fetched, cfg.data_dir)
     train_set, test_set = data.load(cfg.dataset, cfg.data_dir, cfg.synthetic_size)
+    startup.mark("data")
     spec = data.SPECS[cfg.dataset]
+    built = build(cfg, env, spec, steps_per_epoch(cfg, env, len(train_set)))
+    if cfg.stages > 1 and env.is_local_main:
+        log.info("model %s split: %s", cfg.model, built.local.extra_repr())
+    startup.mark("model")
     return Context(
         cfg=cfg, env=env,
-        built=build(cfg, env, spec, steps_per_epoch(cfg, env, len(train_set))),
+        built=built,
         train=train_set.to(env.device), test=test_set.to(env.device),
         normalize=data.Normalizer(spec, env.device),
         checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
@@ -42,15 +50,18 @@ def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal) -> Context:
     )
 
 
-def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
+def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None, startup: Startup | None = None) -> dict:
     """One whole training job on an already set-up process; returns the final evaluation.
-    With ``stop`` (signals installed), a planned stop raises :class:`Stopped` after its checkpoint."""
+    With ``stop`` (signals installed), a planned stop raises :class:`Stopped` after its checkpoint.
+    ``startup``: the moments this process reached so far; each node's first process prints where
+    its time went before its first step (trainer/startup.py)."""
     stop = stop or StopSignal()
     stop.join(env)
-    ctx = make_context(cfg, env, stop)
+    startup = startup or Startup()
+    ctx = make_context(cfg, env, stop, startup)
     watch = FlightWatch.start_for(os.environ.get(HEARTBEAT_DIR_ENV), env.local_rank, env.backend) if env.distributed else None
     try:
-        return resume_and_train(ctx)
+        return resume_and_train(ctx, startup)
     finally:
         if watch is not None:
             watch.close()
@@ -58,7 +69,7 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None) -> dict:
         ctx.metrics.close()  # the TensorBoard files' last events, after a stop or a failure too
 
 
-def resume_and_train(ctx: Context) -> dict:
+def resume_and_train(ctx: Context, startup: Startup | None = None) -> dict:
     """Resumes from the newest checkpoint that loads (if any), trains, evaluates, saves the final model."""
     cfg, env = ctx.cfg, ctx.env
     torch_seed_per_rank(cfg, env)
@@ -80,6 +91,10 @@ def resume_and_train(ctx: Context) -> dict:
         ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
                            "step": pos.global_step, "micro": pos.micro, "world_size": env.world_size,
                            "from_world_size": state["world_size"]})
+    if startup is not None:
+        startup.mark("resume")
+        if env.is_local_main:
+            print(startup.line(), file=sys.stderr, flush=True)
     pos = train(ctx, pos)
     final = evaluate(ctx)
     if env.is_main:
@@ -110,18 +125,21 @@ def torch_seed_per_rank(cfg: TrainConfig, env: DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = Startup()
+    startup.mark("imports")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     stop = StopSignal().install()  # before joining: a stop during set-up still ends at a step boundary
     try:
         cfg = load_config(argv)
-        env = setup(cfg.device, cfg.backend, cfg.dist_timeout)
+        env = setup(cfg.device, cfg.backend, cfg.dist_timeout, cfg.stages)
+        startup.mark("process_group")
     except (ConfigError, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     finished = False
     try:
         require_cuda_for_sync_bn(cfg, env)
-        run(cfg, env, stop)
+        run(cfg, env, stop, startup)
         finished = True
     except Stopped as exc:
         finished = True  # every rank stopped at the same step: they leave together
@@ -131,7 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ResumeMismatch, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
+    except SplitError as exc:  # the same on every rank, before any collective: they leave together
+        finished = True
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
     except (data.DatasetUnavailable, CheckpointError) as exc:
+        # Raised on every rank alike (each was agreed by a collective): they leave together, as a
+        # finished run does, or a rank tearing down while its peer has gone aborts (SIGABRT), and
+        # the job's first failure reads as that abort instead of this error.
+        finished = True
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -13,12 +13,14 @@ from .config import TrainConfig
 from .data import DatasetSpec
 from .dist import DistEnv
 from .models import build_model
+from .stages import Staged
 
 
 @dataclass
 class Built:
     model: nn.Module  # what the loop calls: DDP-wrapped when there are several processes
-    raw_model: nn.Module  # the plain module: state dicts, evaluation
+    raw_model: nn.Module  # the plain module: state dicts (the same names however it is split)
+    local: nn.Module  # the module without DDP: evaluation; the stages when split, else raw_model
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -32,21 +34,25 @@ def build(cfg: TrainConfig, env: DistEnv, spec: DatasetSpec, steps_per_epoch: in
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     raw = build_model(cfg.model, spec.channels, spec.size, spec.classes, sync_bn=cfg.sync_bn and env.has_peers)
     raw = raw.to(env.device)
-    model: nn.Module = raw
+    local: nn.Module = raw
+    if cfg.stages > 1:
+        local = Staged(raw, env.devices, cfg.micro_batches)  # moves each stage's layers to its device
+    model: nn.Module = local
     # A job of one process has no gradients to average: DDP would only cost its hooks and its
     # all-reduce of one (1.1 ms a step of a small model on one GPU, bench/bench_step_parts.py).
     if env.has_peers:
-        ids = [env.device.index] if env.device.type == "cuda" else None
+        # A module on several devices (the stages) is DDP's "multi-device module": no device_ids.
+        ids = [env.device.index] if env.device.type == "cuda" and cfg.stages == 1 else None
         # DDP re-lays its gradient buckets after a process's first step, and with more than two
         # ranks gloo's sum order follows an element's place in its bucket: a resumed process
         # would round its first step differently. Without find_unused_parameters the re-layout
         # happens; with it, buckets keep their first layout for good, so a CPU run resumed from
         # a checkpoint ends bit-identical. (NCCL sums are not bitwise reproducible anyway.)
-        model = DDP(raw, device_ids=ids, find_unused_parameters=env.backend == "gloo")
+        model = DDP(local, device_ids=ids, find_unused_parameters=env.backend == "gloo")
     optimizer = _optimizer(cfg, raw)
     scheduler = _scheduler(cfg, optimizer, steps_per_epoch)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
-    return Built(model, raw, optimizer, scheduler, scaler)
+    return Built(model, raw, local, optimizer, scheduler, scaler)
 
 
 def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

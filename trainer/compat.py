@@ -1,10 +1,10 @@
 """The torch versions this project supports, and every use of torch internals that differs by version.
 
 Importing this module does not import torch: the deploy tool reads ``TORCH_SUPPORTED`` on the
-operator's machine to judge the versions its nodes report (deploy.versions). What is here runs in
+operator's machine to judge the versions its nodes report (deploy.checks.versions). What is here runs in
 the image too, so it needs nothing beyond torch and the standard library.
 
-The range is tested at both ends (README, Tests): the oldest is the Dockerfile's default base
+The range is tested at both ends (docs/testing.md): the oldest is the Dockerfile's default base
 image (pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime), the newest the release the Makefile
 installs. pyproject.toml declares the same range (a test compares them).
 
@@ -18,7 +18,7 @@ Torch internals used, and how they behave across the range:
   addr, unknown family=0") when a reverse DNS lookup of the address fails for a while, as it
   does on a node whose resolver is unreachable (seen on the test cluster). So before 2.8 both
   stores (the c10d rendezvous store, the workers' store) are left to torch and listen on every
-  address: README, Security. Tried here: 2.5.1 as described, 2.8.0 and 2.14.1 bound.
+  address: docs/security.md. Tried here: 2.5.1 as described, 2.8.0 and 2.14.1 bound.
 - The c10d rendezvous backend creates its store through the module attribute
   ``c10d_rendezvous_backend.TCPStore`` on every supported version (trainer.launch replaces it).
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` and ``RendezvousStoreInfo.build(..., local_addr)``

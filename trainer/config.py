@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 DATASETS = ("synthetic", "mnist", "fashion-mnist", "cifar10")
-MODELS = ("convnet", "lenet", "resnet")
+MODELS = ("convnet", "lenet", "resnet", "resnet50")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("constant", "cosine", "step")
 AMP_MODES = ("none", "bf16", "fp16")
@@ -44,6 +44,12 @@ class TrainConfig:
     # --- model ---
     model: str = field(default="convnet", metadata={"help": f"one of {', '.join(MODELS)}"})
     sync_bn: bool = field(default=False, metadata={"help": "convert BatchNorm to SyncBatchNorm"})
+    stages: int = field(default=1, metadata={
+        "help": "model parallelism: split the model into this many stages, each on a device of its own "
+                "(local rank r uses GPUs r*stages onwards; on the CPU the stages share it)"})
+    micro_batches: int = field(default=1, metadata={
+        "help": "pipeline each batch through the stages in this many chunks, so that the stages overlap "
+                "(needs stages > 1; BatchNorm then averages over each chunk)"})
     # --- optimisation ---
     epochs: int = field(default=2, metadata={"help": "passes over the training set"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0: no limit)"})
@@ -82,7 +88,7 @@ class TrainConfig:
         _choice(self, "backend", BACKENDS)
         _choice(self, "device", DEVICES)
         for name in ("epochs", "batch_size", "eval_batch_size", "grad_accum", "keep_last",
-                     "log_every", "synthetic_size", "step_size_epochs"):
+                     "log_every", "synthetic_size", "step_size_epochs", "stages", "micro_batches"):
             _at_least(self, name, 1)
         _at_least(self, "dist_timeout", 10)
         for name in ("max_steps", "warmup_steps", "ckpt_every", "seed", "clip_grad", "weight_decay", "momentum"):
@@ -96,6 +102,15 @@ class TrainConfig:
         for name in ("data_dir", "ckpt_dir"):
             if not str(getattr(self, name)).strip():
                 raise ConfigError(f"{name}: must be a directory path, got an empty string")
+        if self.micro_batches > 1 and self.stages == 1:
+            raise ConfigError("micro_batches: pipelines the stages of a split model, but stages is 1; "
+                              "give --stages 2 or more (or --grad-accum to split a batch)")
+        if self.micro_batches > self.batch_size:
+            raise ConfigError(f"micro_batches: {self.micro_batches} chunks of a batch of {self.batch_size}; "
+                              f"give at most batch_size")
+        if self.sync_bn and self.stages > 1:
+            raise ConfigError("sync_bn: SyncBatchNorm needs one device per process, but stages is "
+                              f"{self.stages}; drop --sync-bn or --stages")
         if self.backend == "nccl" and self.device == "cpu":
             raise ConfigError("backend: nccl needs GPUs, but device is cpu; use --backend gloo or --device cuda")
 

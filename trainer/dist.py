@@ -32,6 +32,16 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str | None  # None when running as a single process without a process group
+    stages: int = 1
+    """Devices this process owns (--stages): its model runs as that many stages, the first on ``device``."""
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The process's devices, one per stage: on GPUs the ``stages`` that follow ``device``
+        (local rank r owns cuda:r*stages onwards); on the CPU the stages share it."""
+        if self.device.type != "cuda":
+            return (self.device,) * self.stages
+        return tuple(torch.device("cuda", self.device.index + s) for s in range(self.stages))
 
     @property
     def distributed(self) -> bool:
@@ -63,7 +73,8 @@ def _env_int(name: str, default: int) -> int:
         raise DistSetupError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def pick_device(requested: str, local_rank: int, local_world_size: int) -> torch.device:
+def pick_device(requested: str, local_rank: int, local_world_size: int, stages: int = 1) -> torch.device:
+    """The process's (first) device: on GPUs, local rank r owns ``stages`` GPUs from cuda:r*stages."""
     want_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
     if not want_cuda:
         return torch.device("cpu")
@@ -71,11 +82,13 @@ def pick_device(requested: str, local_rank: int, local_world_size: int) -> torch
     if visible == 0:
         raise DistSetupError("device cuda was requested but no GPU is visible; use --device cpu "
                              "or check the driver and CUDA_VISIBLE_DEVICES")
-    if local_world_size > visible:
+    if local_world_size * stages > visible:
+        each = f" x {stages} stages" if stages > 1 else ""
         raise DistSetupError(
-            f"{local_world_size} processes on this node but only {visible} GPU(s) visible; "
-            f"start torchrun with --nproc-per-node {visible} or fewer")
-    return torch.device("cuda", local_rank)
+            f"{local_world_size} processes{each} on this node but only {visible} GPU(s) visible; "
+            f"start torchrun with --nproc-per-node {visible // stages or 1} or fewer"
+            + (", or fewer --stages" if stages > 1 else ""))
+    return torch.device("cuda", local_rank * stages)
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
@@ -86,7 +99,8 @@ def pick_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def setup(requested_device: str = "auto", requested_backend: str = "auto", timeout_s: int = 600) -> DistEnv:
+def setup(requested_device: str = "auto", requested_backend: str = "auto", timeout_s: int = 600,
+          stages: int = 1) -> DistEnv:
     """Reads the launcher's environment once and joins the process group when launched by torchrun.
 
     ``timeout_s`` bounds every collective: a peer that vanished without closing its sockets
@@ -96,7 +110,7 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
-    device = pick_device(requested_device, local_rank, local_world_size)
+    device = pick_device(requested_device, local_rank, local_world_size, stages)
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     backend = pick_backend(requested_backend, device) if launched else None
     if device.type == "cuda":
@@ -114,7 +128,7 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
             store = dist.PrefixStore("workers", _bound_store(rank, world_size, timeout))
             kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend, stages)
 
 
 def listening_fd(address: str, port: int) -> int:

@@ -11,7 +11,7 @@ Each worker of the built-in trainer runs :class:`FlightWatch` when the job has h
 heartbeat directory holds a new token (``DIAGNOSE`` writes one), the thread writes
 ``fr-<LOCAL_RANK>`` there: one line ``TOKEN SEQ OP``, the newest collective of the default process
 group (its sequence number and name, e.g. ``1234 all_reduce``). ``doctor`` and the watchdog read it beside the stacks
-(deploy/doctor.py). Where torch has no recorder for the backend (gloo before torch 2.7, say),
+(deploy/observe/doctor.py). Where torch has no recorder for the backend (gloo before torch 2.7, say),
 nothing is written and the stacks alone tell.
 """
 

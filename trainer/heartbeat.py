@@ -7,7 +7,7 @@ and private to the run. A rank writes ``$DDP_HEARTBEAT_DIR/$LOCAL_RANK`` wheneve
 progress: one line, ``STEP [RANK [GAP_MS]]``, the file's modification time being when. The
 built-in trainer writes it at every optimizer step, evaluation batch and checkpoint, in place
 (``pwrite`` of a fixed-width line: a few microseconds). A user program may opt in with one line
-and no import of this bundle (README, "When a job hangs")::
+and no import of this bundle (docs/failures.md, "When a job hangs")::
 
     open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"{step} {os.environ['RANK']}\\n")
 
@@ -281,7 +281,7 @@ class Watchdog:
     timeout, it keeps the stall with the run and acts on ``job.on_stall``.
 
     Kept (``record``: the node's directory of the run on the shared volume, runs.py): a line in
-    ``stalls``, ``TIME STEP QUIET_S LIMIT_S ACTION`` (deploy/runs.py reads it), and in
+    ``stalls``, ``TIME STEP QUIET_S LIMIT_S ACTION`` (deploy/job/runs.py reads it), and in
     ``stall-TIME`` what :data:`DIAGNOSE` found: each worker's state and Python stacks, the
     diagnosis ``status --run`` gives later, when the hung processes may be long gone.
 

@@ -45,7 +45,7 @@ def default_nproc() -> str:
 
 DEFAULT_ENTRY = "trainer"
 RUN_MARKER_ENV = "DDP_DEPLOY_RUN"
-"""The host runtime's run directory, in the environment of every process of the run (deploy/runtime.py)."""
+"""The host runtime's run directory, in the environment of every process of the run (deploy/job/runtime.py)."""
 
 
 # Each worker's lines, echoed by torchrun (--tee), start with its global rank: `logs` shows and
@@ -129,7 +129,14 @@ def bind_rendezvous_store(address: str) -> None:
     backend.TCPStore = bound_store
 
 
-def watch_rendezvous(args: list[str], every: float = 10, slack: float = 30) -> threading.Thread | None:
+# The rendezvous watch: a probe every WATCH_EVERY_S s, each given PROBE_TIMEOUT_S s to connect; the
+# launcher gives up after join_timeout + WATCH_SLACK_S s without an answer. So a lost store ends it
+# within join_timeout + WATCH_SLACK_S + WATCH_EVERY_S + PROBE_TIMEOUT_S of its last answer.
+WATCH_EVERY_S, WATCH_SLACK_S, PROBE_TIMEOUT_S = 10, 30, 5
+
+
+def watch_rendezvous(args: list[str], every: float = WATCH_EVERY_S, slack: float = WATCH_SLACK_S
+                     ) -> threading.Thread | None:
     """On a node that does not host the rendezvous: ends this process when the rendezvous store
     has not accepted a connection for ``join_timeout + 30`` s.
 
@@ -156,7 +163,7 @@ def _watch(host: str, port: int, bound: float, every: float) -> None:
     silent_since = None
     while True:
         try:
-            socket.create_connection((host, port), timeout=5).close()
+            socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
             silent_since = None
         except OSError as exc:
             silent_since = silent_since or time.monotonic()

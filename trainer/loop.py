@@ -52,6 +52,8 @@ def _rng_state(env: DistEnv) -> dict:
     state = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(env.device)
+        if env.stages > 1:  # the later stages' dropout draws from their own devices' generators
+            state["cuda_stages"] = [torch.cuda.get_rng_state(d) for d in env.devices[1:]]
     return state
 
 
@@ -107,6 +109,10 @@ def restore(ctx: Context, state: dict) -> Position:
         torch.set_rng_state(mine["cpu"])
         if "cuda" in mine and ctx.env.device.type == "cuda":
             torch.cuda.set_rng_state(mine["cuda"], ctx.env.device)
+            later = mine.get("cuda_stages", [])
+            if len(later) == ctx.env.stages - 1:  # another split draws elsewhere: not replayable on GPUs
+                for state_, device in zip(later, ctx.env.devices[1:]):
+                    torch.cuda.set_rng_state(state_, device)
     else:  # a resized job cannot replay each rank's stream; keep it deterministic all the same
         torch.manual_seed(ctx.cfg.seed + 7919 * ctx.env.rank + state["global_step"])
     pos = Position(state["epoch"], state["micro"], state["global_step"])
@@ -126,14 +132,17 @@ def _sync_buffers(ctx: Context) -> None:
     """BatchNorm statistics of rank 0 on every rank, so that all ranks evaluate the same model."""
     if ctx.env.distributed:
         for buffer in ctx.built.raw_model.buffers():
-            dist.broadcast(buffer, src=0)
+            here = buffer.to(ctx.env.device)  # a later stage's is sent from the process group's device
+            dist.broadcast(here, src=0)
+            if here is not buffer:
+                buffer.copy_(here)
 
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> dict:
     """Each rank scores a disjoint shard of the test set; the counts are summed over ranks."""
     _sync_buffers(ctx)
-    model = ctx.built.raw_model
+    model = ctx.built.local
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.env.device)
     dtype = amp_dtype(ctx.cfg)
@@ -177,7 +186,7 @@ def train(ctx: Context, pos: Position) -> Position:
                 images = augment(images, generator)
             x, y = ctx.normalize(images), ctx.train.labels[idx]
             stepping = (i + 1) % cfg.grad_accum == 0
-            sync = contextlib.nullcontext() if stepping or b.model is b.raw_model else b.model.no_sync()
+            sync = contextlib.nullcontext() if stepping or b.model is b.local else b.model.no_sync()
             with sync:
                 with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
                     out = b.model(x)
@@ -248,5 +257,5 @@ def _log_train(ctx: Context, pos: Position, stats: RunningStats, timer: Interval
     record = {"kind": "train", "epoch": pos.epoch, "epochs": ctx.cfg.epochs, "step": pos.global_step,
               "steps_left": steps_left(ctx, pos), "loss": totals["loss"], "acc": totals["acc"],
               "lr": ctx.built.optimizer.param_groups[0]["lr"],
-              **timer.rates(totals["samples"]), "peak_mem_mb": peak_memory_mb(ctx.env.device)}
+              **timer.rates(totals["samples"]), "peak_mem_mb": peak_memory_mb(*ctx.env.devices)}
     ctx.metrics.write(record)

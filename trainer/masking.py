@@ -1,5 +1,5 @@
 """Secret values shown as ``***`` in printed text: on the node, before a job's output is written
-anywhere (trainer.launch), and on the operator's machine (deploy.secretenv.Redactor). Stdlib only.
+anywhere (trainer.launch), and on the operator's machine (deploy.job.secretenv.Redactor). Stdlib only.
 
 A program rarely prints a secret only as it is: a dict printed whole, a log record, a METRICS
 line or a URL spell it escaped. Each value is masked in every spelling :func:`forms` lists.

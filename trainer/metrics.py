@@ -67,9 +67,10 @@ class RunningStats:
         return {"loss": loss_sum / count, "acc": correct / count, "samples": int(totals[2])}
 
 
-def peak_memory_mb(device: torch.device) -> float:
+def peak_memory_mb(device: torch.device, *more: torch.device) -> float:
+    """The process's peak memory; on GPUs the largest of its devices' (a split model's stages)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return max(torch.cuda.max_memory_allocated(d) for d in {device, *more}) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 

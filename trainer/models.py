@@ -1,4 +1,6 @@
-"""The model zoo: small, plain nn.Modules that adapt to the dataset's image shape."""
+"""The model zoo: plain nn.Modules that adapt to the dataset's image shape. Each one's
+``layers()`` is its forward as a list of pieces applied in turn, of about equal work: its split
+points, where a cut into stages may fall (trainer/stages.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
+    def layers(self) -> list[nn.Module]:
+        f, h = self.features, self.head
+        return [f[0:3], f[3:], h[0:3], h[3:]]
+
 
 class LeNet(nn.Module):
     """LeNet-5 (ReLU and max-pooling variant)."""
@@ -44,6 +50,10 @@ class LeNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+    def layers(self) -> list[nn.Module]:
+        f, h = self.features, self.head
+        return [f[0:3], f[3:], h[0:2], h[2:4], h[4:]]
 
 
 class BasicBlock(nn.Module):
@@ -81,8 +91,34 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.stages(self.stem(x)))
 
+    def layers(self) -> list[nn.Module]:
+        return [self.stem, *self.stages, self.head]
 
-MODEL_CLASSES = {"convnet": ConvNet, "lenet": LeNet, "resnet": ResNet}
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 (the model-parallel tutorial's), its first convolution taking the
+    dataset's channels."""
+
+    def __init__(self, channels: int, size: int, classes: int) -> None:
+        super().__init__()
+        del size  # adaptive pooling: any image size of 32 px or more works (28 px too)
+        from torchvision.models import resnet50  # only this model needs torchvision at build time
+
+        net = resnet50(num_classes=classes)
+        if channels != 3:
+            net.conv1 = nn.Conv2d(channels, 64, 7, 2, 3, bias=False)
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def layers(self) -> list[nn.Module]:
+        n = self.net
+        return [nn.Sequential(n.conv1, n.bn1, n.relu, n.maxpool), *n.layer1, *n.layer2, *n.layer3, *n.layer4,
+                nn.Sequential(n.avgpool, nn.Flatten(1), n.fc)]
+
+
+MODEL_CLASSES = {"convnet": ConvNet, "lenet": LeNet, "resnet": ResNet, "resnet50": ResNet50}
 
 
 def build_model(name: str, channels: int, size: int, classes: int, sync_bn: bool = False) -> nn.Module:

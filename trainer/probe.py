@@ -2,7 +2,7 @@
 
 ``ddp-deploy check`` runs it before anything starts, where the job will run: in the image on
 docker nodes (with the job's ``--gpus``), with the configured interpreter on host nodes (with
-the job's ``CUDA_VISIBLE_DEVICES``). The operator's side judges the answer (deploy/preflight.py):
+the job's ``CUDA_VISIBLE_DEVICES``). The operator's side judges the answer (deploy/checks/preflight.py):
 torch inside the supported range, on GPU nodes CUDA usable on every device a process will use,
 and the job's program importing where it will run (``--import MODULE`` or ``--script PATH``), so
 that a typo'd module name is a refusal in seconds, not a crash loop under torchrun's restarts.
@@ -43,13 +43,14 @@ def probe(gpus: int, procs: int) -> dict:
     report["cuda_build"] = torch.version.cuda
     if gpus == 0:
         return report
-    report.update(_cuda(torch, procs))
+    report.update(_cuda(torch, max(gpus, procs)))
     return report
 
 
-def _cuda(torch, procs: int) -> dict:
-    """CUDA as the job would meet it: available, enough devices, and a kernel runs on each one
-    a process will use (a driver too old for the image's CUDA fails here, not in the job)."""
+def _cuda(torch, used: int) -> dict:
+    """CUDA as the job would meet it: available, enough devices, and a kernel runs on each of the
+    ``used`` ones its processes will use, a split model's stages included (a driver too old for
+    the image's CUDA fails here, not in the job)."""
     out: dict = {"cuda_available": False}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -61,7 +62,7 @@ def _cuda(torch, procs: int) -> dict:
     try:
         out["devices"] = torch.cuda.device_count()
         out["device_names"] = [torch.cuda.get_device_name(i) for i in range(out["devices"])]
-        for i in range(min(procs, out["devices"])):
+        for i in range(min(used, out["devices"])):
             torch.ones(1, device=f"cuda:{i}").add_(1).item()
         if torch.distributed.is_available() and torch.distributed.is_nccl_available():
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

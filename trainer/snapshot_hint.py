@@ -1,7 +1,7 @@
 """Says why a program could not write into its working directory, when that is the code snapshot.
 
 With ``train.code`` the program's working directory is the read-only snapshot of its code
-(deploy/codesync.py): a tutorial's ``torch.save(state, "snapshot.pt")`` fails there with a bare
+(deploy/job/codesync.py): a tutorial's ``torch.save(state, "snapshot.pt")`` fails there with a bare
 ``Permission denied`` (``Read-only file system`` for root on the host runtime, whose snapshot is a
 read-only mount), and torch's own message may name no path at all. Once the workers have ended,
 the launcher reads what they printed (torchrun's log directory, which ``--tee`` fills on every

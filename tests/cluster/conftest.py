@@ -104,6 +104,26 @@ def pytest_runtest_teardown(item):
     return result
 
 
+NODE_LOG_LINES = 60
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used ``fresh_nas`` shows the last lines of every node's kept log of every
+    run it made (the NAS is emptied after it, and CI keeps no tmp_path): the evidence of what each
+    node did, in the report itself."""
+    report = yield
+    nas = getattr(item, "funcargs", {}).get("fresh_nas")
+    if call.when == "call" and report.failed and nas is not None:
+        for log in sorted(Path(nas).glob("*/.ddp-deploy/*/runs/*/*/log")):
+            try:
+                lines = log.read_text(errors="replace").splitlines()[-NODE_LOG_LINES:]
+            except OSError as e:
+                lines = [f"(not read: {e})"]
+            report.sections.append((f"kept log {log.relative_to(nas)}", "\n".join(lines)))
+    return report
+
+
 @pytest.fixture
 def fresh_nas(cluster):
     """An empty NAS for each test (the cluster itself is shared by the session), and after it."""

@@ -1,7 +1,7 @@
 """One more host on the test cluster, whose Docker keeps images in the containerd image store.
 
 The cluster's nodes run bookworm's Docker 20.10 (the classic store). New Docker installs keep
-images in containerd instead, and that store loads images differently (deploy/oci.py), so the
+images in containerd instead, and that store loads images differently (deploy/images/oci.py), so the
 deploy tool is tested against one for real: ``node9`` (namespace ``ddpn9``, 198.18.0.19, veth
 ``ddpv9`` on the cluster's bridge), with its own sshd like the others and Debian trixie's
 dockerd 26 and containerd 1.7 started with ``"features": {"containerd-snapshotter": true}``.

@@ -48,6 +48,25 @@ def containers_on(cluster, node: str) -> list[str]:
     return r.stdout.split()
 
 
+def trainer_processes_on(cluster, node: str) -> list[str]:
+    """The trainer's processes (launcher, torchrun's workers) left on ``node``: those in its network
+    namespace, read from /proc. The nodes share this machine's pids, so a plain ``pgrep`` would also
+    find the trainers other tests run here at the same time (``make test-lanes`` runs two lanes)."""
+    netns = os.stat(f"/var/run/netns/{cluster.host(node).ns}").st_ino
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.stat(proc / "ns" / "net").st_ino != netns:
+                continue
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # ended meanwhile
+            continue
+        line = " ".join(argv)
+        if "trainer.launch" in line or "-m trainer" in line:
+            found.append(f"{proc.name} {line.strip()}")
+    return found
+
+
 def records(nas: Path) -> list[dict]:
     path = nas / "ckpt" / "metrics.jsonl"
     if not path.exists():

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import cli, image, oci
+from deploy.engines import fleet
+from deploy.images import image, oci
 from deploy.inventory import load
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 
 from .operator_cli import ddp, ok
 
@@ -118,7 +119,7 @@ def test_deploys_leave_the_exact_image_on_both_stores_and_a_code_change_sends_on
 
     inv = load(hosts)  # launch's check: one image on both stores
     with Remote(inv) as remote:
-        assert cli._one_image(inv, remote) == v2
+        assert fleet.one_image(inv, remote) == v2
 
 
 def test_a_load_the_containerd_store_cannot_complete_is_refused_and_the_next_deploy_repairs_it(

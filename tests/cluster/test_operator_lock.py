@@ -1,6 +1,6 @@
 """One operator at a time, on the real cluster: two `ddp-deploy launch` started at the same moment
 against the same 3 nodes. Exactly one starts the job; the other is refused with one line naming
-the holder, and starts nothing. The nodes hold the fleet lock (deploy/lock.py) over SSH; here
+the holder, and starts nothing. The nodes hold the fleet lock (deploy/job/lock.py) over SSH; here
 they share /tmp, as the test's own lock directory (tests/conftest.py), so they share one lock.
 """
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .operator_cli import ddp, node_states, ok, start_ddp
+from .operator_cli import ddp, node_states, ok, start_ddp, trainer_processes_on
 
 pytestmark = pytest.mark.cluster
 
@@ -56,7 +56,7 @@ def test_two_launches_at_the_same_moment_one_starts_the_job_the_other_is_refused
                 p.communicate()
         ok(ddp(cluster, hosts, "stop"))
     for h in cluster.hosts:
-        assert cluster.run_on(h.name, ["pgrep", "-f", "trainer.launch|-m trainer"]).stdout.strip() == ""
+        assert trainer_processes_on(cluster, h.name) == []
     record_fault(fault="two launches at the same moment (same fleet)", finished="one started, one refused",
                  redone_steps=None, ckpt_every=None, detect_s=round(ended[loser], 1),
                  detect_what="start to the refusal naming the holder", left_running="the winner's job alone",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .operator_cli import containers_on, ddp
+from .operator_cli import containers_on, ddp, trainer_processes_on
 
 pytestmark = pytest.mark.cluster
 
@@ -147,7 +147,7 @@ def test_gpu_nodes_where_cuda_cannot_work_are_each_named_and_nothing_starts(clus
     assert launched.returncode == 1 and "nothing started" in launched.stderr and cause in launched.stderr
     for h in cluster.hosts:
         assert containers_on(cluster, h.name) == []
-        assert cluster.run_on(h.name, ["pgrep", "-f", "trainer.launch"]).stdout.strip() == ""
+        assert trainer_processes_on(cluster, h.name) == []
     record_fault(fault=f"GPU nodes without usable CUDA ({runtime} runtime)", finished="refused before starting",
                  redone_steps=None, ckpt_every=None, detect_s=round(took, 1),
                  detect_what="`check` naming every node's torch/CUDA probe", left_running="nothing",

@@ -20,7 +20,7 @@ from .operator_cli import complete_checkpoint_steps, ddp, ok, records, wait_unti
 pytestmark = pytest.mark.cluster
 
 PROCS, NODES = 2, 2
-SAMPLES, BATCH = 6144, 16
+SAMPLES, BATCH = 3072, 16  # 48 steps an epoch on 2 nodes x 2 processes
 STEPS_PER_EPOCH = SAMPLES // (NODES * PROCS * BATCH)
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", "2",
          "--log-every", "2", "--ckpt-every", "8", "--eval-batch-size", "256"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from deploy.inventory import loads
-from deploy.remote import Remote
+from deploy.nodes.remote import Remote
 
 from .operator_cli import ddp, ok
 

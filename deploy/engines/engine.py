@@ -1,0 +1,198 @@
+"""One interface for every engine a job runs on (torchx's schedulers are the model).
+
+An engine is how the job's processes get started, watched and ended: the SSH fleet
+(``hosts.yaml``'s ``nodes:``, deploy/engines/engine_fleet.py) or Slurm (``slurm:``, deploy/engines/engine_slurm.py);
+Kubernetes is export only, from any hosts.yaml. Each engine implements the same verbs, with the
+same options; a verb that does not apply to an engine is named in its ``limits``, with why, and
+refused with that reason (exit 2). The CLI parses the options, picks the engine
+(deploy/engines/choose.py) and calls the verb: it knows of no engine.
+
+The verbs that read only the shared volume (``runs``, ``plot``) and ``export`` are the same on
+every engine and live here.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import click
+from rich.table import Column
+
+from ..errors import InputError
+from ..inventory import Inventory
+from ..job import runs
+from ..nodes.remote import Remote
+from ..text import DataTable, cell
+from . import fleet, render
+
+
+class Invocation(Protocol):
+    """What a verb runs with: the inventory, the file it came from, and the masking of secrets."""
+
+    hosts: str
+
+    @property
+    def inv(self) -> Inventory: ...
+
+    def redact(self, text: str) -> str: ...
+
+
+def _limited(verb):
+    """A verb that an engine may not have: the base's version refuses it with the engine's reason."""
+    verb.refuses = True
+    return verb
+
+
+class Engine(ABC):
+    """The verbs of one engine. Every verb in ``VERBS`` is either implemented by the engine or
+    named in its ``limits``, which the base's ``join`` and ``unlock`` refuse with (the abstract verbs
+    every engine has; tests/test_deploy_engines.py holds each engine to the rule)."""
+
+    name: ClassVar[str]
+    VERBS: ClassVar[tuple[str, ...]] = ("validate", "check", "deploy", "launch", "join", "status", "doctor", "logs",
+                                        "runs", "plot", "stop", "export", "unlock")
+    limits: ClassVar[dict[str, str]] = {}  # verb -> why it does not apply to this engine
+
+    def __init__(self, st: Invocation) -> None:
+        self.st = st
+
+    @property
+    def inv(self) -> Inventory:
+        return self.st.inv
+
+    @classmethod
+    @abstractmethod
+    def serves(cls, inv: Inventory) -> bool:
+        """Whether this engine runs the job that ``inv`` describes."""
+
+    def refuse(self, verb: str) -> None:
+        raise InputError(f"{verb}: not on {self.name}: {self.limits[verb]}")
+
+    # --- each engine's own ------------------------------------------------------------------------
+
+    @abstractmethod
+    def validate(self) -> None:
+        """Parse and check the inventory; no connection."""
+
+    @abstractmethod
+    def check(self, network: bool, network_mb: float) -> None:
+        """The preflight checks where the job will run (``network``: an all-reduce across the nodes too)."""
+
+    @abstractmethod
+    def deploy(self, dry_run: bool, build: bool) -> None:
+        """Make the shared directories and get the job's image or interpreter ready."""
+
+    @abstractmethod
+    def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
+        """Start the job, all or nothing (``wait``: follow it to its end, exit code as its outcome)."""
+
+    @_limited
+    def join(self, node: str, dry_run: bool) -> None:
+        self.refuse("join")
+
+    @abstractmethod
+    def status(self, as_json: bool, follow: bool, run_id: str | None) -> None:
+        """Each node's state and progress (``run_id``: a kept run's; ``follow``: until the job ends)."""
+
+    @abstractmethod
+    def doctor(self, as_json: bool) -> None:
+        """What every rank of the running job is doing, grouped by where the ranks wait."""
+
+    @abstractmethod
+    def logs(self, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...],
+             run_id: str | None) -> None:
+        """Every node's output, each line labelled with its node and rank."""
+
+    @abstractmethod
+    def stop(self, dry_run: bool, now: bool) -> None:
+        """End the job (a checkpoint first unless ``now``); idempotent."""
+
+    @_limited
+    def unlock(self, force: bool) -> None:
+        self.refuse("unlock")
+
+    @abstractmethod
+    def running(self, remote: Remote) -> bool:
+        """Whether the job's newest run still runs."""
+
+    @_limited
+    def batch_script(self) -> str:
+        """What ``export slurm`` prints: the exact batch script ``launch`` submits."""
+        raise InputError("export slurm: hosts.yaml has no slurm: section",
+                         hint="add slurm: (login, nodes, ...) in place of nodes: (docs/slurm-kubernetes.md)")
+
+    # --- the same on every engine -----------------------------------------------------------------
+
+    def runs(self, as_json: bool) -> None:
+        inv, redact = self.inv, self.st.redact
+        with Remote(inv) as remote:
+            kept = fleet.kept_runs(inv, remote, "", redact)[1]
+            running = bool(kept) and kept[-1].end is None and self.running(remote)
+        if as_json:
+            click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
+                                    "outcome": "running" if running and r is kept[-1] else r.outcome(),
+                                    "stopped": r.stop_data(),
+                                    "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
+                                                  "stopped": nr.stop.as_data() if nr.stop else None,
+                                                  "stalls": [k.as_data() for k in nr.stalls]}
+                                              for n, nr in r.nodes.items()},
+                                    "record": r.record} for r in kept]))
+            return
+        if not kept:
+            click.echo(f"no run of {inv.job.name} is kept in {runs.runs_dir(inv)}")
+            return
+        table = DataTable(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code",
+                          "image", Column("outcome", no_wrap=True), Column("stalls", no_wrap=True),
+                          title=f"runs of {inv.job.name} (the newest {inv.job.keep_runs} are kept; the id starts "
+                                "with the UTC start time)")
+        for r in kept:
+            outcome = cell("running", "green") if running and r is kept[-1] else r.outcome()
+            table.add_row(r.id, fleet.when(r)[1] or "-", str(len(r.nodes)), r.field("program") or "?",
+                          (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8],
+                          outcome, r.stall_text())
+        render.out.print(table)
+
+    def plot(self, run_ids: tuple[str, ...], output: str | None) -> None:
+        from ..observe import plot as plotting  # matplotlib: only for this verb
+
+        plotting.require_matplotlib()
+        inv = self.inv
+        path = output or f"{inv.job.name}-metrics.png"
+        with Remote(inv) as remote:
+            reader, got = fleet.on_any_node(inv, remote, plotting.sources_argv(inv),
+                                            f"the metrics in {inv.storage.checkpoints.host}")
+            kept, text = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
+            by_run = plotting.records_by_run(text)
+            missing = [r for r in plotting.wanted_runs(kept, run_ids) if r not in by_run]
+            from_logs = {}
+            if missing:  # runs metrics.jsonl knows nothing of: their programs' METRICS lines
+                read = remote.run({reader: plotting.log_metrics_argv(inv, missing)}, check=False, timeout=120)[reader]
+                if read.ok:
+                    from_logs = plotting.log_records(read.stdout)
+                else:
+                    render.warn(f"{reader}: the logs of {', '.join(missing)} were not read: {read.summary()}")
+        sources = {run: plotting.FROM_LOGS for run in from_logs}
+        by_run = plotting.masked({**by_run, **from_logs}, self.st.redact)
+        plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
+        click.echo(plotting.wrote(path, plotting.select(by_run, run_ids), sources))
+
+    def export(self, target: str, kind: str, namespace: str | None, pvc: str | None, image_ref: str | None,
+               output: str | None) -> None:
+        if target == "slurm":
+            text = self.batch_script()
+        else:
+            from . import k8s
+
+            inv = self.inv
+            text = k8s.render(inv, k8s.manifests(inv, kind=kind, namespace=namespace, pvc=pvc, image=image_ref))
+        if output is None:
+            click.echo(text, nl=not text.endswith("\n"))
+            return
+        Path(output).write_text(text)
+        click.echo(f"wrote {output}", err=True)
+
+
+__all__ = ["Engine", "Invocation"]

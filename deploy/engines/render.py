@@ -1,0 +1,138 @@
+"""How the CLI shows what the procedures (deploy/engines/fleet.py) and the nodes said: tables, command
+lines, progress and warnings, every one of them as text (a node's words may hold escapes or markup)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from dataclasses import asdict
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from ..checks import netcheck
+from ..images import deliveries
+from ..job import phases
+from ..nodes.remote import command_line
+from ..observe import doctor, view
+from ..text import DataTable, Screen, cell, safe
+from . import fleet
+
+out = Screen(highlight=False, soft_wrap=True)  # tables at full width where stdout is no terminal
+
+
+def show(node: str, argv) -> None:
+    click.echo(f"[{node}] {command_line(argv)}")
+
+
+def warn(text: str) -> None:
+    click.echo(safe(f"warning: {text}"), err=True)
+
+
+def say(text: str) -> None:
+    """A procedure's line of progress (deploy/engines/fleet.py's ``say``), shown as text."""
+    click.echo(safe(text))
+
+
+def ship_with_progress(inv, remote, image_id, held):
+    """Ships the image (deploy/images/delivery.py), one line per node that gets it: its stage, bytes, rate."""
+    way = deliveries.for_inventory(inv)
+    columns = (TextColumn("{task.fields[node]:<12} {task.fields[stage]:<10}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        tasks: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def report(node: str, stage: str, done: int, total: int | None) -> None:
+            with lock:
+                if node not in tasks:
+                    tasks[node] = progress.add_task(node, total=total, node=node, stage=stage)
+                progress.update(tasks[node], completed=done, total=total, stage=stage)
+
+        return way.ship(remote, image_id, held, report)
+
+
+def print_network(report: dict) -> None:
+    table = DataTable("node", "interface", "transport", "bus bandwidth", "pairs",
+                      title=f"network: {report['backend']} all-reduce of {report['size_bytes'] / 2**20:g} MiB")
+    for n in report["nodes"]:
+        pairs = ", ".join(f"{peer} {netcheck.rate(bw)}" for peer, bw in n["pairs"].items())
+        table.add_row(n["node"], n["interface"], n["transport"], netcheck.rate(n["busbw"]), pairs)
+    out.print(table)
+    if report.get("allreduce_busbw"):
+        click.echo(f"all nodes together: {netcheck.rate(report['allreduce_busbw'])} bus bandwidth")
+    if report.get("note"):
+        click.echo(f"note: {report['note']}")
+
+
+def print_checks(checks) -> None:
+    table = DataTable("node", "check", "result", "detail", title="preflight")  # a detail quotes the node
+    for c in checks:
+        table.add_row(c.node, c.name, cell("ok", "green") if c.ok else cell("FAIL", "red"), c.detail)
+    out.print(table)
+
+
+def status_table(inv, states):
+    return view.table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
+
+
+def print_status(inv, states) -> None:
+    out.print(status_table(inv, states))
+
+
+def show_diagnosis(found: doctor.Diagnosis, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(asdict(found)))
+        return
+    click.echo(safe(found.summary))
+    for line in doctor.detail(found):
+        click.echo(safe(line))
+
+
+def follow(inv, remote, timeout, redact):
+    """Waits for the job's end, showing every node's state and progress as it goes: a table
+    redrawn in place on a terminal, plain lines otherwise (CI logs, pipes)."""
+    with contextlib.ExitStack() as screen:
+        if out.is_terminal:
+            live = screen.enter_context(Live(console=out, refresh_per_second=2, transient=True))
+            show = lambda states: live.update(status_table(inv, states))  # noqa: E731
+        else:
+            show = view.PlainFollower(click.echo).update
+        final = fleet.wait(inv, remote, timeout, redact, show=show, say=say, last=lambda states: print_status(inv, states))
+    print_status(inv, final)
+    return final
+
+
+def kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
+    """``status --run``: how each node of a kept run ended, its last metrics, the first failure."""
+    reader, run = fleet.kept_run(inv, remote, wanted, redact, "status --run")
+    states = {n: r.state() for n, r in run.nodes.items()}
+    ranks = {n: run.procs(n) for n in states}
+    first = fleet.kept_failure(inv, remote, reader, run.id, fleet.witnesses(states), redact)
+    stalls = fleet.kept_stalls(inv, remote, reader, run, redact)
+    if as_json:
+        click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
+                               "stopped": run.stop_data(),
+                               "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
+                                          "stopped": run.nodes[n].stop.as_data() if run.nodes[n].stop else None,
+                                          "first_failure": asdict(first) if first and first.node == n else None,
+                                          "stalls": [k.as_data() for k in run.nodes[n].stalls]}
+                                         for n, s in states.items()],
+                               "stalls": stalls, "record": run.record}))
+        return
+    started, took = fleet.when(run)
+    click.echo(safe(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
+                    f"{run.field('program') or '?'}: {run.outcome()}"))
+    prepared = phases.describe(run.record.get("launch_phases"))
+    if prepared:
+        click.echo(f"launch before the start {prepared}")
+    out.print(view.table(inv.job.name, ranks, states))
+    if first:
+        click.echo(f"first failure: {first.describe()}")
+    for kept in stalls:
+        click.echo(safe(view.kept_stall_line(kept)))
+        if kept["diagnosis"]:
+            click.echo(safe(f"  why: {kept['diagnosis']}"))

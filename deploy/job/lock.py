@@ -1,0 +1,402 @@
+"""The fleet lock: one operator at a time on a fleet.
+
+``launch`` and ``deploy`` take a lock on every node of the inventory, one node after the other
+in one canonical order (node address, then ssh port: two inventories naming the same machines
+in another order or under other names agree), stopping at the first node that refuses and
+releasing, in reverse, the nodes already taken. Two operators racing for the same (or
+overlapping) fleets meet first on the lowest node they share, so exactly one of them proceeds.
+
+On a node the lock is the directory ``LOCK_PATH``, made atomically by ``mkdir``, holding
+``owner`` (JSON: who, which command and job, a random token; only the holder of the token
+releases it) and ``heartbeat``, touched every ``HEARTBEAT_EVERY`` seconds while it is held.
+/tmp because every ssh user can create it there, it is per machine (nodes sharing the lock
+directory, as local nodes of one machine do, are one node for the lock), and a reboot clears it.
+
+A lock is stale when its heartbeat is older than ``STALE_AFTER`` (measured with the node's own
+clock), or its holder ran on this machine and that process has ended. "This machine" is told by
+its machine id and boot id (``Owner.machine``, ``Owner.boot``), never by the hostname alone, which
+another machine may share: a holder on another machine is judged by its heartbeat only, and one
+from before this machine's last boot has ended. Only where the holder or this machine has no
+machine id (owner files of earlier versions, systems without /etc/machine-id) does the hostname
+decide, and the reason says so. A stale lock is refused like a live one, never taken over:
+``ddp-deploy unlock`` clears it.
+
+A lock can still be removed under its holder (``unlock --force``, a reboot of the node): the
+holder's heartbeat notices and records it, and ``FleetLock.confirm`` refuses to go on, naming the
+node, before the command starts anything there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, asdict, dataclass, fields
+from datetime import datetime, timezone
+
+from ..errors import RuntimeFailure
+from ..inventory import Inventory, Node
+from ..node import node_program
+from ..nodes.remote import Remote, Result
+
+log = logging.getLogger(__name__)
+
+LOCK_PATH = "/tmp/ddp-deploy.lock"
+PATH_ENV = "DDP_DEPLOY_LOCK_PATH"
+"""Another lock directory (the tests' own); ``{address}`` in it becomes each node's address."""
+HEARTBEAT_EVERY = 10
+STALE_AFTER = 60
+UNLOCK = "`ddp-deploy unlock`"
+UNLOCK_LIVE = "`ddp-deploy unlock --force`"  # plain unlock refuses a live lock
+MACHINE_ID = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+"""Where this machine's id is (systemd's, then D-Bus's): unique per installation, unlike hostnames."""
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+"""A new one at every boot: a holder from an earlier boot has ended, whatever its pid says now."""
+
+# $1 = lock directory. Prints "held TAKEN QUIET" (seconds since the lock was taken and since its
+# last heartbeat, on this node's clock) and then the owner file; fails when there is no lock.
+_HELD = node_program("held.sh")
+
+# $1 = lock directory. What `held` prints, or "free".
+LOOK = _HELD + 'held "$1" || echo free\n'
+
+# $1 = lock directory, stdin = the owner JSON. Prints "taken", or what `held` prints about the
+# lock already there (a lock that vanishes meanwhile is tried again).
+TAKE = _HELD + r"""umask 022
+lock=$1; owner=$(cat)
+for _ in 1 2 3; do
+  if err=$(mkdir -m 755 "$lock" 2>&1); then
+    printf '%s\n' "$owner" > "$lock/owner.tmp" && touch "$lock/heartbeat" && mv "$lock/owner.tmp" "$lock/owner" || exit 1
+    echo taken; exit 0
+  fi
+  held "$lock" && exit 0
+done
+echo "$err" >&2; exit 1
+"""
+
+# $1 = lock directory, $2 = token. Refreshes the heartbeat of our own lock only; where the lock
+# is no longer ours, prints "lost" and then what LOOK prints about the node's lock now.
+BEAT = _HELD + r"""if grep -qsF -e "$2" "$1/owner"; then touch "$1/heartbeat"
+else echo lost; held "$1" || echo free
+fi
+"""
+
+# $1 = lock directory, $2 = the token of the lock to remove ("" = a lock with no valid owner).
+# Prints removed, gone (no lock) or kept (another lock is there now).
+RELEASE = node_program("release.sh")
+
+
+def path(node: Node) -> str:
+    return os.environ.get(PATH_ENV, LOCK_PATH).replace("{address}", node.address)
+
+
+def describe() -> str:
+    return f"the fleet lock ({os.environ.get(PATH_ENV, LOCK_PATH)} on every node, taken in address order)"
+
+
+def canonical(inv: Inventory) -> list[Node]:
+    """The order every operator takes the nodes in."""
+    return sorted(inv.nodes, key=lambda n: (n.address, inv.ssh_for(n).port))
+
+
+def _argv(script: str, *args: str) -> tuple[str, ...]:
+    return ("sh", "-c", script, "sh", *args)
+
+
+def _first_line(paths: tuple[str, ...]) -> str:
+    """The first non-empty file of ``paths``, stripped; "" where none can be read."""
+    for p in paths:
+        try:
+            with open(p, encoding="ascii", errors="replace") as f:
+                text = f.read(256).strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return ""
+
+
+def machine_id() -> str:
+    return _first_line(MACHINE_ID)
+
+
+def boot_id() -> str:
+    return _first_line((BOOT_ID,))
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a lock: the ``owner`` file."""
+
+    user: str
+    host: str
+    pid: int
+    command: str
+    job: str
+    hosts: str
+    """The holder's hosts.yaml."""
+    started: str
+    """UTC, ISO 8601, the holder's clock."""
+    token: str
+    machine: str = ""
+    """The holder's machine id (``MACHINE_ID``); "" where it has none, and in owner files of
+    versions before it, where ``host`` alone tells machines apart."""
+    boot: str = ""
+    """The holder's boot id (``BOOT_ID``) when it took the lock; "" where unknown."""
+
+    @classmethod
+    def here(cls, command: str, job: str, hosts: str) -> "Owner":
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry for this uid (containers)
+            user = f"uid{os.getuid()}"
+        return cls(user=user, host=socket.gethostname(), pid=os.getpid(), command=command, job=job,
+                   hosts=os.path.abspath(hosts), started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   token=uuid.uuid4().hex, machine=machine_id(), boot=boot_id())
+
+    def ended(self) -> str | None:
+        """Why this holder's process has certainly ended, as far as this machine can tell; None
+        while it may run, and always for a holder on another machine (its heartbeat tells)."""
+        here = machine_id()
+        if isinstance(self.machine, str) and self.machine and here:
+            if self.machine != here:
+                return None
+            now = boot_id()
+            if isinstance(self.boot, str) and self.boot and now and self.boot != now:
+                return f"this machine has restarted since process {self.pid} took the lock"
+            return None if _alive(self.pid) else f"process {self.pid} on this machine has ended"
+        if self.host != socket.gethostname() or _alive(self.pid):
+            return None
+        why = "the lock names no machine id" if here else f"this machine has no machine id ({', '.join(MACHINE_ID)})"
+        return f"process {self.pid} on this machine has ended (this machine told by its hostname {self.host}: {why})"
+
+    def elsewhere(self) -> bool:
+        """Whether the holder ran on another machine that has this machine's hostname."""
+        here = machine_id()
+        return (self.host == socket.gethostname() and isinstance(self.machine, str) and bool(self.machine)
+                and bool(here) and self.machine != here)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, text: str) -> "Owner | None":
+        try:
+            data = json.loads(text)
+            # Fields a later version adds are ignored; those an earlier one lacked take their default.
+            values = {f.name: data[f.name] if f.default is MISSING else data.get(f.name, f.default)
+                      for f in fields(cls)}
+            return cls(**{**values, "pid": int(values["pid"])})
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A lock found on a node."""
+
+    node: str
+    owner: Owner | None
+    """None while it is being taken (no owner file yet), or when the owner file is unreadable."""
+    age: int
+    """Seconds since it was taken (the node's clock)."""
+    quiet: int
+    """Seconds since its last heartbeat (the node's clock)."""
+
+    def stale(self) -> str | None:
+        """Why nobody holds this lock any more, or None while its holder may still run."""
+        if self.quiet > STALE_AFTER:
+            return f"no heartbeat for {self.quiet} s"
+        return None if self.owner is None else self.owner.ended()
+
+    def holder(self) -> str:
+        o = self.owner
+        who = (f"{o.command} of job {o.job} by {o.user}@{o.host} (pid {o.pid}"
+               + (", on another machine of that name" if o.elsewhere() else "") + ")" if o is not None
+               else "a ddp-deploy that has written no owner file (yet)")
+        return f"{who}, started {_ago(self.age)} ago"
+
+    def describe(self) -> str:
+        return f"{self.node} is locked by {self.holder()}"
+
+
+def parse(node: str, stdout: str) -> Seen | None:
+    """The output of LOOK / TAKE: None for no lock (or one just taken), else what holds it."""
+    head, _, rest = stdout.partition("\n")
+    words = head.split()
+    if words[:1] != ["held"] or len(words) != 3:
+        return None
+    return Seen(node, Owner.decode(rest), int(words[1]), int(words[2]))
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and -N name process groups, never a holder
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
+        return False
+    except PermissionError:  # it runs, as another user
+        pass
+    return True
+
+
+def _ago(seconds: int) -> str:
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h"
+
+
+def refusal(command: str, seen: Seen) -> RuntimeFailure:
+    why = seen.stale()
+    if why is None:
+        return RuntimeFailure(f"{command} refused, nothing started: {seen.describe()}",
+                              hint=f"wait for it to finish, or if that command no longer runs: {UNLOCK_LIVE}")
+    return RuntimeFailure(f"{command} refused, nothing started: {seen.describe()}; the lock is stale: {why}",
+                          hint=f"clear it with {UNLOCK}, then run {command} again")
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Every node's lock, as LOOK found it."""
+
+    locks: dict[str, Seen | None]
+    """Per node that answered: its lock, or None."""
+    failed: dict[str, Result]
+    """The nodes that did not answer (or whose LOOK failed)."""
+
+
+def survey(inv: Inventory, remote: Remote) -> Survey:
+    """Every node at once (which also opens every connection in parallel)."""
+    res = remote.run({n.name: _argv(LOOK, path(n)) for n in inv.nodes}, check=False, timeout=60)
+    return Survey({n: parse(n, r.stdout) for n, r in res.items() if r.ok},
+                  {n: r for n, r in res.items() if not r.ok})
+
+
+class FleetLock:
+    """The lock held on ``nodes``, refreshed by a heartbeat thread until :meth:`release`."""
+
+    def __init__(self, inv: Inventory, remote: Remote, owner: Owner, nodes: list[str]) -> None:
+        self.inv, self.remote, self.owner, self.nodes = inv, remote, owner, nodes
+        self.lost: dict[str, Seen | None] = {}
+        """Nodes where the heartbeat found the lock no longer ours: what holds it there now (None: nothing)."""
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="fleet-lock-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        # A Remote of its own: Remote opens a connection lazily and is not shared across threads.
+        with Remote(self.inv) as remote:
+            while not self._stop.wait(HEARTBEAT_EVERY):
+                beats = {n: _argv(BEAT, path(self.inv.node(n)), self.owner.token) for n in self.nodes}
+                for n, r in remote.run(beats, check=False, timeout=HEARTBEAT_EVERY).items():
+                    head, _, rest = r.stdout.partition("\n")
+                    if r.ok and head == "lost":
+                        if n not in self.lost:
+                            log.warning("fleet lock on %s: no longer ours", n)
+                        self.lost[n] = parse(n, rest)
+                    elif not r.ok:
+                        log.warning("fleet lock heartbeat on %s: %s", n, r.summary())
+
+    def confirm(self, command: str, nothing: str = "nothing was started") -> None:
+        """Raises unless the lock is still ours on every node it was taken on; called right before
+        ``command`` changes anything there. The heartbeat's record answers at once; else one look
+        at every node."""
+        lost = dict(self.lost)
+        if not lost:
+            res = self.remote.run({n: _argv(LOOK, path(self.inv.node(n))) for n in self.nodes}, check=False,
+                                  timeout=60)
+            for n in self.nodes:
+                r = res[n]
+                if not r.ok:
+                    raise RuntimeFailure(f"{command} stopped, {nothing}: cannot tell whether the fleet lock on {n} "
+                                         f"is still held: {r.summary()}", hint=f"run {command} again once {n} answers")
+                seen = parse(n, r.stdout)
+                if seen is None or seen.owner is None or seen.owner.token != self.owner.token:
+                    lost[n] = seen
+        for n in self.nodes:
+            if n in lost:
+                seen = lost[n]
+                what = ("removed (`ddp-deploy unlock --force`, or a reboot of the node)" if seen is None
+                        else f"taken by {seen.holder()}")
+                raise RuntimeFailure(f"the fleet lock on {n} was {what} while this {command} prepared; {nothing}",
+                                     hint="another operator may be using these nodes: see `ddp-deploy status`, "
+                                          f"then run {command} again")
+
+    def release(self) -> list[str]:
+        """Stops the heartbeat and removes the lock, last node first; returns the nodes where it stays."""
+        self._stop.set()
+        self._beat.join()
+        return _release(self.inv, self.remote, self.owner.token, self.nodes)
+
+
+def _release(inv: Inventory, remote: Remote, token: str, nodes: list[str]) -> list[str]:
+    left = []
+    for n in reversed(nodes):
+        r = remote.run({n: _argv(RELEASE, path(inv.node(n)), token)}, check=False, timeout=60)[n]
+        if not r.ok:
+            log.warning("fleet lock not released on %s: %s", n, r.summary())
+            left.append(n)
+    return left
+
+
+def acquire(inv: Inventory, remote: Remote, command: str, hosts: str) -> FleetLock:
+    """Takes the lock on every node that answers, in canonical order, or raises naming the holder.
+
+    Nodes that do not answer are skipped: the command's own checks name them.
+    """
+    owner = Owner.here(command, inv.job.name, hosts)
+    seen = survey(inv, remote)
+    order = [n for n in canonical(inv) if n.name not in seen.failed or seen.failed[n.name].connected]
+    for n in order:  # a lock already there: refused before taking anything
+        if seen.locks.get(n.name) is not None:
+            raise refusal(command, seen.locks[n.name])
+    taken: list[str] = []
+    try:
+        for n in order:
+            r = remote.run({n.name: _argv(TAKE, path(n))}, stdin={n.name: owner.encode()}, check=False,
+                           timeout=60)[n.name]
+            if not r.connected:
+                continue
+            if not r.ok:
+                raise RuntimeFailure(f"{command} refused, nothing started: {n.name}: cannot take the fleet lock "
+                                     f"{path(n)}: {r.summary()}")
+            other = parse(n.name, r.stdout)
+            if other is not None and (other.owner is None or other.owner.token != owner.token):
+                raise refusal(command, other)
+            taken.append(n.name)  # taken, or already ours: a lock directory this node shares with another
+    except BaseException:
+        _release(inv, remote, owner.token, taken)
+        raise
+    return FleetLock(inv, remote, owner, taken)
+
+
+@contextlib.contextmanager
+def held(inv: Inventory, remote: Remote, command: str, hosts: str,
+         warn: Callable[[str], None] = log.warning) -> Iterator[FleetLock]:
+    """The fleet lock for the duration of the block (released however it ends)."""
+    lock = acquire(inv, remote, command, hosts)
+    try:
+        yield lock
+    finally:
+        left = lock.release()
+        if left:
+            warn(f"the fleet lock stays on {', '.join(left)} (not reachable now): it turns stale within "
+                 f"{STALE_AFTER} s; clear it with {UNLOCK}")
+
+
+def remove(inv: Inventory, remote: Remote, locks: dict[str, Seen]) -> dict[str, Result]:
+    """Removes each node's lock, if it is still the one seen; stdout says removed, gone or kept."""
+    def token(s: Seen) -> str:
+        return s.owner.token if s.owner else ""
+
+    return remote.run({n: _argv(RELEASE, path(inv.node(n)), token(s)) for n, s in locks.items()},
+                      check=False, timeout=60)

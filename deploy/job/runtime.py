@@ -1,0 +1,590 @@
+"""How the job runs on a node: one class per runtime, owning every command of its kind.
+
+``docker`` runs the launcher as the image's entrypoint in a container; ``host`` runs the same
+launcher (``python -m trainer.launch``) with the node's interpreter. Everything here returns
+argv lists (plan.py and preflight.py call these; remote.py quotes them once); nothing runs.
+
+What differs between the runtimes: where the job's directories are, how a process gets its
+environment and its GPUs, how it is started detached, watched and stopped, and how the probe
+and the network check reach the job's own torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.entry import module_argv
+from trainer.heartbeat import DIAGNOSE, STALL_RECORD_ENV
+from trainer.output import LOG_DIR_ENV
+
+from ..inventory import Inventory, Node
+from ..node import node_program
+
+# Host runtime: per-node run directory (under the checkpoint dir, so logs sit with the run)
+# holding `pid` (the process-group id of the detached torchrun), `log` (its stdout+stderr)
+# and `exit` (its exit code, written when it ends).
+RUN_SUBDIR = ".ddp-deploy"
+
+# A shell function: kill_run RUNDIR [PID] kills every process whose environment carries the run's
+# DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live in sessions of their own),
+# except PID. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
+# directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
+# No single quote in it: the supervisor's script below is one quoted word.
+KILL_RUN = node_program("kill_run.sh")
+
+# Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
+# torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
+# The last METRICS line, without the prefix:
+LAST_METRICS = node_program("last_metrics.sh")
+# What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
+# its last such line, unless the job resumed after it (a METRICS line of kind "resumed": torchrun
+# started its workers again, from that stop's checkpoint). A stop reaches the nodes one after
+# another, and a node's ranks may have stopped by it (the others told them) before that node's own
+# stop begins: its line is then older than the stop, and still this stop's. (Only "resumed": a
+# worker's stdout and stderr reach the log through two pipes, so its METRICS lines of the steps
+# before the stop may come after the stop's line.)
+STOPPED_LINE = node_program("stopped_line.sh")
+
+# A shell function: record_stop KEPT SCOPE MODE BY TIME [said], stdin: the end of what the program
+# printed in this run. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY"
+# (runs.Stop reads it), STEP the step the program said it checkpointed at ("-": it said none). Only
+# the number is kept of the program's line: its text is the job's, and may hold anything. Prints
+# what the program said (STOPPED_LINE), and that the stop is not recorded where KEPT cannot be
+# written. With a 6th word "said": nothing is kept or printed unless the program said it stopped
+# (a node whose part had already ended: by this stop, which its ranks heard of from the others).
+RECORD_STOP = r"""record_stop() {
+  said=$(""" + STOPPED_LINE + r""")
+  [ "$6" = said ] && [ -z "$said" ] && return 0
+  step=$(printf '%s\n' "$said" | sed -n -E 's/.*stopped by .* at step ([0-9]{1,18})([^0-9].*)?$/\1/p')
+  if [ -n "$1" ] && { echo "$5 $2 $3 ${step:--} $4" > "$1/stopped.tmp" && mv "$1/stopped.tmp" "$1/stopped"; } 2>/dev/null
+  then printf '%s' "$said"
+  else printf '%s (the stop is not recorded%s)' "$said" "${1:+ in $1}"; fi
+}
+"""
+
+# $1 = the node's state dir, $2 = its directory of this run (runs.py), $3 = max restarts, $4... =
+# the command. Refuses when a previous run is recorded. The command's output goes to the run's
+# log (STATE/log links to it: status, logs and stop read the running one there), and each end
+# of it adds "TIME CODE" to the run's exits.
+# Starts the command in its own session (setsid), so `stop` can signal the whole process group,
+# under a supervisor loop that does for the host runtime what Docker's restart policy does for
+# containers: a command that exits non-zero (its torchrun killed, the OOM killer) is started
+# again, at most max-restarts times, and rejoins the job's next rendezvous round. Whatever the
+# command left (torchrun's workers live in sessions of their own) is killed first, as a
+# container's end takes every process in it. A signal to the
+# group (stop) ends the supervisor too, so a stopped job is never started again. Waits for the
+# pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
+HOST_START = r"""run=$1; kept=$2; shift 2
+if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
+mkdir -p "$run" "$kept" || exit 1
+rm -f "$run/exit" "$run/restarts"
+ln -sfn "$kept/log" "$run/log" || exit 1
+DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
+""" + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (trainer/heartbeat.py)
+# shellcheck disable=SC2016  # the supervisor's script expands its own arguments
+setsid sh -c '""" + KILL_RUN + r"""
+run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
+while :; do
+  "$@" >> "$kept/log" 2>&1 < /dev/null; rc=$?
+  echo "$(date +%s) $rc" >> "$kept/exits"
+  kill_run "$run" $$
+  { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
+  n=$((n+1)); echo $n > "$run/restarts"
+  echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$kept/log"; sleep 1
+done
+echo $rc > "$run/exit"' "$run" "$kept" "$@" < /dev/null > /dev/null 2>&1 &
+i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+[ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
+sleep 1
+if [ -e "$run/exit" ] && [ "$(cat "$run/exit")" != 0 ]; then
+  echo "exited with $(cat "$run/exit") at once: $(tail -n 3 "$run/log" | tr '\n' ' ')" >&2; exit 1
+fi
+cat "$run/pid"
+"""
+
+# A shell function: progress HEARTBEAT_DIR LOG. The evidence of progress of a running job on this
+# node, its ages in seconds as this node's clock has them: "beat LOCAL_RANK AGE LINE" for each
+# rank's heartbeat file (trainer/heartbeat.py; LINE: its first line's digits and spaces, the file
+# being the job's), and "quiet AGE", the time since the run's log was last written.
+PROGRESS = node_program("progress.sh")
+
+# A shell function: last_stall KEPT prints "stall LINE", the last stall the node's launcher kept
+# in the run's directory KEPT (trainer/heartbeat.py, Watchdog; job.on_stall: stop ends a node so).
+LAST_STALL = node_program("last_stall.sh")
+
+# $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | exited CODE; then
+# "restarts N" (the supervisor's count), a running job's PROGRESS, an ended one's LAST_STALL, and
+# the last METRICS line, if any.
+HOST_STATUS = PROGRESS + LAST_STALL + r"""run=$1
+if [ ! -e "$run/pid" ]; then echo absent; exit 0
+elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"; kept=$(readlink "$run/log" 2>/dev/null) && last_stall "${kept%/log}"
+elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running; progress "$2" "$run/log"
+else echo "exited ?"
+fi
+echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
+[ -e "$run/log" ] && cat "$run/log" | """ + LAST_METRICS + r"""
+exit 0
+"""
+
+# A shell function: drop_beats DIR removes a stopped job's heartbeat directory (a launcher killed
+# at once leaves it), where it is a directory and not a link.
+DROP_BEATS = node_program("drop_beats.sh")
+
+# $1 = run dir, $2 = grace in seconds (0: kill at once), $3 = who stops it (user@host), $4 = the job's
+# heartbeat dir. SIGTERM
+# to the process group if it still runs: torchrun passes it to its workers, which finish their
+# step, write a checkpoint and exit (trainer/stopping.py) within torchrun's 30 s; after the
+# grace, SIGKILL. torchrun starts each worker in a session of its own, so the group does not hold
+# them: every process still carrying this run's DDP_DEPLOY_RUN marker in its environment is
+# killed last. A job found running has its stop kept with the run (RECORD_STOP: the run's
+# directory is where STATE/log links). Then the run is forgotten (log kept). Prints what the
+# program said on stopping, if anything (STOPPED_LINE: never the line of an earlier stop that the
+# job went on from). A run that had ended before the stop began, whose program said it stopped,
+# stopped by this stop: its ranks heard of it from another node's, which began first.
+HOST_STOP = KILL_RUN + RECORD_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
+kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
+log_end() { tail -c 4000000 "$run/log" 2>/dev/null; }  # what this run printed last (STOPPED_LINE reads it)
+if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
+  pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+  alive=no; kill -0 "-$pid" 2>/dev/null && alive=yes
+  if [ "$grace" -gt 0 ]; then
+    kill -TERM "-$pid" 2>/dev/null
+    i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
+  fi
+  kill -KILL "-$pid" 2>/dev/null
+  kill_run "$run" ""
+  said=""
+  [ $alive = yes ] && said=$(log_end | record_stop "$kept" node "$mode" "$by" "$t0")
+  drop_beats "$beats"
+  echo "stopped$said"
+elif [ -e "$run/pid" ]; then
+  # ended before this stop began: by this stop all the same where the program says it stopped
+  # (its ranks heard of it from another node's), else on its own
+  said=""; [ "$grace" -gt 0 ] && said=$(log_end | record_stop "$kept" node graceful "$by" "$(date +%s)" said)
+  if [ -n "$said" ]; then echo "stopped$said"; else echo "cleared (had exited $(cat "$run/exit"))"; fi
+else echo absent
+fi
+rm -f "$run/pid" "$run/exit"
+"""
+
+# A shell function: launch_id CONTAINER prints the run id (runs.py) in the container's DDP_LAUNCH_ID,
+# and fails where it holds none of that exact shape: the job's kept directory is named by it.
+LAUNCH_ID = node_program("launch_id.sh")
+
+# $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
+# the node. The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
+# named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
+# such container" is absent: any other failure of the engine (busy) fails the command, so it reads
+# as a node that did not answer this time, never as a job that ended.
+DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4
+s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
+  case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
+  echo "$s" >&2; exit 1; }
+set -- $s
+case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
+run=$(launch_id "$c") || run=none
+case "$1" in
+  running) progress "$beats" "$job/runs/$run/$node/log" ;;
+  restarting) ;;
+  *) last_stall "$job/runs/$run/$node" ;;
+esac
+echo "restarts ${3:-0}"
+docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
+exit 0
+"""
+
+# $1 = container, $2 = grace in seconds (0: remove at once), $3 = who stops it (user@host), $4 =
+# the job's directory (as the node sees it), $5 = the node, $6 = the job's heartbeat dir. Idempotent. `docker stop` sends
+# SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
+# and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
+# container found running has its stop kept with its run (RECORD_STOP; the run's id is the
+# container's DDP_LAUNCH_ID), with what it printed on stopping; so has one that had ended before
+# the stop began and whose program said it stopped (as in HOST_STOP).
+DOCKER_STOP = RECORD_STOP + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
+if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
+  t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
+  started=${s#* }; s=${s%% *}
+  run=$(launch_id "$c") && kept=$job/runs/$run/$node || kept=""
+  [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
+  # what this start of the container printed (STOPPED_LINE takes the stop's line from its end)
+  said=""; this_start() { docker logs --since "$started" --tail 20000 "$c" 2>&1; }
+  case "$s" in
+    running|restarting) said=$(if [ "$grace" -gt 0 ]; then this_start; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
+    *) [ "$grace" -gt 0 ] && said=$(this_start | record_stop "$kept" node "$mode" "$by" "$t0" said) ;;
+  esac
+  docker rm -f "$c" > /dev/null && drop_beats "$beats" && echo "stopped$said"
+else echo absent; fi
+"""
+
+
+def operator() -> str:
+    """Who runs this tool, as ``user@host``, for the stop record (RECORD_STOP): letters, digits and
+    ``_.-`` only, so that it stays one word on the node's command line and in the record."""
+    import getpass
+    import re
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name, no passwd entry (a bare container)
+        user = "?"
+    clean = lambda word: re.sub(r"[^A-Za-z0-9_.-]", "?", word)[:64] or "?"  # noqa: E731
+    return f"{clean(user)}@{clean(socket.gethostname())}"
+
+
+STOP_GRACE_S = 45
+"""How long a stop waits after SIGTERM before SIGKILL (`stop`, and Docker's own stop of the
+container when its daemon shuts down: a reboot, a spot reclaim): torchrun gives its workers 30 s
+to finish their step and write the checkpoint of a planned stop (trainer/stopping.py)."""
+
+MERGE_STDERR = 'exec "$@" 2>&1'
+
+# $@ = the command. Exports NAME=VALUE lines read from stdin (the secrets: never on a command
+# line, in a file or a log), then runs the command with them in its environment.
+SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
+
+# $1 = directory, then the command: the host runtime's working directory (the code snapshot).
+# File modes do not stop root (the default ssh.user): for root the snapshot is made read-only by a
+# bind mount in a mount namespace of the command's own (util-linux unshare), so that a program
+# saving into its working directory fails at once instead of writing into the snapshot, where the
+# next code change leaves its file behind. Mounts the node makes later still reach the command
+# (slave propagation); nothing of the namespace reaches the node. Where root cannot (no unshare,
+# no CAP_SYS_ADMIN: a node that is itself an unprivileged container), the log says so and the
+# command runs in the writable snapshot.
+IN_DIR = node_program("in_dir.sh")
+
+CODE_MOUNT = "/workspace"
+"""Where a docker job sees its code snapshot (read-only, the working directory)."""
+
+# $1 = "chown" or "nochown" (plan.MAKE_DIRS), $2 = a directory, then a command: makes the
+# directory (the run's, where a container's launcher copies its output), then runs the command.
+IN_NEW_DIR = ('mode=$1; dir=$2; shift 2; mkdir -p "$dir" || exit 1; '
+              'if [ "$mode" = chown ] && [ "$(id -u)" = 0 ]; then chown 1000:1000 "$dir" || exit 1; fi; exec "$@"')
+
+# $1 = container, then the command that runs it: a leftover of an interrupted run goes first.
+REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
+
+# What NCCL needs to use InfiniBand/RoCE from a container: the verbs devices, pinned memory
+# without limit (IPC_LOCK, memlock). Shared memory comes with --ipc host, which every job has.
+INFINIBAND_DOCKER_ARGS = ("--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1")
+
+
+def job_dir(inv: Inventory, base: str | None = None) -> str:
+    """The tool's directory of the job on the shared volume: its launch record, the host runtime's
+    per-node state, the kept runs; ``base``: the checkpoint directory as the job sees it (default:
+    as the nodes do)."""
+    return f"{base or inv.storage.checkpoints.host}/{RUN_SUBDIR}/{inv.job.name}"
+
+
+def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> str:
+    """A node's directory of a run on the shared volume (deploy/job/runs.py)."""
+    return f"{job_dir(inv, base)}/runs/{run}/{node}"
+
+
+def heartbeat_dir(inv: Inventory, node: Node) -> str:
+    """Where the job's ranks on ``node`` keep their heartbeats (trainer/heartbeat.py): in the node's
+    memory, shared with a container by ``--ipc host``; ``@`` is in neither a job's nor a node's name,
+    so no two jobs or nodes (network namespaces of one machine in the tests) share one. The runtime
+    is in the name too: a container's user (uid 1000) and the host runtime's (ssh.user) never meet
+    over one directory, which the launcher would refuse as another user's."""
+    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}"
+
+
+def spy_beside(python: str) -> str:
+    """py-spy, installed beside the job's interpreter (else the one on PATH): DIAGNOSE's second argument."""
+    return f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy"
+
+
+def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
+    """A log file's last ``tail`` lines (None: all), then its new ones with ``follow``."""
+    argv = ["tail", "-n", "+1" if tail is None else str(tail)]
+    if follow:
+        argv.append("-F")
+    return ("sh", "-c", MERGE_STDERR, "sh", *argv, path)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the preflight session found on a node that shapes its commands."""
+
+    interface: str | None = None
+    """The NIC holding the node's inventory address (for GLOO/NCCL_SOCKET_IFNAME)."""
+    infiniband: bool = False
+    """/dev/infiniband exists on the node (NCCL can use IB/RoCE)."""
+
+
+@dataclass(frozen=True)
+class CodeDir:
+    """A code snapshot on the shared volume (deploy/job/codesync.py): the job's working directory."""
+
+    snapshot: str
+    host: str
+    """Its path on every node."""
+
+
+def probe_args(node: Node, program: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``python -m trainer.probe`` and what it checks: the node's GPUs and processes, and that the
+    program imports (``program``: the payload's probe options)."""
+    return (*module_argv("trainer.probe"), "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
+
+
+class Runtime:
+    """The commands one runtime uses on a node."""
+
+    name = ""
+    dirs_mode = "nochown"
+    """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
+
+    def __init__(self, inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> None:
+        self.inv = inv
+        self.code = code
+        self.run = run
+        """The run's id (runs.py): where the started job's output and exit codes are kept."""
+
+    def kept_dir(self, node: Node, base: str | None = None) -> str:
+        """The node's directory of this run on the shared volume (``base``: as the job sees it)."""
+        if self.run is None:
+            raise ValueError("a started job needs a run id")
+        return kept_dir(self.inv, self.run, node.name, base)
+
+    def image_id_argv(self) -> tuple[str, ...] | None:
+        """Prints the id of the image the job runs in, on a node; None when it runs in none."""
+        return None
+
+    def secrets_prefix(self) -> list[str]:
+        """Before a start command: read the secrets' NAME=VALUE lines from stdin (none: nothing)."""
+        return ["sh", "-c", SECRETS_FROM_STDIN, "sh"] if self.inv.train.secrets else []
+
+    def job_dirs(self) -> tuple[str, str]:
+        """The data and checkpoint directories as the job sees them."""
+        raise NotImplementedError
+
+    def where(self) -> str:
+        """Where the job's torch lives, for messages."""
+        raise NotImplementedError
+
+    def mounts(self) -> tuple[tuple[str, str], ...]:
+        """(host path, path in the job) pairs; empty when the job sees the host's paths."""
+        return ()
+
+    def torch_hint(self) -> str:
+        """What to do about a torch outside the supported range."""
+        raise NotImplementedError
+
+    def dry_run_notes(self, node: Node) -> list[str]:
+        """What the launch command gains from facts found on the node at launch time."""
+        return []
+
+    def install_hint(self) -> str:
+        """How to get this version of the trainer where the job runs."""
+        raise NotImplementedError
+
+    def listener_python(self) -> str:
+        """The node's interpreter for the preflight's rendezvous listener (outside any container)."""
+        raise NotImplementedError
+
+    def engine_argv(self) -> tuple[str, ...] | None:
+        """A check that the runtime itself works on the node, or None when the probe is that check."""
+        return None
+
+    def start_argv(self, node: Node, launcher: list[str], env: tuple[tuple[str, str], ...],
+                   facts: NodeFacts) -> list[str]:
+        """The job on ``node``, started detached: the launcher's arguments (torchrun options, --, flags)."""
+        raise NotImplementedError
+
+    def run_argv(self, node: Node, launcher: list[str], env: tuple[tuple[str, str], ...],
+                 facts: NodeFacts) -> list[str]:
+        """The launcher in the foreground (the network check): ends when it ends, leaves nothing."""
+        raise NotImplementedError
+
+    def probe_argv(self, node: Node, env: tuple[tuple[str, str], ...], program: tuple[str, ...] = ()) -> list[str]:
+        """trainer.probe with the job's torch, GPUs, environment and code: one line of versions,
+        CUDA state and whether the program imports."""
+        raise NotImplementedError
+
+    def status_argv(self, node: Node) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def stop_argv(self, node: Node, grace: int = 0, by: str | None = None) -> tuple[str, ...]:
+        """Ends the job on the node: SIGTERM, ``grace`` seconds for a checkpoint, then SIGKILL
+        (0: at once); removes what the run left (container, pid files). A job it finds running
+        has the stop kept with its run, ``by`` (default: :func:`operator`) as who stopped it."""
+        raise NotImplementedError
+
+    def logs_argv(self, node: Node, *, tail: int | None, follow: bool) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class DockerRuntime(Runtime):
+    name = "docker"
+    dirs_mode = "chown"
+
+    def job_dirs(self) -> tuple[str, str]:
+        s = self.inv.storage
+        return s.data.container, s.checkpoints.container
+
+    def where(self) -> str:
+        return f"image {self.inv.image.name}"
+
+    def torch_hint(self) -> str:
+        return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
+
+    def install_hint(self) -> str:
+        return "rebuild the image from this version and run `ddp-deploy deploy`"
+
+    def listener_python(self) -> str:
+        return "python3"
+
+    def dry_run_notes(self, node: Node) -> list[str]:
+        if not node.devices:
+            return []
+        return ["if the node has /dev/infiniband (found at launch): " + " ".join(INFINIBAND_DOCKER_ARGS)]
+
+    def mounts(self) -> tuple[tuple[str, str], ...]:
+        s = self.inv.storage
+        return (s.data.host, s.data.container), (s.checkpoints.host, s.checkpoints.container)
+
+    def _code_args(self) -> list[str]:
+        if self.code is None:
+            return []
+        return ["-v", f"{self.code.host}:{CODE_MOUNT}:ro", "--workdir", CODE_MOUNT]
+
+    def engine_argv(self) -> tuple[str, ...]:
+        return ("docker", "version", "--format", "{{.Server.Version}}")
+
+    def image_id_argv(self) -> tuple[str, ...]:
+        return ("docker", "image", "inspect", "--format", "{{.Id}}", self.inv.image.name)
+
+    def container(self, node: Node) -> str:
+        return f"{self.inv.job.name}-{node.name}"
+
+    @staticmethod
+    def gpu_args(node: Node) -> list[str]:
+        """The node's GPUs by index (the container sees them as 0..n-1, local rank i on device i)."""
+        if not node.devices:
+            return []
+        return ["--gpus", '"device=' + ",".join(map(str, node.devices)) + '"']
+
+    def _run(self, node: Node, env, facts: NodeFacts) -> list[str]:
+        argv = ["--network", "host", "--ipc", "host", "--pull", "never"]  # only the image deploy verified
+        argv += self.gpu_args(node)
+        if node.devices and facts.infiniband:
+            argv += INFINIBAND_DOCKER_ARGS
+        for src, dst in self.mounts():
+            argv += ["-v", f"{src}:{dst}"]
+        argv += self._code_args()
+        for k, v in env:
+            argv += ["-e", f"{k}={v}"]
+        return argv
+
+    def start_argv(self, node, launcher, env, facts):
+        argv = ["docker", "run", "-d", "--name", self.container(node),
+                "--label", f"ddp.job={self.inv.job.name}", "--label", f"ddp.node={node.name}"]
+        if self.inv.job.max_restarts > 0:
+            # A container whose torchrun was killed (OOM killer, kill -9) comes back and joins the
+            # next rendezvous round; the survivors' agents restart their workers into that round.
+            argv += ["--restart", f"on-failure:{self.inv.job.max_restarts}"]
+        argv += ["--stop-timeout", str(STOP_GRACE_S)]  # also when the daemon stops it (reboot, reclaim)
+        argv += ["--cap-add", "SYS_PTRACE"]  # `doctor` reads the workers' stacks (py-spy), in this container only
+        for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
+            argv += ["-e", name]
+        # The launcher keeps a copy of its output and its exit codes with the run (trainer.launch.run_teed).
+        argv += ["-e", f"{LOG_DIR_ENV}={self.kept_dir(node, self.inv.storage.checkpoints.container)}"]
+        return [*self.secrets_prefix(), "sh", "-c", IN_NEW_DIR, "sh", self.dirs_mode, self.kept_dir(node),
+                *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]
+
+    def run_argv(self, node, launcher, env, facts):
+        name = f"{self.container(node)}-check"
+        return ["sh", "-c", REPLACE_CONTAINER, "sh", name, "docker", "run", "--rm", "--name", name,
+                *self._run(node, env, facts), self.inv.image.name, *launcher]
+
+    def probe_argv(self, node, env, program=()):
+        return ["docker", "run", "--rm", "--pull", "never", "--network", "none", *self.gpu_args(node),
+                *self._code_args(), *(f"--env={k}={v}" for k, v in env), "--entrypoint", "python",
+                self.inv.image.name, *probe_args(node, program)]
+
+    def status_argv(self, node):
+        return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node), heartbeat_dir(self.inv, node),
+                job_dir(self.inv), node.name)
+
+    def stop_argv(self, node, grace=0, by=None):
+        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(), job_dir(self.inv),
+                node.name, heartbeat_dir(self.inv, node))
+
+    def diagnose_argv(self, node):
+        # as root in the container, which has CAP_SYS_PTRACE for this (start_argv): py-spy reads the workers
+        return ("docker", "exec", "-u", "0", self.container(node), "sh", "-c", DIAGNOSE, "sh",
+                heartbeat_dir(self.inv, node), "py-spy")
+
+    def logs_argv(self, node, *, tail, follow):
+        argv = ["docker", "logs", "--tail", "all" if tail is None else str(tail)]
+        if follow:
+            argv.append("--follow")
+        return ("sh", "-c", MERGE_STDERR, "sh", *argv, self.container(node))
+
+
+class HostRuntime(Runtime):
+    name = "host"
+
+    def job_dirs(self) -> tuple[str, str]:
+        s = self.inv.storage
+        return s.data.host, s.checkpoints.host
+
+    def where(self) -> str:
+        return self.inv.python_path()
+
+    def torch_hint(self) -> str:
+        return f"install a torch inside it for {self.inv.python_path()} (train.python)"
+
+    def install_hint(self) -> str:
+        return f"install this version of the package for {self.inv.python_path()} (train.python)"
+
+    def listener_python(self) -> str:
+        return self.inv.python_path()
+
+    def run_dir(self, node: Node) -> str:
+        return f"{job_dir(self.inv)}/{node.name}"
+
+    @staticmethod
+    def gpu_env(node: Node) -> tuple[tuple[str, str], ...]:
+        """The node's GPUs by index, numbered as nvidia-smi does (PCI bus order, not CUDA's own)."""
+        if not node.devices:
+            return ()
+        return (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, node.devices))))
+
+    def _command(self, node: Node, env, args) -> list[str]:
+        cmd = [self.inv.python_path(), *args]
+        env = (*self.gpu_env(node), *env)
+        if env:
+            cmd = ["env", *(f"{k}={v}" for k, v in env), *cmd]
+        return ["sh", "-c", IN_DIR, "sh", self.code.host, *cmd] if self.code else cmd
+
+    def start_argv(self, node, launcher, env, facts):
+        return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node), self.kept_dir(node),
+                str(self.inv.job.max_restarts), *self._command(node, env, [*module_argv("trainer.launch"), *launcher])]
+
+    def run_argv(self, node, launcher, env, facts):
+        return self._command(node, env, [*module_argv("trainer.launch"), *launcher])
+
+    def probe_argv(self, node, env, program=()):
+        return self._command(node, env, probe_args(node, program))
+
+    def status_argv(self, node):
+        return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node), heartbeat_dir(self.inv, node))
+
+    def stop_argv(self, node, grace=0, by=None):
+        return ("sh", "-c", HOST_STOP, "sh", self.run_dir(node), str(grace), by or operator(),
+                heartbeat_dir(self.inv, node))
+
+    def diagnose_argv(self, node):
+        return ("sh", "-c", DIAGNOSE, "sh", heartbeat_dir(self.inv, node), spy_beside(self.inv.python_path()))
+
+    def logs_argv(self, node, *, tail, follow):
+        return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)
+
+
+RUNTIMES = {r.name: r for r in (DockerRuntime, HostRuntime)}
+
+
+def runtime(inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> Runtime:
+    return RUNTIMES[inv.job.runtime](inv, code, run)

@@ -1,0 +1,637 @@
+"""Runs on a node (``python3 -c <this file> SPOOL_DIR -- LOAD_ARGV...``): one link of the image chain.
+
+Standard library only, Python 3.6+, no import of this package: it is sent as a string and run by
+the node's interpreter (deploy/images/chain.py is the operator's side). The node stores the stream in a
+spool file, checks every chunk against the digest the operator sent over SSH, forwards verified
+chunks to the next node and feeds them to ``LOAD_ARGV`` (``docker load``), each from the spool file
+in its own thread, so a slow load never slows forwarding.
+
+stdin, from the operator over SSH (the only channel that carries the secret and the digests):
+    PLAN <json>\\n           {secret, transfer, size, chunk, digests, index, name, stall, downstream:
+                             [[name, address, port, index], ...] in chain order}
+    DATA <offset> <n>\\n<n bytes>   the stream itself, for the node the operator feeds
+    STOP <reason>\\n         give up now (the operator saw this node passed over)
+stdout, to the operator: ``LISTEN <port>``, then every half second ``AT <received> <forwarded>
+<loaded> <next node or ->``, ``LOST <node> <why>`` when the next node is passed over, ``OUT``/``ERR``
+lines of the load command and ``EXIT <code>``, or ``REFUSED <why>`` and exit status 3.
+
+Between nodes (TCP, opened for this transfer only), every proof an HMAC-SHA256 keyed with the
+transfer's secret over its role, the transfer's id, the hops and both nonces (see ``mac``):
+    sender   -> receiver   ``CHAIN <nonce S>``
+    receiver -> sender     ``<nonce R> <mac("down", receiver's index, S, R)>``
+    sender   -> receiver   ``<name> <index> <mac("up", sender's index, receiver's index, name, S, R)>``
+    receiver -> sender     ``AT <offset>`` (or ``BUSY``: a node nearer the source feeds it)
+The receiver proves itself first, and only for the hop the sender meant: a program that is not this
+transfer's relay at that hop gets no proof from the sender, and a proof made for one hop, transfer
+or role is worth nothing at another. Then the sender streams raw bytes from that offset while the
+receiver sends ``AT <received>`` every half second and ``DONE`` once it and every node after it
+have everything. A receiver takes a new sender only if it is nearer the source than the current
+one, and tells the one it drops ``TAKEN``: that node was passed over and gives up.
+
+Whatever a peer sends (nothing, non-ASCII, garbage, a byte at a time) ends that connection only,
+within ``stall`` seconds of its arrival; before the plan arrives no connection is taken at all (they
+wait in the listen queue, at most ``WAITING_MAX``), and at most ``WAITING_MAX`` handshakes run at once
+(one more ends the oldest). A hop that fails in any way, an unexpected error included, is reported
+``LOST`` and the next node is tried; a forwarding thread that ends otherwise fails its node, so no
+node goes on reporting progress with nothing forwarding (the operator also passes over a node that
+holds verified bytes it does not send on: deploy/images/chain.py).
+"""
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+PIECE = 1 << 20
+DROPPED_DRAIN = 5.0  # seconds a dropped sender's connection is read on, for it to read TAKEN and close
+TICK = 0.5
+REFUSED_EXIT = 3
+OPERATOR = -1
+"""The index of the operator, which feeds the first node over SSH (nearer the source than any node)."""
+WAITING_MAX = 16
+"""Connections in their handshake at once, and the listen queue's length before the plan."""
+HANDSHAKE_LINE = 512
+"""The longest line a peer may send outside the stream (a handshake line is under 150 bytes)."""
+NONCE = re.compile(r"[0-9a-f]{32}")
+PROOF = re.compile(r"[0-9a-f]{64}")
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,253}")
+NUMBER = re.compile(r"[0-9]{1,15}")
+
+_out = threading.Lock()
+
+
+def say(*words):
+    with _out:
+        sys.stdout.write(" ".join(str(w) for w in words).replace("\n", " ") + "\n")
+        sys.stdout.flush()
+
+
+def mac(plan, role, *fields):
+    """The proof of ``role`` (``up``: a sender, ``down``: a receiver) for this transfer and ``fields``."""
+    message = "\n".join([role, plan["transfer"]] + [str(f) for f in fields])
+    return hmac.new(plan["secret"].encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def same(given, expected):
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def why(e):
+    """An exception as words for a ``LOST`` or ``REFUSED`` line."""
+    text = str(e)
+    if isinstance(e, OSError) and text:
+        return text
+    return "{}: {}".format(type(e).__name__, text) if text else type(e).__name__
+
+
+def shut(sock):
+    """End a connection another thread may be blocked on (its recv returns at once)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class Refused(Exception):
+    pass
+
+
+class SpoolError(Exception):
+    """This node cannot read its own spool file: its fault, not the next node's."""
+
+
+class Lines:
+    """Line reading on a socket that also carries raw bytes after the handshake."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = b""
+
+    def line(self, deadline=None):
+        """One ASCII line; ``deadline`` (a time.time()) bounds the whole line, not each recv, so
+        a peer sending a byte at a time cannot hold the connection."""
+        while b"\n" not in self.buf:
+            if len(self.buf) > HANDSHAKE_LINE:
+                raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+            if deadline is not None:
+                left = deadline - time.time()
+                if left <= 0:
+                    raise ConnectionError("no complete line in time")
+                self.sock.settimeout(left)
+            data = self.sock.recv(4096)
+            if not data:
+                raise ConnectionError("closed")
+            self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        if len(line) > HANDSHAKE_LINE:
+            raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+        try:
+            return line.decode("ascii")
+        except UnicodeDecodeError:
+            raise ConnectionError("a line that is not ASCII")
+
+
+def send_by(sock, deadline, text):
+    sock.settimeout(max(deadline - time.time(), 0.001))
+    sock.sendall(text.encode())
+
+
+class Relay:
+    def __init__(self, spool_dir, load_argv):
+        self.cond = threading.Condition()
+        self.spool_dir = spool_dir
+        self.load_argv = load_argv
+        self.plan = None
+        self.received = 0
+        self.verified = 0
+        self.forwarded = 0
+        self.loaded = 0
+        self.next_name = "-"
+        self.forward_done = False
+        self.load_exit = None
+        self.failure = None
+        self.last_data = time.time()
+        self.hasher = hashlib.sha256()
+        self.up_sock = None
+        self.up_index = None
+        self.up_name = None
+        self.fd = None
+        self.path = None
+        self.loader = None
+        self.echoes = []
+        self.waiting = []
+        """Accepted connections still in their handshake, oldest first."""
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("0.0.0.0", 0))
+        self.listener.listen(WAITING_MAX)
+
+    # ---------------------------------------------------------------- the plan
+
+    def start(self, plan):
+        size = plan["size"]
+        os.makedirs(self.spool_dir, exist_ok=True)
+        st = os.statvfs(self.spool_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < size:
+            raise Refused("{} has {:.1f} GB free, the image stream needs {:.1f} GB: free space there"
+                          .format(self.spool_dir, free / 1e9, size / 1e9))
+        self.fd, self.path = tempfile.mkstemp(prefix="ddp-deploy-chain-", dir=self.spool_dir)
+        with self.cond:
+            self.plan = plan
+            self.last_data = time.time()
+            self.cond.notify_all()
+        self.loader = subprocess.Popen(self.load_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE)
+        for target in (self._load, self._forward, self._beat):
+            threading.Thread(target=target, daemon=True).start()
+        self.echoes = [threading.Thread(target=self._echo, args=(stream, tag), daemon=True)
+                       for stream, tag in ((self.loader.stdout, "OUT"), (self.loader.stderr, "ERR"))]
+        for t in self.echoes:
+            t.start()
+
+    def wait_plan(self):
+        with self.cond:
+            while self.plan is None and self.failure is None:
+                self.cond.wait(TICK)
+            return self.plan if self.failure is None else None
+
+    # ---------------------------------------------------------------- receiving
+
+    def take(self, offset, data, source):
+        """Bytes of the stream at ``offset``; what is already here is skipped; every completed
+        chunk is checked against its digest before anything may read it."""
+        with self.cond:
+            if self.failure is not None or self.plan is None:
+                return
+            size, chunk, digests = self.plan["size"], self.plan["chunk"], self.plan["digests"]
+            if offset > self.received:
+                return
+            data = data[self.received - offset:]
+            data = data[:size - self.received]
+            if not data:
+                return
+            start = self.received
+            try:
+                written = 0
+                while written < len(data):  # a short write (the file size limit, a full disk) ends in the error
+                    written += os.pwrite(self.fd, data[written:], start + written)
+            except OSError as e:
+                self._fail_locked("cannot write the spool file {}: {}: it must hold the whole stream, free space "
+                                  "there".format(self.path, e.strerror or why(e)))
+                return
+            self.received = start + len(data)
+            self.last_data = time.time()
+            i = 0
+            while i < len(data):
+                pos = start + i
+                end = min((pos // chunk + 1) * chunk, size)
+                n = min(end - pos, len(data) - i)
+                self.hasher.update(data[i:i + n])
+                i += n
+                if pos + n == end:
+                    k = (end - 1) // chunk
+                    if not hmac.compare_digest(self.hasher.hexdigest(), digests[k]):
+                        self._fail_locked("chunk {} (bytes {}-{}) from {} does not match the digest the "
+                                          "operator sent: tampered or corrupted on the way, refused"
+                                          .format(k, k * chunk, end, source))
+                        return
+                    self.hasher = hashlib.sha256()
+                    self.verified = end
+            self.cond.notify_all()
+
+    def from_operator(self, offset, data):
+        with self.cond:
+            if self.up_index is not None and self.up_index != OPERATOR:
+                self._drop_upstream_locked(OPERATOR, "the operator")
+            self.up_index, self.up_name = OPERATOR, "the operator"
+        self.take(offset, data, "the operator")
+
+    def _drop_upstream_locked(self, by_index, by_name):
+        if self.up_sock is not None:
+            try:
+                self.up_sock.sendall("TAKEN {}\n".format(by_name).encode())
+                # Not closed here: a close with the sender's bytes unread would reset the
+                # connection, and the sender could take the reset for this node's loss (LOST).
+                # Its reader (_receive) throws away what still comes until the sender, having
+                # read TAKEN, closes, or DROPPED_DRAIN seconds pass without a byte.
+                self.up_sock.shutdown(socket.SHUT_WR)
+                self.up_sock.settimeout(DROPPED_DRAIN)
+            except OSError:
+                pass
+        self.up_sock = None
+
+    def serve(self):
+        """Before the plan, connections wait in the listen queue (no secret to check them with);
+        after it, each has ``stall`` seconds to prove itself."""
+        plan = self.wait_plan()
+        if plan is None:
+            return
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.cond:
+                self.waiting.append(sock)
+                if len(self.waiting) > WAITING_MAX:
+                    shut(self.waiting.pop(0))
+            threading.Thread(target=self._upstream, args=(sock, time.time() + plan["stall"]), daemon=True).start()
+
+    def _upstream(self, sock, deadline):
+        try:
+            try:
+                name, index, lines = self._handshake(sock, deadline)
+            finally:
+                with self.cond:
+                    if sock in self.waiting:
+                        self.waiting.remove(sock)
+            self._receive(sock, deadline, name, index, lines)
+        except Exception:
+            pass  # whatever the peer did ends this connection and nothing else; the chain's own senders report theirs
+        finally:
+            with self.cond:
+                if self.up_sock is sock:
+                    self.up_sock = None
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _handshake(self, sock, deadline):
+        """The sender's hello, this node's proof, the sender's proof (the module's docstring)."""
+        plan = self.plan
+        lines = Lines(sock)
+        words = lines.line(deadline).split()
+        if len(words) != 2 or words[0] != "CHAIN" or not NONCE.fullmatch(words[1]):
+            raise ConnectionError("not a chain sender's hello")
+        theirs, mine = words[1], os.urandom(16).hex()
+        send_by(sock, deadline, "{} {}\n".format(mine, mac(plan, "down", plan["index"], theirs, mine)))
+        words = lines.line(deadline).split()
+        if len(words) != 3 or not NAME.fullmatch(words[0]) or not NUMBER.fullmatch(words[1]) \
+                or not PROOF.fullmatch(words[2]):
+            raise ConnectionError("a malformed proof")
+        name, index = words[0], int(words[1])
+        if not same(words[2], mac(plan, "up", index, plan["index"], name, theirs, mine)):
+            raise ConnectionError("a sender without this transfer's secret, or its proof was for another hop")
+        if index >= plan["index"]:
+            raise ConnectionError("a sender that is not before this node in the row")
+        return name, index, lines
+
+    def _receive(self, sock, deadline, name, index, lines):
+        with self.cond:
+            if self.failure is not None:
+                return
+            if self.up_index is not None and index > self.up_index and self._upstream_alive():
+                send_by(sock, deadline, "BUSY\n")
+                return
+            self._drop_upstream_locked(index, name)
+            self.up_sock, self.up_index, self.up_name = sock, index, name
+            offset = self.received
+            send_by(sock, deadline, "AT {}\n".format(offset))
+        sock.settimeout(None)
+        data = lines.buf
+        while True:
+            if data and self.up_sock is sock:  # else dropped for another sender: thrown away
+                self.take(offset, data, name)
+            offset += len(data)
+            data = sock.recv(PIECE)
+            if not data:
+                break
+
+    def _upstream_alive(self):
+        return self.up_index == OPERATOR or (self.up_sock is not None
+                                             and time.time() - self.last_data < self.plan["stall"])
+
+    # ---------------------------------------------------------------- forwarding
+
+    def _forward(self):
+        try:
+            self._forward_each()
+        except Exception as e:  # a fault of this node's own: it fails, and its sender passes over it
+            self.fail("forwarding stopped: {}".format(why(e)))
+        finally:
+            with self.cond:
+                if not self.forward_done:
+                    self._fail_locked("forwarding stopped before the last node got the stream")
+
+    def _forward_each(self):
+        plan = self.plan
+        for name, address, port, index in plan["downstream"]:
+            if self.failure is not None:
+                return
+            with self.cond:
+                self.next_name, self.forwarded = name, 0
+            try:
+                self._send_to(plan, address, int(port), int(index))
+            except Taken as e:
+                self.fail("passed over: {} now takes the stream from {}".format(name, e))
+                return
+            except SpoolError as e:
+                self.fail(str(e))
+                return
+            except Exception as e:  # any fault of this hop, the unforeseen too: the next node is tried
+                say("LOST", name, why(e))
+                continue
+            break
+        with self.cond:
+            self.forward_done = True
+            self.next_name = "-"
+            self.cond.notify_all()
+
+    def _send_to(self, plan, address, port, index):
+        stall, size = plan["stall"], plan["size"]
+        deadline = time.time() + stall
+        try:
+            sock = socket.create_connection((address, port), timeout=stall)
+        except OSError as e:
+            raise ConnectionError("cannot connect to {}:{} ({}): the nodes must reach each other's ports during "
+                                  "a chain, else use image.transfer: star".format(address, port, e))
+        state = {"heard": time.time(), "done": False, "taken": None, "at": 0}
+        try:
+            lines = Lines(sock)
+            pos = self._hello(sock, lines, plan, "{}:{}".format(address, port), index, deadline)
+            state["at"] = pos
+
+            def listen():
+                try:
+                    while True:
+                        words = lines.line().split()
+                        state["heard"] = time.time()
+                        if words[:1] == ["AT"] and len(words) == 2 and NUMBER.fullmatch(words[1]):
+                            state["at"] = int(words[1])
+                        elif words[:1] == ["DONE"]:
+                            state["done"] = True
+                            return
+                        elif words[:1] == ["TAKEN"]:
+                            state["taken"] = " ".join(words[1:]) or "another node"
+                            return
+                except Exception:  # the connection's end, in whatever form: silence, which the loop below bounds
+                    return
+
+            sock.settimeout(stall)  # before the listener's first recv, which takes the timeout it finds
+            threading.Thread(target=listen, daemon=True).start()
+            try:
+                spool = open(self.path, "rb")
+            except OSError as e:
+                raise SpoolError("cannot read the spool file {}: {}".format(self.path, why(e)))
+            with spool:
+                while not state["done"]:
+                    if state["taken"]:
+                        raise Taken(state["taken"])
+                    if time.time() - state["heard"] > stall:
+                        raise ConnectionError("no word from it for {:g} s".format(stall))
+                    with self.cond:
+                        if self.failure is not None:
+                            return
+                        if self.verified <= pos:
+                            self.cond.wait(TICK)
+                        upto = self.verified
+                    if pos < upto:
+                        try:
+                            spool.seek(pos)
+                            data = spool.read(min(PIECE, upto - pos))
+                        except OSError as e:
+                            raise SpoolError("cannot read the spool file {}: {}".format(self.path, why(e)))
+                        sock.sendall(data)
+                        pos += len(data)
+                        with self.cond:
+                            self.forwarded = pos
+                    elif pos >= size:
+                        time.sleep(0.05)  # everything sent: wait for its DONE
+        except socket.timeout:
+            raise ConnectionError("it took no data for {:g} s".format(stall))
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _hello(self, sock, lines, plan, where, index, deadline):
+        """The sender's half of the handshake; the offset the receiver wants the stream from."""
+        mine = os.urandom(16).hex()
+        try:
+            send_by(sock, deadline, "CHAIN {}\n".format(mine))
+            words = lines.line(deadline).split()
+        except (OSError, ConnectionError) as e:
+            raise ConnectionError("{} gave no proof that it is this transfer's node {} ({})"
+                                  .format(where, index, why(e)))
+        if len(words) != 2 or not NONCE.fullmatch(words[0]) \
+                or not same(words[1], mac(plan, "down", index, mine, words[0])):
+            raise ConnectionError("{} did not prove that it is this transfer's node {}: another program holds that "
+                                  "port, or that node is not the one planned".format(where, index))
+        try:
+            send_by(sock, deadline, "{} {} {}\n".format(
+                plan["name"], plan["index"], mac(plan, "up", plan["index"], index, plan["name"], mine, words[0])))
+            first = lines.line(deadline).split()
+        except (OSError, ConnectionError) as e:
+            raise ConnectionError("{} ended the handshake ({})".format(where, why(e)))
+        if first == ["BUSY"]:  # a node nearer the source feeds it: this one was passed over
+            raise Taken("a node nearer the source")
+        if len(first) != 2 or first[0] != "AT" or not NUMBER.fullmatch(first[1]) or int(first[1]) > plan["size"]:
+            raise ConnectionError("{} named no offset to send from".format(where))
+        return int(first[1])
+
+    # ---------------------------------------------------------------- loading
+
+    def _load(self):
+        size = self.plan["size"]
+        try:
+            with open(self.path, "rb") as f:
+                while self.loaded < size:
+                    with self.cond:
+                        while self.verified <= self.loaded and self.failure is None:
+                            self.cond.wait(TICK)
+                        if self.failure is not None:
+                            return
+                        upto = self.verified
+                    f.seek(self.loaded)
+                    while self.loaded < upto:
+                        data = f.read(min(PIECE, upto - self.loaded))
+                        self.loader.stdin.write(data)
+                        self.loaded += len(data)
+            self.loader.stdin.close()
+        except (OSError, ValueError):
+            pass  # the load command ended early: its exit status and output say why
+        code = self.loader.wait()
+        for t in self.echoes:
+            t.join()
+        with self.cond:
+            self.load_exit = code
+            self.cond.notify_all()
+
+    def _echo(self, stream, tag):
+        for line in stream:
+            say(tag, line.decode(errors="replace").rstrip("\n"))
+
+    # ---------------------------------------------------------------- the end
+
+    def _beat(self):
+        while True:
+            with self.cond:
+                if self.failure is not None:
+                    return
+                msg = "AT {}\n".format(self.received)
+                if self.verified == self.plan["size"] and self.forward_done:
+                    msg += "DONE\n"
+                sock = self.up_sock
+            if sock is not None:
+                try:
+                    sock.sendall(msg.encode())
+                except OSError:
+                    pass
+            say("AT", self.received, self.forwarded, self.loaded, self.next_name)
+            time.sleep(TICK)
+
+    def fail(self, why):
+        with self.cond:
+            self._fail_locked(why)
+
+    def _fail_locked(self, why):
+        if self.failure is None:
+            self.failure = why
+            self.cond.notify_all()
+
+    def finished(self):
+        with self.cond:
+            if self.failure is not None:
+                return True
+            if self.plan is not None and time.time() - self.last_data > 6 * self.plan["stall"] \
+                    and self.received < self.plan["size"]:
+                self._fail_locked("no data for {:g} s: the stream stopped at byte {} of {}".format(
+                    6 * self.plan["stall"], self.received, self.plan["size"]))
+                return True
+            return self.load_exit is not None and self.forward_done
+
+    def done(self):
+        """Everything here and after here: tell the sender before the connection closes."""
+        sock = self.up_sock
+        if sock is not None:
+            try:
+                sock.sendall("AT {}\nDONE\n".format(self.received).encode())
+            except OSError:
+                pass
+        say("AT", self.received, self.forwarded, self.loaded, "-")
+
+    def cleanup(self):
+        for closing in (self.listener, self.up_sock):
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError:
+                pass
+        if self.loader is not None and self.loader.poll() is None:
+            self.loader.kill()  # a load cut off mid-stream registers no image
+            self.loader.wait()
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+class Taken(Exception):
+    pass
+
+
+def control(relay):
+    """The operator's messages on stdin; its end before the job is done is an abort."""
+    stdin = sys.stdin.buffer
+    while True:
+        header = stdin.readline()
+        if not header:
+            relay.fail("the operator's connection ended")
+            return
+        words = header.decode(errors="replace").split(" ", 1)
+        kind = words[0].strip()
+        if kind == "PLAN":
+            try:
+                relay.start(json.loads(words[1]))
+            except Refused as e:
+                relay.fail(str(e))
+            except (OSError, ValueError, KeyError) as e:
+                relay.fail("cannot start: {}".format(e))
+        elif kind == "DATA":
+            offset, n = (int(x) for x in words[1].split())
+            data = stdin.read(n)
+            if len(data) < n:
+                relay.fail("the operator's connection ended")
+                return
+            relay.from_operator(offset, data)
+        elif kind == "STOP":
+            relay.fail(words[1].strip() if len(words) > 1 else "stopped by the operator")
+
+
+def main(argv):
+    spool_dir, load_argv = argv[0], argv[2:]
+    relay = Relay(spool_dir, load_argv)
+    say("LISTEN", relay.listener.getsockname()[1])
+    threading.Thread(target=relay.serve, daemon=True).start()
+    threading.Thread(target=control, args=(relay,), daemon=True).start()
+    try:
+        while not relay.finished():
+            time.sleep(TICK / 5)
+    finally:
+        failure = relay.failure
+        if failure is None:
+            relay.done()
+        relay.cleanup()
+    if failure is not None:
+        say("REFUSED", failure)
+        return REFUSED_EXIT
+    say("EXIT", relay.load_exit)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main(sys.argv[1:])
+    with _out:  # no daemon thread writes while the interpreter goes away
+        sys.stdout.flush()
+        os._exit(status)

@@ -1,0 +1,111 @@
+"""deploy/ is packages by concern whose imports flow one way: no import circles, each package
+imports only those below it, and nothing imports the CLI (issue 24).
+
+Every import of a deploy module counts, at the top, inside a function or under TYPE_CHECKING:
+each one ties the two modules together all the same. From the bottom: the base (errors, text,
+the inventory, the node programs), talking to nodes (nodes/), the job on a node (job/), the image
+(images/) and observing (observe/), the checks (checks/), the engines (engines/: the interface,
+the SSH fleet's procedures and API, Slurm, Kubernetes export, the rendering), and the CLI on top.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+# Each layer imports only from its own and the layers before it.
+LAYERS = (
+    {"errors", "text", "inventory", "node"},
+    {"nodes"},
+    {"job"},
+    {"images", "observe"},
+    {"checks"},
+    {"engines"},
+    {"cli", "__main__"},
+)
+BASE_MODULES = {"__init__", "__main__", "cli", "errors", "inventory", "text"}
+
+
+def _name(path: Path, root: Path = DEPLOY) -> str:
+    """A module's dotted name inside deploy (``job.plan``; a package's __init__ is the package)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "__init__"
+
+
+def _modules(root: Path = DEPLOY) -> set[str]:
+    return {_name(p, root) for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def _imports(path: Path, root: Path = DEPLOY) -> set[str]:
+    """The deploy modules that the module at ``path`` imports (by their dotted names in deploy/)."""
+    known = _modules(root)
+    package = path.relative_to(root).parts[:-1]
+
+    def resolve(base: tuple[str, ...], names: list[str]) -> set[str]:
+        found = set()
+        for name in names:
+            dotted = ".".join((*base, name))
+            found.add(dotted if dotted in known else ".".join(base) or "__init__")
+        return found
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            base = (*base, *(node.module.split(".") if node.module else ()))
+            found |= resolve(base, [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "deploy":
+            found |= resolve(tuple(node.module.split(".")[1:]), [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            found |= {".".join(a.name.split(".")[1:]) for a in node.names if a.name.startswith("deploy.")}
+    return {m for m in found if m in known}
+
+
+def _graph(root: Path = DEPLOY) -> dict[str, set[str]]:
+    return {_name(p, root): _imports(p, root) - {_name(p, root)}
+            for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    (index,) = [i for i, layer in enumerate(LAYERS) if top in layer or module in layer]
+    return index
+
+
+def test_deploy_has_no_import_circle():
+    try:
+        graphlib.TopologicalSorter(_graph()).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError("an import circle in deploy/: " + " -> ".join(e.args[1])) from None
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    upward = sorted(f"{m} imports {i}" for m, imported in _graph().items() if m != "__init__"
+                    for i in imported if _layer(i) > _layer(m))
+    assert upward == []
+
+
+def test_no_module_imports_the_cli():
+    assert [m for m, imported in _graph().items() if "cli" in imported and m != "__main__"] == []
+
+
+def test_deploy_s_top_holds_the_base_modules_and_the_packages_only():
+    assert {p.stem for p in DEPLOY.glob("*.py")} == BASE_MODULES
+    packages = {p.name for p in DEPLOY.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set().union(*LAYERS) - BASE_MODULES
+
+
+def test_the_circle_finder_sees_an_import_inside_a_function_and_across_packages(tmp_path):
+    (tmp_path / "a.py").write_text("from .pkg import b\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from ..a import g\n")
+    graph = _graph(tmp_path)
+    assert graph["a"] == {"pkg.b"} and graph["pkg.b"] == {"a"}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError:
+        return
+    raise AssertionError("graphlib saw no circle")

@@ -1,0 +1,31 @@
+"""trainer/startup.py: where a process's time went before its first step."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from trainer import startup
+
+
+def test_a_process_start_time_is_read_from_proc_and_is_in_the_past():
+    mine, parent = startup.started_at(), startup.started_at(os.getppid())
+    assert mine is not None and parent is not None
+    assert parent - 1.0 <= mine <= time.time() + 1.0  # btime's grain is a second
+    assert startup.started_at(2 ** 22 + 12345) is None  # no such process
+
+
+def test_each_phase_is_named_by_the_moment_that_ends_it_and_an_unknown_start_is_left_out():
+    s = startup.Startup()
+    s.marks = [("launcher", None), ("process", 100.0), ("imports", 102.5), ("process_group", 103.0),
+               ("data", 103.25), ("model", 104.0), ("resume", 104.0)]
+    assert s.phases() == {"imports": 2.5, "process_group": 0.5, "data": 0.25, "model": 0.75, "resume": 0.0}
+    assert s.line() == ("trainer: ready to train 4.0 s after this process started: imports 2.5 s, process group 0.5 s, "
+                        "data 0.2 s, model 0.8 s, resume 0.0 s")
+
+
+def test_a_start_time_read_a_little_late_gives_a_phase_of_zero_not_below():
+    s = startup.Startup()
+    s.marks = [("launcher", 10.0), ("process", 10.5), ("imports", 10.25)]
+    assert s.phases() == {"process": 0.5, "imports": 0.0}
+    assert s.line() == "trainer: ready to train 0.2 s after the launcher started: launcher to this process 0.5 s, imports 0.0 s"
