@@ -1,12 +1,15 @@
-"""The Python API the CLI is built on (deploy/engines/fleet.py): a program launches, follows and stops a
-job without a shell, on the `local` connection with the real trainer; what it gets back is data."""
+"""The Python API the CLI is built on (deploy/engines/fleet.py; Slurm's, slurmjob.py, is tested on the
+cluster): a program launches, follows and stops a job without a shell, on the `local` connection with
+the real trainer; what it gets back is data."""
 
 from __future__ import annotations
 
 import pytest
 
 from deploy.errors import InputError, RuntimeFailure
-from deploy.engines.fleet import Fleet, Started
+from deploy.engines.choose import api
+from deploy.engines.fleet import Fleet, LogLine, Started
+from deploy.engines.slurmjob import SlurmJob
 from local_job import local_hosts
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +23,10 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     hosts = local_hosts(tmp_path, job="apitest", train={"args": TRAIN_ARGS}, procs=2)
     said, warned = [], []
     fleet = Fleet(hosts, say=said.append, warn=warned.append)
-    (tmp_path / "nas" / "ckpt").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "nas" / "data").mkdir(parents=True, exist_ok=True)
+    readied = fleet.deploy()  # the shared directories made, the interpreter checked: each node's line
+    assert list(readied) == ["here"] and "has trainer and torch" in readied["here"], readied
+    assert (tmp_path / "nas" / "ckpt").is_dir() and (tmp_path / "nas" / "data").is_dir()
+    assert any(line.startswith("directories ready: ") for line in said), said
 
     started = fleet.launch()
     assert isinstance(started, Started) and started.nodes == ("here",) and started.procs == 2
@@ -36,6 +41,15 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert final["here"].metrics.startswith("METRICS {")
     assert fleet.verdict(final) == "all nodes finished with exit code 0"
     assert fleet.states()["here"].state == "exited(0)"
+    lines = fleet.logs()  # every line of the run, as data: the rank that wrote it and its text
+    assert lines and all(isinstance(line, LogLine) and line.node == "here" for line in lines)
+    assert {line.rank for line in lines} >= {0, 1}, {line.rank for line in lines}
+    assert any(line.text.startswith("METRICS {") for line in lines if line.rank == 0)
+    assert fleet.logs(tail=1) == lines[-1:]  # the newest line alone
+    streamed = []
+    assert fleet.logs(ranks=(1,), on_line=streamed.append) == [] and streamed  # as they come, none kept
+    assert {line.rank for line in streamed} == {1}
+    assert fleet.unlock() == {"here": "no lock"}  # launch released it
     assert fleet.stop() == {"here": "cleared (had exited 0)"}  # each node's answer
     assert fleet.stop() == {"here": "absent"}  # idempotent
     assert fleet.states()["here"].state == "absent"
@@ -43,6 +57,10 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert kept.id == started.run and kept.outcome() == "exit 0" and kept.nodes["here"].exits[-1][1] == 0
     found = fleet.doctor()  # no rank runs now, and the diagnosis says so
     assert found.ranks == () and "no rank of the job runs on any node" in found.summary, found.summary
+    with pytest.raises(InputError, match="job apitest has a fixed size"):
+        fleet.join("here")  # only an elastic job takes a node in
+    with pytest.raises(InputError, match="follow=True needs on_line"):
+        fleet.logs(follow=True)
 
 
 def test_a_program_runs_the_preflight_checks_and_gets_each_one_back(tmp_path, monkeypatch):
@@ -54,11 +72,19 @@ def test_a_program_runs_the_preflight_checks_and_gets_each_one_back(tmp_path, mo
     assert {"local", "torch", "program", "shared storage"} <= {c.name for c in checks}, [c.name for c in checks]
 
 
-def test_the_api_refuses_a_slurm_inventory_naming_the_cli(tmp_path):
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text("job: {name: demo, runtime: host}\n"
-                     "slurm: {login: {name: login, address: 198.18.0.2}, nodes: 2}\n"
-                     "storage: {data: {host: /nas/data, container: /data}, "
-                     "checkpoints: {host: /nas/ckpt, container: /ckpt}}\n")
-    with pytest.raises(InputError, match="a Slurm inventory; this API drives an SSH fleet"):
-        Fleet(hosts)
+def test_each_api_refuses_the_other_engine_s_inventory_and_api_picks_the_right_one(tmp_path):
+    slurm_hosts = tmp_path / "slurm.yaml"
+    slurm_hosts.write_text("job: {name: demo, runtime: host}\n"
+                           "slurm: {login: {name: login, address: 198.18.0.2}, nodes: 2}\n"
+                           "storage: {data: {host: /nas/data, container: /data}, "
+                           "checkpoints: {host: /nas/ckpt, container: /ckpt}}\n")
+    with pytest.raises(InputError, match="a Slurm inventory; this API drives an SSH fleet") as refused:
+        Fleet(slurm_hosts)
+    assert "SlurmJob" in refused.value.hint
+    fleet_hosts = local_hosts(tmp_path, job="apipick", train={"args": TRAIN_ARGS})
+    with pytest.raises(InputError, match="an SSH fleet's inventory .nodes:.; this API drives a Slurm job"):
+        SlurmJob(fleet_hosts)
+    said = []
+    picked = api(slurm_hosts, say=said.append)
+    assert isinstance(picked, SlurmJob) and picked.inv.slurm.nodes == 2 and picked.say == said.append
+    assert isinstance(api(fleet_hosts, without=()), Fleet)

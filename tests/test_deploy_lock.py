@@ -559,8 +559,7 @@ def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_nam
 def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_path, monkeypatch):
     # The docker runtime's build and ship cannot run here: a deployer whose build is the forced
     # unlock, handing over to the engine's ship step, and a record of what reaches the shipping.
-    from deploy.images import prepare
-    from deploy.engines import render
+    from deploy.images import deliveries, prepare
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     shipped = []
@@ -571,7 +570,12 @@ def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_p
             ship("sha256:" + "0" * 64, {})
 
     monkeypatch.setattr(prepare, "deployer", UnlockedWhileItBuilds)
-    monkeypatch.setattr(render, "ship_with_progress", lambda inv, remote, image_id, held: shipped.append(image_id))
+    class Recorded:  # a delivery that records what reaches it
+        def ship(self, remote, image_id, held, report):
+            shipped.append(image_id)
+            return {}
+
+    monkeypatch.setattr(deliveries, "for_inventory", lambda inv: Recorded())
     r = ddp(hosts, "deploy")
     assert r.exit_code == 1, r.output
     assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.engines import engine_slurm, fleet
+from deploy.engines import fleet, slurmjob
 from deploy.job import plan, runs, secretenv
 from deploy.errors import InputError, InventoryError
 from deploy.inventory import loads
@@ -166,6 +166,6 @@ def test_a_secret_equal_to_slurms_job_state_leaves_the_job_active_on_slurm():
         def run(self, cmds, **_):
             return {n: Result(n, 0, printed, "") for n in cmds}
 
-    s = engine_slurm._state(inv, Login(), secretenv.Redactor({"TOKEN": "RUNNING"}))
+    s = slurmjob.job_state(inv, Login(), secretenv.Redactor({"TOKEN": "RUNNING"}))
     assert s.state == "RUNNING" and s.active
     assert s.nodes["n1"].metrics == 'METRICS {"step": 5, "note": "***"}'

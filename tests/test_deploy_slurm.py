@@ -178,15 +178,15 @@ def test_status_reads_each_nodes_heartbeats_through_a_step_beside_the_job(tmp_pa
 
 def test_following_a_job_reads_the_nodes_progress_only_every_few_seconds(monkeypatch):
     """Each read is a Slurm job step: polled every 2 s it would spend a job's MaxStepCount in a day."""
-    from deploy.engines import engine_slurm
+    from deploy.engines import slurmjob
 
     clock, steps = [0.0], []
     running = slurm.SlurmState("7", "R1", "RUNNING")
-    monkeypatch.setattr(engine_slurm, "_state", lambda *a: running if clock[0] < 60 else slurm.SlurmState("7", "R1", "COMPLETED"))
-    monkeypatch.setattr(engine_slurm, "_node_states", lambda *a: steps.append(clock[0]) or {})
-    monkeypatch.setattr(engine_slurm.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(engine_slurm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    assert engine_slurm._follow(inventory(), None, None, str).state == "COMPLETED"
+    monkeypatch.setattr(slurmjob, "job_state", lambda *a: running if clock[0] < 60 else slurm.SlurmState("7", "R1", "COMPLETED"))
+    monkeypatch.setattr(slurmjob, "node_states", lambda *a: steps.append(clock[0]) or {})
+    monkeypatch.setattr(slurmjob.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(slurmjob.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    assert slurmjob.follow(inventory(), None, None, str).state == "COMPLETED"
     assert len(steps) == 6 and all(b - a >= slurm.PROGRESS_EVERY_S for a, b in zip(steps, steps[1:])), steps
 
 

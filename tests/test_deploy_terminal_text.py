@@ -150,9 +150,9 @@ def test_plot_names_runs_whose_ids_hold_escape_sequences_as_text(ddp, hosts, tmp
 
 
 def test_a_slurm_job_s_progress_line_escapes_its_state():
-    from deploy.engines import engine_slurm, slurm
+    from deploy.engines import slurm, slurmjob
 
-    said = engine_slurm._line(slurm.SlurmState("7", "r", "RUNNING\x1b[2J"))
+    said = slurmjob.progress_line(slurm.SlurmState("7", "r", "RUNNING\x1b[2J"))
     assert said == "Slurm job 7: RUNNING\\x1b[2J"
 
 

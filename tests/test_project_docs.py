@@ -133,13 +133,17 @@ def test_the_readme_s_python_api_example_calls_what_the_api_has():
     import inspect
 
     from deploy.engines.fleet import Fleet
+    from deploy.engines.slurmjob import SlurmJob
 
     text = docs().split("**From a program**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     tree = ast.parse(text)
-    called = {node.func.attr for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.value.id == "fleet"}
-    assert called == {"check", "launch", "wait", "verdict", "stop", "runs"}
+    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) == "fleet"}
+    assert called == {"deploy", "check", "launch", "wait", "verdict", "logs", "stop", "runs"}
     assert all(callable(getattr(Fleet, name, None)) for name in called)
+    assert all(callable(getattr(SlurmJob, name, None)) for name in called)  # "runs unchanged on both"
+    assert {"tail", "ranks", "follow", "on_line"} <= set(inspect.signature(Fleet.logs).parameters)
+    assert set(inspect.signature(Fleet.logs).parameters) == set(inspect.signature(SlurmJob.logs).parameters)
     assert {"say", "without"} <= set(inspect.signature(Fleet).parameters)
     assert "timeout" in inspect.signature(Fleet.wait).parameters
 

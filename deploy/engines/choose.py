@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..inventory import load
 from .engine import Engine, Invocation
 from .engine_fleet import SshFleet
 from .engine_slurm import Slurm
+from .fleet import Fleet
+from .slurmjob import SlurmJob
 
 ENGINES: tuple[type[Engine], ...] = (Slurm, SshFleet)
 
@@ -16,4 +21,12 @@ def for_invocation(st: Invocation) -> Engine:
     return engine(st)
 
 
-__all__ = ["ENGINES", "for_invocation"]
+def api(hosts: str | Path = "hosts.yaml", **options) -> Fleet | SlurmJob:
+    """The Python API of ``hosts``'s job: a :class:`Fleet` for an SSH fleet (``nodes:``), a
+    :class:`SlurmJob` for Slurm (``slurm:``); ``options`` go to it (``say``, ``warn``, and the
+    fleet's ``without``). Both have check, deploy, launch, states, wait, verdict, runs, doctor,
+    logs and stop."""
+    return (SlurmJob if load(hosts).slurm is not None else Fleet)(hosts, **options)
+
+
+__all__ = ["ENGINES", "api", "for_invocation"]

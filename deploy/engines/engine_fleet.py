@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import click
 
-from ..checks import netcheck, preflight
+from ..checks import netcheck
 from ..errors import InputError, RemoteFailure, RuntimeFailure
 from ..images import prepare
 from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv
@@ -60,14 +60,10 @@ class SshFleet(Engine):
             for line in steps.dry_run(build):
                 click.echo(line)
             return
-        with Remote(inv) as remote, lock.held(inv, remote, "deploy", self.st.hosts, warn=render.warn) as fleet_lock:
-            def ship(image_id, held):
-                # The build takes minutes: an `unlock --force` meanwhile may have let another operator in.
-                fleet_lock.confirm("deploy", "no image was shipped")
-                return render.ship_with_progress(inv, remote, image_id, held)
-
+        with Remote(inv) as remote:
             try:
-                steps.run(remote, click.echo, build=build, ship=ship)
+                fleet.deploy(inv, remote, hosts=self.st.hosts, build=build, say=click.echo, warn=render.warn,
+                             shipping=render.shipping)
             except KeyboardInterrupt:  # a partial `docker load` registers no image: the ID check sees none
                 click.echo("interrupted: a node whose load had not finished keeps the image it had; "
                            "`ddp-deploy deploy` ships the image to it again", err=True)
@@ -110,12 +106,8 @@ class SshFleet(Engine):
 
     def join(self, node: str, dry_run: bool) -> None:
         inv = self.inv
-        inv.check_names("join NODE", {node})
-        if not inv.elastic:
-            raise InputError(f"join: job {inv.job.name} has a fixed size (job.min_nodes is not set below the "
-                             f"{inv.listed} nodes listed): no node can join it while it runs",
-                             hint="`ddp-deploy stop`, then `ddp-deploy launch` runs it on every node")
-        secrets = secretenv.resolve(inv)
+        fleet.joinable(inv, node)
+        secretenv.resolve(inv)
         snap = codesync.snapshot_of(inv)
         if dry_run:
             click.echo(f"[{node}] the running job's rendezvous node and size are read from its launch record "
@@ -124,40 +116,10 @@ class SshFleet(Engine):
                        "reach the running job's rendezvous store")
             render.show(node, plan.launch_spec(inv, fleet.node_index(inv, node), code=codesync.code_dir(inv, snap)).argv)
             return
-        with Remote(inv) as remote, lock.held(inv, remote, "join", self.st.hosts, warn=render.warn):
-            states = fleet.node_states(inv, remote, self.st.redact)
-            mine = states[node]
-            if mine.state == "unreachable":
-                raise RuntimeFailure(f"join refused, nothing started: {node} is unreachable ({mine.metrics})",
-                                     hint="check its link and sshd; `ddp-deploy check` names the cause")
-            if mine.running:
-                raise RuntimeFailure(f"join refused: {node} runs the job already",
-                                     hint="the running nodes take it in at their next round; see `ddp-deploy status`")
-            running = [n for n, s in states.items() if s.running]
-            if not running:
-                raise RuntimeFailure(f"join refused, nothing started: {inv.job.name} runs on no node",
-                                     hint="`ddp-deploy launch` starts it (it resumes from the newest checkpoint)")
-            at, text, joined, run = fleet.running_job(inv, remote, running[0], node)
-            if not states[at.rdzv_node.name].running:
-                raise RuntimeFailure(f"join refused, nothing started: {at.rdzv_node.name}, which hosts the running "
-                                     f"job's rendezvous, does not run it ({states[at.rdzv_node.name].state})",
-                                     hint="the job cannot take a node in without it: `ddp-deploy stop`, then "
-                                          f"`ddp-deploy --without {at.rdzv_node.name} launch`")
-            code = fleet.sync_code(at, remote, snap, render.say, nodes=[node])
-            pre = preflight.join_checks(at, remote, node, (record.path(inv), text), code)
-            if pre.failed:
-                render.print_checks(pre.failed)
-            fleet.refuse_failed_checks(pre.failed, "join refused, nothing started: ")
-            spec = plan.launch_spec(at, fleet.node_index(at, node), pre.facts.get(node, plan.NodeFacts()), code, run)
-            if mine.exists:  # its finished run (restarts run out): its checkpoints stay on the shared volume
-                remote.run({node: plan.stop_argv(at, at.node(node))}, check=True, timeout=120)
-            stdin = {node: secretenv.stdin_lines(secrets)} if secrets else None
-            started = remote.run({node: spec.argv}, check=False, timeout=120, stdin=stdin)
-            if not started[node].ok:
-                fleet.undo_start(at, remote, [node])
-                raise RemoteFailure("join", started, hint="nothing else changed: the job runs on as it was")
-        click.echo(f"{node} started: the job's nodes ({', '.join(joined)}) take it in at their next rendezvous round "
-                   f"({at.rdzv_node.name}, {plan.endpoint(at)}); `ddp-deploy status` shows it training")
+        with Remote(inv) as remote:
+            joined = fleet.join(inv, remote, node, hosts=self.st.hosts, redact=self.st.redact, say=render.say,
+                                warn=render.warn, failed_checks=render.print_checks)
+        click.echo(joined.describe())
 
     def status(self, as_json: bool, follow: bool, run_id: str | None) -> None:
         inv = self.inv
@@ -191,39 +153,17 @@ class SshFleet(Engine):
     def logs(self, follow: bool, tail: int | None, only_nodes: tuple[str, ...], only_ranks: tuple[int, ...],
              run_id: str | None) -> None:
         inv = self.inv
-        inv.check_names("--node", set(only_nodes))
-        nodes = [n for n in inv.nodes if not only_nodes or n.name in only_nodes]
-        read = lambda n: plan.logs_argv(inv, n, tail=tail, follow=follow)  # noqa: E731
-        if run_id is not None:
-            with Remote(inv) as remote:
-                run = fleet.kept_run(inv, remote, run_id, self.st.redact, "logs --run")[1]
-            gone = [n for n in run.nodes if n not in {m.name for m in inv.nodes}]
-            if gone:
-                click.echo(safe(f"note: {', '.join(gone)} ran in {run.id} but not in hosts.yaml now: their logs are in "
-                                f"{runs.runs_dir(inv)}/{run.id}"), err=True)
-            nodes = [n for n in nodes if n.name in run.nodes]
-            read = lambda n: runs.log_argv(inv, run.id, n.name, tail=tail, follow=follow)  # noqa: E731
-        width = max((len(view.log_label(n.name, sum(m.nprocs for m in inv.nodes) - 1)) for n in nodes), default=0)
         printing = threading.Lock()
-
-        def emit(node: str, line: str) -> None:
-            rank, text = view.split_rank(line)
-            if only_ranks and rank not in only_ranks:
-                return
-            with printing:
-                click.echo(safe(self.st.redact(f"{view.log_label(node, rank):<{width}} | {text}")))
-
-        cmds = {n.name: read(n) for n in nodes}
         with Remote(inv) as remote:
-            if follow:
-                results = remote.stream(cmds, emit)
-            else:  # node after node, each line printed as it comes: a log can outgrow this machine's memory
-                results = {}
-                for n, argv in cmds.items():
-                    results.update(remote.stream({n: argv}, emit))
-        bad = {n: r for n, r in results.items() if not r.ok}
-        if bad:
-            raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
+            reads = fleet.log_reads(inv, remote, run_id=run_id, nodes=only_nodes, tail=tail, follow=follow,
+                                    redact=self.st.redact, warn=lambda line: click.echo(safe(line), err=True))
+            width = max((len(view.log_label(n, sum(m.nprocs for m in inv.nodes) - 1)) for n in reads), default=0)
+
+            def show(line: fleet.LogLine) -> None:
+                with printing:
+                    click.echo(safe(f"{view.log_label(line.node, line.rank):<{width}} | {line.text}"))
+
+            fleet.read_logs(remote, reads, show, follow=follow, ranks=only_ranks, redact=self.st.redact)
 
     def stop(self, dry_run: bool, now: bool) -> None:
         inv = self.inv
@@ -240,31 +180,13 @@ class SshFleet(Engine):
             raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
 
     def unlock(self, force: bool) -> None:
-        inv = self.inv
-        with Remote(inv) as remote:
-            seen = lock.survey(inv, remote)
-            found = {n: s for n, s in seen.locks.items() if s is not None}
-            live = [s for s in found.values() if s.stale() is None]
-            if live and not force:
-                raise RuntimeFailure(f"unlock refused, nothing removed: {live[0].describe()}, its heartbeat "
-                                     f"{live[0].quiet} s ago", hint="that command still runs: wait for it to finish; "
-                                     "--force only if you know it does not")
-            removed = lock.remove(inv, remote, found)
-        left = {n: r.summary() for n, r in seen.failed.items()}
-        for n in (node.name for node in inv.nodes):
-            s, r = found.get(n), removed.get(n)
-            if n in seen.failed:
-                click.echo(safe(f"{n}: {seen.failed[n].summary()}"))
-            elif s is None or r.stdout.strip() == "gone":
-                click.echo(f"{n}: no lock")
-            elif r.stdout.strip() == "removed":
-                click.echo(safe(f"{n}: removed the lock of {s.holder()} ({s.stale() or 'live, --force'})"))
-            else:
-                left[n] = "another lock was taken meanwhile" if r.ok else r.summary()
-                click.echo(safe(f"{n}: {left[n]}"))
-        if left:
-            raise RuntimeFailure("unlock: not cleared on " + "; ".join(f"{n} ({why})" for n, why in left.items()),
-                                 hint="run `ddp-deploy unlock` again once they answer")
+        with Remote(self.inv) as remote:
+            done = fleet.unlock(self.inv, remote, force=force)
+        for n, line in done.lines.items():
+            click.echo(safe(f"{n}: {line}"))
+        refused = done.refusal()
+        if refused:
+            raise refused
 
     def running(self, remote: Remote) -> bool:
         return any(s.running for s in fleet.node_states(self.inv, remote, self.st.redact).values())

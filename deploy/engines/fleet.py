@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..checks import preflight
 from ..errors import InputError, RemoteFailure, RuntimeFailure
+from ..images import deliveries, prepare
 from ..inventory import Inventory, load
 from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv, stall
 from ..job.payload import payload
@@ -454,6 +455,187 @@ def stop(inv: Inventory, remote: Remote, *, now: bool = False) -> dict:
     return remote.run({n.name: plan.stop_argv(inv, n, grace) for n in inv.nodes}, check=False, timeout=grace + 120)
 
 
+Shipping = Callable[[str, str, int, int | None], None]  # node, stage, bytes done, bytes in all (None: unknown)
+
+
+@contextlib.contextmanager
+def no_progress():
+    yield lambda node, stage, done, total: None
+
+
+def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, say: Say = quiet, warn: Say = quiet,
+           shipping: Callable[[], contextlib.AbstractContextManager[Shipping]] = no_progress) -> dict[str, str]:
+    """Readies every node for a launch, under the fleet lock: the shared directories, then the image
+    (built here with ``build``, shipped where a node's ID differs, each shipment's bytes reported to
+    the function ``shipping()`` yields) or, on the host runtime, the interpreter checked. What each
+    node has now, as a line."""
+    steps = prepare.deployer(inv)
+    with lock.held(inv, remote, "deploy", hosts, warn=warn) as fleet_lock:
+        def ship(image_id, held):
+            # The build takes minutes: an `unlock --force` meanwhile may have let another operator in.
+            fleet_lock.confirm("deploy", "no image was shipped")
+            with shipping() as report:
+                return deliveries.for_inventory(inv).ship(remote, image_id, held, report)
+
+        return steps.run(remote, say, build=build, ship=ship)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A node started into the running job: the job's nodes that take it in at their next round."""
+
+    node: str
+    nodes: tuple[str, ...]
+    rdzv: str
+    endpoint: str
+    run: str
+
+    def describe(self) -> str:
+        return (f"{self.node} started: the job's nodes ({', '.join(self.nodes)}) take it in at their next rendezvous "
+                f"round ({self.rdzv}, {self.endpoint}); `ddp-deploy status` shows it training")
+
+
+def joinable(inv: Inventory, node: str) -> None:
+    """An InputError unless ``node`` is in hosts.yaml and the job is elastic (a node may join it)."""
+    inv.check_names("join NODE", {node})
+    if not inv.elastic:
+        raise InputError(f"join: job {inv.job.name} has a fixed size (job.min_nodes is not set below the "
+                         f"{inv.listed} nodes listed): no node can join it while it runs",
+                         hint="`ddp-deploy stop`, then `ddp-deploy launch` runs it on every node")
+
+
+def join(inv: Inventory, remote: Remote, node: str, *, hosts: str, redact: Callable[[str], str] = str,
+         say: Say = quiet, warn: Say = quiet, failed_checks: Callable[[list], None] = lambda checks: None) -> Joined:
+    """Starts ``node`` into the elastic job running on the others, under the fleet lock: the running
+    job's own settings (its launch record), the code synced to that node, the join's checks there,
+    then the start; nothing else changes when it is refused or fails."""
+    joinable(inv, node)
+    secrets = secretenv.resolve(inv)
+    snap = codesync.snapshot_of(inv)
+    with lock.held(inv, remote, "join", hosts, warn=warn):
+        states = node_states(inv, remote, redact)
+        mine = states[node]
+        if mine.state == "unreachable":
+            raise RuntimeFailure(f"join refused, nothing started: {node} is unreachable ({mine.metrics})",
+                                 hint="check its link and sshd; `ddp-deploy check` names the cause")
+        if mine.running:
+            raise RuntimeFailure(f"join refused: {node} runs the job already",
+                                 hint="the running nodes take it in at their next round; see `ddp-deploy status`")
+        running = [n for n, s in states.items() if s.running]
+        if not running:
+            raise RuntimeFailure(f"join refused, nothing started: {inv.job.name} runs on no node",
+                                 hint="`ddp-deploy launch` starts it (it resumes from the newest checkpoint)")
+        at, text, joined, run = running_job(inv, remote, running[0], node)
+        if not states[at.rdzv_node.name].running:
+            raise RuntimeFailure(f"join refused, nothing started: {at.rdzv_node.name}, which hosts the running "
+                                 f"job's rendezvous, does not run it ({states[at.rdzv_node.name].state})",
+                                 hint="the job cannot take a node in without it: `ddp-deploy stop`, then "
+                                      f"`ddp-deploy --without {at.rdzv_node.name} launch`")
+        code = sync_code(at, remote, snap, say, nodes=[node])
+        pre = preflight.join_checks(at, remote, node, (record.path(inv), text), code)
+        if pre.failed:
+            failed_checks(pre.failed)
+        refuse_failed_checks(pre.failed, "join refused, nothing started: ")
+        spec = plan.launch_spec(at, node_index(at, node), pre.facts.get(node, plan.NodeFacts()), code, run)
+        if mine.exists:  # its finished run (restarts run out): its checkpoints stay on the shared volume
+            remote.run({node: plan.stop_argv(at, at.node(node))}, check=True, timeout=120)
+        stdin = {node: secretenv.stdin_lines(secrets)} if secrets else None
+        started = remote.run({node: spec.argv}, check=False, timeout=120, stdin=stdin)
+        if not started[node].ok:
+            undo_start(at, remote, [node])
+            raise RemoteFailure("join", started, hint="nothing else changed: the job runs on as it was")
+    return Joined(node, tuple(joined), at.rdzv_node.name, plan.endpoint(at), run)
+
+
+@dataclass(frozen=True)
+class Unlocked:
+    """What ``unlock`` found and did on each node (its line, in hosts.yaml's order), and the nodes
+    where a lock may remain, with the reason."""
+
+    lines: dict[str, str]
+    left: dict[str, str]
+
+    def refusal(self) -> RuntimeFailure | None:
+        if not self.left:
+            return None
+        return RuntimeFailure("unlock: not cleared on " + "; ".join(f"{n} ({why})" for n, why in self.left.items()),
+                              hint="run `ddp-deploy unlock` again once they answer")
+
+
+def unlock(inv: Inventory, remote: Remote, *, force: bool = False) -> Unlocked:
+    """Removes the fleet lock where its holder is gone (its heartbeat stale), or any lock with
+    ``force``; refuses, removing nothing, while a live command holds it."""
+    seen = lock.survey(inv, remote)
+    found = {n: s for n, s in seen.locks.items() if s is not None}
+    live = [s for s in found.values() if s.stale() is None]
+    if live and not force:
+        raise RuntimeFailure(f"unlock refused, nothing removed: {live[0].describe()}, its heartbeat "
+                             f"{live[0].quiet} s ago", hint="that command still runs: wait for it to finish; "
+                             "--force only if you know it does not")
+    removed = lock.remove(inv, remote, found)
+    left = {n: r.summary() for n, r in seen.failed.items()}
+    lines = {}
+    for n in (node.name for node in inv.nodes):
+        s, r = found.get(n), removed.get(n)
+        if n in seen.failed:
+            lines[n] = seen.failed[n].summary()
+        elif s is None or r.stdout.strip() == "gone":
+            lines[n] = "no lock"
+        elif r.stdout.strip() == "removed":
+            lines[n] = f"removed the lock of {s.holder()} ({s.stale() or 'live, --force'})"
+        else:
+            left[n] = lines[n] = "another lock was taken meanwhile" if r.ok else r.summary()
+    return Unlocked(lines, left)
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of a node's log: the rank that wrote it (None: the launcher's own) and its text, as
+    the job wrote it (show it with :func:`deploy.text.safe`)."""
+
+    node: str
+    rank: int | None
+    text: str
+
+
+def log_reads(inv: Inventory, remote: Remote, *, run_id: str | None = None, nodes: tuple[str, ...] = (),
+              tail: int | None = None, follow: bool = False, redact: Callable[[str], str] = str,
+              warn: Say = quiet) -> dict[str, tuple[str, ...]]:
+    """The command that reads each node's log, of the running job or of the kept run ``run_id``,
+    for ``nodes`` (default: all); a node that ran that run but is not in hosts.yaml now is named
+    through ``warn``."""
+    inv.check_names("--node", set(nodes))
+    chosen = [n for n in inv.nodes if not nodes or n.name in nodes]
+    if run_id is None:
+        return {n.name: plan.logs_argv(inv, n, tail=tail, follow=follow) for n in chosen}
+    run = kept_run(inv, remote, run_id, redact, "logs --run")[1]
+    gone = [n for n in run.nodes if n not in {m.name for m in inv.nodes}]
+    if gone:
+        warn(f"note: {', '.join(gone)} ran in {run.id} but not in hosts.yaml now: their logs are in "
+             f"{runs.runs_dir(inv)}/{run.id}")
+    return {n.name: runs.log_argv(inv, run.id, n.name, tail=tail, follow=follow) for n in chosen if n.name in run.nodes}
+
+
+def read_logs(remote: Remote, reads: dict[str, tuple[str, ...]], on_line: Callable[[LogLine], None], *,
+              follow: bool = False, ranks: tuple[int, ...] = (), redact: Callable[[str], str] = str) -> None:
+    """Each line of the logs ``reads`` names, to ``on_line`` as it comes (secrets masked; only the
+    ``ranks`` asked for): every node at once when following, else node after node, since a log can
+    outgrow this machine's memory. A RemoteFailure where a node's log could not be read."""
+    def emit(node: str, line: str) -> None:
+        rank, text = view.split_rank(line)
+        if not ranks or rank in ranks:
+            on_line(LogLine(node, rank, redact(text)))
+
+    if follow:
+        results = remote.stream(reads, emit)
+    else:
+        results = {}
+        for n, argv in reads.items():
+            results.update(remote.stream({n: argv}, emit))
+    if not all(r.ok for r in results.values()):
+        raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
+
+
 class Fleet:
     """The job of a hosts.yaml on its SSH fleet, verb by verb, for a program instead of a shell.
 
@@ -466,7 +648,8 @@ class Fleet:
         inv = load(hosts)
         if inv.slurm is not None:
             raise InputError(f"{hosts}: a Slurm inventory; this API drives an SSH fleet (nodes:)",
-                             hint="use the CLI (`ddp-deploy launch`) for Slurm")
+                             hint="use deploy.engines.slurmjob.SlurmJob for Slurm, or deploy.engines.choose.api, "
+                                  "which picks")
         self.hosts = str(hosts)
         self.inv = inv.without(without) if without else inv
         self.redact = secretenv.redactor_for(self.inv)
@@ -478,9 +661,46 @@ class Fleet:
         with Remote(self.inv) as remote:
             return check(self.inv, remote, self.say).checks
 
+    def deploy(self, *, build: bool = False, shipping=no_progress) -> dict[str, str]:
+        """Readies every node (``ddp-deploy deploy``): each node's line of what it has now."""
+        with Remote(self.inv) as remote:
+            return deploy(self.inv, remote, hosts=self.hosts, build=build, say=self.say, warn=self.warn,
+                          shipping=shipping)
+
     def launch(self) -> Started:
+        """Starts the job on every node, all or nothing (``ddp-deploy launch``)."""
         with Remote(self.inv) as remote:
             return launch(self.inv, remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn)
+
+    def join(self, node: str) -> Joined:
+        """Starts ``node`` into the elastic job the others run (``ddp-deploy join NODE``)."""
+        with Remote(self.inv) as remote:
+            return join(self.inv, remote, node, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn)
+
+    def logs(self, *, tail: int | None = None, nodes: tuple[str, ...] = (), ranks: tuple[int, ...] = (),
+             run: str | None = None, follow: bool = False,
+             on_line: Callable[[LogLine], None] | None = None) -> list[LogLine]:
+        """The job's log lines (of the kept run ``run``, or the newest), each node's in turn, only the
+        ``nodes`` and ``ranks`` asked for. With ``on_line`` each goes there as it comes and none is
+        kept (a log can outgrow memory; ``follow`` needs it, and returns once the logs end)."""
+        if follow and on_line is None:
+            raise InputError("logs: follow=True needs on_line", hint="pass on_line=print, or a function of your own")
+        kept: list[LogLine] = []
+        with Remote(self.inv) as remote:
+            reads = log_reads(self.inv, remote, run_id=run, nodes=nodes, tail=tail, follow=follow,
+                              redact=self.redact, warn=self.warn)
+            read_logs(remote, reads, on_line or kept.append, follow=follow, ranks=ranks, redact=self.redact)
+        return kept
+
+    def unlock(self, *, force: bool = False) -> dict[str, str]:
+        """Removes a stale fleet lock (any, with ``force``): each node's line; a RuntimeFailure where
+        a lock may remain."""
+        with Remote(self.inv) as remote:
+            done = unlock(self.inv, remote, force=force)
+        refused = done.refusal()
+        if refused:
+            raise refused
+        return done.lines
 
     def states(self) -> dict[str, plan.NodeState]:
         """Every node's state now (running, exited(N), stalled, unreachable, ...) and its last metrics."""

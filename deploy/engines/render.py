@@ -14,7 +14,6 @@ from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ..checks import netcheck
-from ..images import deliveries
 from ..job import phases
 from ..nodes.remote import command_line
 from ..observe import doctor, view
@@ -37,9 +36,9 @@ def say(text: str) -> None:
     click.echo(safe(text))
 
 
-def ship_with_progress(inv, remote, image_id, held):
-    """Ships the image (deploy/images/delivery.py), one line per node that gets it: its stage, bytes, rate."""
-    way = deliveries.for_inventory(inv)
+@contextlib.contextmanager
+def shipping():
+    """A shipment's progress on stderr, one line per node that gets the image: its stage, bytes, rate."""
     columns = (TextColumn("{task.fields[node]:<12} {task.fields[stage]:<10}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
@@ -52,7 +51,7 @@ def ship_with_progress(inv, remote, image_id, held):
                     tasks[node] = progress.add_task(node, total=total, node=node, stage=stage)
                 progress.update(tasks[node], completed=done, total=total, stage=stage)
 
-        return way.ship(remote, image_id, held, report)
+        yield report
 
 
 def print_network(report: dict) -> None:

@@ -30,8 +30,9 @@ class Deployer:
     def dry_run(self, build: bool) -> list[str]:
         raise NotImplementedError
 
-    def run(self, remote: Remote, echo: Echo, *, build: bool, ship) -> None:
-        """``ship(image_id, held) -> {node: outcome}`` sends the image with the caller's progress display."""
+    def run(self, remote: Remote, echo: Echo, *, build: bool, ship) -> dict[str, str]:
+        """``ship(image_id, held) -> {node: outcome}`` sends the image with the caller's progress display.
+        What each node has now, as a line (also echoed)."""
         raise NotImplementedError
 
     def _dirs_ready(self, echo: Echo) -> None:
@@ -64,11 +65,14 @@ class ImageDeployer(Deployer):
         image_id = builder.build(inv, platform) if build else builder.local_id(inv)
         builder.refuse_other_platform(inv, platforms, built=build)
         echo(f"image {inv.image.name} = {image_id} ({platform}, the nodes' platform)")
+        done = {}
         for n, o in ship(image_id, held).items():
             kept = f" ({o.layers_held} of {o.layers} layers were there)" if o.layers_held else ""
             note = f"; {o.note}" if o.note and o.sent_bytes else ""
-            echo(f"{n}: " + (f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}{note}" if o.sent_bytes else "up to date"))
+            done[n] = f"shipped {o.sent_bytes / 1e6:.1f} MB{kept}{note}" if o.sent_bytes else "up to date"
+            echo(f"{n}: {done[n]}")
         echo(image.cache_report())
+        return done
 
 
 class InterpreterDeployer(Deployer):
@@ -83,8 +87,10 @@ class InterpreterDeployer(Deployer):
         self._dirs_ready(echo)
         res = remote.run_all(plan.python_check_argv(inv), what="python check",
                              hint=f"install this package for {inv.python_path()} on the node (train.python)")
-        for n, r in res.items():
-            echo(f"{n}: {inv.python_path()} has trainer and torch {r.stdout.strip()}")
+        done = {n: f"{inv.python_path()} has trainer and torch {r.stdout.strip()}" for n, r in res.items()}
+        for n, line in done.items():
+            echo(f"{n}: {line}")
+        return done
 
 
 DEPLOYERS = {DockerRuntime.name: ImageDeployer, HostRuntime.name: InterpreterDeployer}

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.engines.choose import api
+from deploy.engines.slurmjob import SlurmJob
 from hung_job import hanging_program
 
 from .operator_cli import complete_checkpoint_steps, ddp, ok, records, wait_until
@@ -73,6 +75,18 @@ def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh
     assert only and all(line.startswith("node2 rank3") for line in only)
     kept = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)
     assert [(r["id"], r["outcome"]) for r in kept] == [(run, "exit 0")]
+    # the same, as data, through the Python API the CLI is built on (deploy/engines/slurmjob.py)
+    job = api(hosts)
+    assert isinstance(job, SlurmJob)
+    final = job.state()
+    assert (final.job_id, final.run, final.state) == (job_id, run, "COMPLETED")
+    assert job.verdict(final) == f"Slurm job {job_id} COMPLETED: all nodes finished with exit code 0"
+    assert {n: s.state for n, s in job.states().items()} == {"node1": "exited(0)", "node2": "exited(0)"}
+    lines = job.logs(nodes=("node2",), ranks=(3,), tail=50)
+    assert lines and {(line.node, line.rank) for line in lines} == {("node2", 3)}
+    assert [(r.id, r.outcome()) for r in job.runs()] == [(run, "exit 0")]
+    checks = job.check()
+    assert len(checks) == 5 and all(c.ok for c in checks), checks
     script = (fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-slurm" / "runs" / run / "job.sbatch").read_text()
     assert script == re.sub(r"\bRUN_ID\b", run, ok(ddp(cluster, hosts, "export", "slurm")).stdout)
     assert _queue(slurm) == []
