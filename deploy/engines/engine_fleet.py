@@ -61,13 +61,12 @@ class SshFleet(Engine):
                 click.echo(line)
             return
         with Remote(inv) as remote:
-            try:
-                fleet.deploy(inv, remote, hosts=self.st.hosts, build=build, say=click.echo, warn=render.warn,
-                             shipping=render.shipping)
-            except KeyboardInterrupt:  # a partial `docker load` registers no image: the ID check sees none
-                click.echo("interrupted: a node whose load had not finished keeps the image it had; "
-                           "`ddp-deploy deploy` ships the image to it again", err=True)
-                raise
+            # a partial `docker load` registers no image: the ID check sees none
+            fleet.deploy(inv, remote, hosts=self.st.hosts, build=build, say=click.echo, warn=render.warn,
+                         shipping=render.shipping,
+                         interrupted=lambda: click.echo("interrupted: a node whose load had not finished keeps the "
+                                                        "image it had; `ddp-deploy deploy` ships the image to it "
+                                                        "again", err=True))
 
     def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
         inv = self.inv
@@ -108,8 +107,8 @@ class SshFleet(Engine):
         inv = self.inv
         fleet.joinable(inv, node)
         secretenv.resolve(inv)
-        snap = codesync.snapshot_of(inv)
         if dry_run:
+            snap = codesync.snapshot_of(inv)
             click.echo(f"[{node}] the running job's rendezvous node and size are read from its launch record "
                        f"{record.path(inv)}; shown here as hosts.yaml has them")
             click.echo(f"[{node}] the launch's preflight checks on {node} alone first; it must see that record and "

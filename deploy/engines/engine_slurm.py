@@ -63,8 +63,8 @@ class Slurm(Engine):
     def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
         inv = self.inv
         secrets = secretenv.resolve(inv)
-        snap = codesync.snapshot_of(inv)
         if dry_run:
+            snap = codesync.snapshot_of(inv)
             login = job.login(inv)
             click.echo(f"[{login}] the batch script below, kept as {slurm.script_path(inv, 'RUN_ID')}; submitted with "
                        f"`sbatch --parsable` there" + (f", with {', '.join(secrets)} in its environment (never in the "
@@ -91,7 +91,7 @@ class Slurm(Engine):
                 return
             s = job.job_state(inv, remote, self.st.redact)
             first = job.first_failure(inv, remote, s, self.st.redact) if not s.active else None
-            states = job.node_states(inv, remote, s, self.st.redact, warn=lambda line: click.echo(line, err=True))
+            states = job.node_states(inv, remote, s, self.st.redact, warn=render.warn)
         if as_json:
             import json
             from dataclasses import asdict

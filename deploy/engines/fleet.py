@@ -464,11 +464,12 @@ def no_progress():
 
 
 def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, say: Say = quiet, warn: Say = quiet,
-           shipping: Callable[[], contextlib.AbstractContextManager[Shipping]] = no_progress) -> dict[str, str]:
+           shipping: Callable[[], contextlib.AbstractContextManager[Shipping]] = no_progress,
+           interrupted: Callable[[], None] = lambda: None) -> dict[str, str]:
     """Readies every node for a launch, under the fleet lock: the shared directories, then the image
     (built here with ``build``, shipped where a node's ID differs, each shipment's bytes reported to
     the function ``shipping()`` yields) or, on the host runtime, the interpreter checked. What each
-    node has now, as a line."""
+    node has now, as a line. ``interrupted`` is called on a Ctrl-C while the lock is still held."""
     steps = prepare.deployer(inv)
     with lock.held(inv, remote, "deploy", hosts, warn=warn) as fleet_lock:
         def ship(image_id, held):
@@ -477,7 +478,11 @@ def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, s
             with shipping() as report:
                 return deliveries.for_inventory(inv).ship(remote, image_id, held, report)
 
-        return steps.run(remote, say, build=build, ship=ship)
+        try:
+            return steps.run(remote, say, build=build, ship=ship)
+        except KeyboardInterrupt:
+            interrupted()
+            raise
 
 
 @dataclass(frozen=True)
@@ -590,8 +595,8 @@ def unlock(inv: Inventory, remote: Remote, *, force: bool = False) -> Unlocked:
 
 @dataclass(frozen=True)
 class LogLine:
-    """One line of a node's log: the rank that wrote it (None: the launcher's own) and its text, as
-    the job wrote it (show it with :func:`deploy.text.safe`)."""
+    """One line of a node's log: the rank that wrote it (None: the launcher's own) and its text as
+    the job wrote it, secrets masked (show it with :func:`deploy.text.safe`)."""
 
     node: str
     rank: int | None
@@ -680,9 +685,11 @@ class Fleet:
     def logs(self, *, tail: int | None = None, nodes: tuple[str, ...] = (), ranks: tuple[int, ...] = (),
              run: str | None = None, follow: bool = False,
              on_line: Callable[[LogLine], None] | None = None) -> list[LogLine]:
-        """The job's log lines (of the kept run ``run``, or the newest), each node's in turn, only the
+        """The job's log lines (of the kept run ``run``, or the running one), node after node, only the
         ``nodes`` and ``ranks`` asked for. With ``on_line`` each goes there as it comes and none is
-        kept (a log can outgrow memory; ``follow`` needs it, and returns once the logs end)."""
+        kept (a log can outgrow memory). ``follow`` needs ``on_line``: every node at once, so it may
+        be called from several threads at once, until interrupted (or, on docker, until the
+        containers end)."""
         if follow and on_line is None:
             raise InputError("logs: follow=True needs on_line", hint="pass on_line=print, or a function of your own")
         kept: list[LogLine] = []

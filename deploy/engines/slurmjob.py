@@ -149,8 +149,8 @@ def node_states(inv, remote, s: slurm.SlurmState, redact, warn=None) -> dict[str
                          timeout=slurm.ON_NODES_S + 15)[login(inv)]
         seen = slurm.by_node(got.stdout)
         if warn is not None and not all(n in seen for n in running):
-            warn(safe(redact(f"warning: progress not read on {', '.join(n for n in running if n not in seen)} "
-                             f"({got.summary() if not got.ok else 'no answer'}): a stall there is not shown")))
+            warn(redact(f"progress not read on {', '.join(n for n in running if n not in seen)} "
+                        f"({got.summary() if not got.ok else 'no answer'}): a stall there is not shown"))
     for n in running:
         found = plan.parse_status("running\n" + seen[n]) if n in seen else plan.NodeState("running")
         found = replace(found, metrics=s.nodes[n].metrics)
@@ -307,7 +307,9 @@ class SlurmJob:
         with Remote(self.inv) as remote:
             return login_checks(self.inv, remote)
 
-    def deploy(self) -> dict[str, str]:
+    def deploy(self, *, build: bool = False) -> dict[str, str]:
+        """The shared directories and what the job runs with (``build`` has no meaning here: the
+        site's image or the shared interpreter is given): the login node's line."""
         with Remote(self.inv) as remote:
             return deploy(self.inv, remote, self.say)
 
