@@ -50,6 +50,12 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert fleet.logs(ranks=(1,), on_line=streamed.append) == [] and streamed  # as they come, none kept
     assert {line.rank for line in streamed} == {1}
     assert fleet.unlock() == {"here": "no lock"}  # launch released it
+    by_run = fleet.metrics()  # the run's records, as the trainer wrote them into metrics.jsonl
+    assert list(by_run) == [started.run] and by_run[started.run][-1]["kind"] == "final"
+    assert fleet.metrics(runs=("no-such-run",)) == {}
+    drew = fleet.plot(tmp_path / "metrics.png")
+    assert drew.startswith(f"wrote {tmp_path / 'metrics.png'}: 1 run ({started.run} from ")
+    assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")
     assert fleet.stop() == {"here": "cleared (had exited 0)"}  # each node's answer
     assert fleet.stop() == {"here": "absent"}  # idempotent
     assert fleet.states()["here"].state == "absent"

@@ -156,28 +156,9 @@ class Engine(ABC):
         render.out.print(table)
 
     def plot(self, run_ids: tuple[str, ...], output: str | None) -> None:
-        from ..observe import plot as plotting  # matplotlib: only for this verb
-
-        plotting.require_matplotlib()
-        inv = self.inv
-        path = output or f"{inv.job.name}-metrics.png"
-        with Remote(inv) as remote:
-            reader, got = fleet.on_any_node(inv, remote, plotting.sources_argv(inv),
-                                            f"the metrics in {inv.storage.checkpoints.host}")
-            kept, text = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
-            by_run = plotting.records_by_run(text)
-            missing = [r for r in plotting.wanted_runs(kept, run_ids) if r not in by_run]
-            from_logs = {}
-            if missing:  # runs metrics.jsonl knows nothing of: their programs' METRICS lines
-                read = remote.run({reader: plotting.log_metrics_argv(inv, missing)}, check=False, timeout=120)[reader]
-                if read.ok:
-                    from_logs = plotting.log_records(read.stdout)
-                else:
-                    render.warn(f"{reader}: the logs of {', '.join(missing)} were not read: {read.summary()}")
-        sources = {run: plotting.FROM_LOGS for run in from_logs}
-        by_run = plotting.masked({**by_run, **from_logs}, self.st.redact)
-        plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
-        click.echo(plotting.wrote(path, plotting.select(by_run, run_ids), sources))
+        path = output or f"{self.inv.job.name}-metrics.png"
+        with Remote(self.inv) as remote:
+            click.echo(fleet.plot(self.inv, remote, path, run_ids, self.st.redact, render.warn))
 
     def export(self, target: str, kind: str, namespace: str | None, pvc: str | None, image_ref: str | None,
                output: str | None) -> None:

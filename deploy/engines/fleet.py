@@ -32,6 +32,7 @@ from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, failure, view
+from ..observe import plot as plotting
 
 Say = Callable[[str], None]
 
@@ -310,6 +311,36 @@ def kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run
         return reader, runs.pick(kept, wanted)
     except ValueError as e:
         raise InputError(f"{verb}: {e}", hint="`ddp-deploy runs` lists the kept runs") from None
+
+
+def metrics(inv, remote, run_ids: tuple[str, ...] = (), redact: Callable[[str], str] = str,
+            warn: Say = quiet) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """The metrics records of each run (all, or those ``run_ids`` name: an id or its start), from
+    metrics.jsonl on the shared volume, or from a run's kept logs (its program's METRICS lines)
+    where the file knows nothing of it; secrets masked after parsing. And where each run's came
+    from, for the runs read from logs."""
+    reader, got = on_any_node(inv, remote, plotting.sources_argv(inv), f"the metrics in {inv.storage.checkpoints.host}")
+    kept, text = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
+    by_run = plotting.records_by_run(text)
+    missing = [r for r in plotting.wanted_runs(kept, run_ids) if r not in by_run]
+    from_logs = {}
+    if missing:  # runs metrics.jsonl knows nothing of: their programs' METRICS lines
+        read = remote.run({reader: plotting.log_metrics_argv(inv, missing)}, check=False, timeout=120)[reader]
+        if read.ok:
+            from_logs = plotting.log_records(read.stdout)
+        else:
+            warn(f"{reader}: the logs of {', '.join(missing)} were not read: {read.summary()}")
+    return plotting.masked({**by_run, **from_logs}, redact), {run: plotting.FROM_LOGS for run in from_logs}
+
+
+def plot(inv, remote, path: str | Path, run_ids: tuple[str, ...] = (), redact: Callable[[str], str] = str,
+         warn: Say = quiet) -> str:
+    """One PNG of the runs' metrics at ``path`` (deploy/observe/plot.py; needs matplotlib): what
+    it drew, as a line."""
+    plotting.require_matplotlib()
+    by_run, sources = metrics(inv, remote, run_ids, redact, warn)
+    plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
+    return plotting.wrote(path, plotting.select(by_run, run_ids), sources)
 
 
 def kept_failure(inv, remote, reader: str, run: str, nodes, redact) -> failure.Failure | None:
@@ -698,6 +729,18 @@ class Fleet:
                               redact=self.redact, warn=self.warn)
             read_logs(remote, reads, on_line or kept.append, follow=follow, ranks=ranks, redact=self.redact)
         return kept
+
+    def metrics(self, runs: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+        """Each run's metrics records as the trainer (or the program's METRICS lines) wrote them, by
+        run id (all runs, or those ``runs`` names: an id or its start)."""
+        with Remote(self.inv) as remote:
+            by_run = metrics(self.inv, remote, runs, self.redact, self.warn)[0]
+        return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
+
+    def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:
+        """The runs' metrics drawn into one PNG at ``path`` (``ddp-deploy plot``): what it drew."""
+        with Remote(self.inv) as remote:
+            return plot(self.inv, remote, path, runs, self.redact, self.warn)
 
     def unlock(self, *, force: bool = False) -> dict[str, str]:
         """Removes a stale fleet lock (any, with ``force``): each node's line; a RuntimeFailure where

@@ -28,6 +28,7 @@ from ..job import codesync, plan, record, runs, runtime, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, view
+from ..observe import plot as plotting
 from ..text import safe
 from . import fleet, slurm
 from .fleet import LogLine, Say, quiet
@@ -355,6 +356,16 @@ class SlurmJob:
             read_logs(self.inv, remote, on_line or kept.append, run_id=run, nodes=nodes, ranks=ranks, tail=tail,
                       follow=follow, redact=self.redact, say=self.say)
         return kept
+
+    def metrics(self, runs: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+        """As :meth:`deploy.engines.fleet.Fleet.metrics`."""
+        with Remote(self.inv) as remote:
+            by_run = fleet.metrics(self.inv, remote, runs, self.redact, self.warn)[0]
+        return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
+
+    def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:
+        with Remote(self.inv) as remote:
+            return fleet.plot(self.inv, remote, path, runs, self.redact, self.warn)
 
     def stop(self, *, now: bool = False) -> str:
         with Remote(self.inv) as remote:
