@@ -50,6 +50,8 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert fleet.logs(ranks=(1,), on_line=streamed.append) == [] and streamed  # as they come, none kept
     assert {line.rank for line in streamed} == {1}
     assert fleet.unlock() == {"here": "no lock"}  # launch released it
+    (good,) = fleet.goodput().values()  # the run's share of wall time in training steps that count
+    assert 0 < good.share < 1 and good.redone_steps == 0 and good.incidents == (), good
     by_run = fleet.metrics()  # the run's records, as the trainer wrote them into metrics.jsonl
     assert list(by_run) == [started.run] and by_run[started.run][-1]["kind"] == "final"
     assert fleet.metrics(runs=("no-such-run",)) == {}

@@ -5,6 +5,7 @@ through the CLI around real launches of the trainer (local host-runtime node).""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -145,12 +146,17 @@ def test_relaunches_keep_every_run_s_logs_and_outcome_until_pruned_by_count(ddp,
     rows = {line.split()[1]: line for line in shown.stdout.splitlines() if runs.RUN_ID.search(line)}
     assert list(rows) == [first, second], shown.stdout
     assert "exit 0" in rows[first] and "exit 1 (here)" in rows[second]
+    assert re.search(r"exit 0\s+│\s+\d{1,3}%\s+│", rows[first]) and re.search(r"exit 1 \(here\)\s+│\s+-\s+│", rows[second])
 
     data = json.loads(ddp(bad, "runs", "--json").stdout)
     assert [r["id"] for r in data] == [first, second]
     assert data[0]["record"]["hosts_yaml"]["train"]["args"] == TRAIN_ARGS  # what ran, as it was then
     assert [code for _, code in data[1]["nodes"]["here"]["exits"]] == [1]
     assert data[1]["end"] >= data[1]["start"]
+    # the first run's goodput: its steps' time against its wall time; the failed one never stepped
+    good_first = data[0]["goodput"]
+    assert 0 < good_first["share"] < 1 and good_first["training_s"] <= good_first["wall_s"]
+    assert good_first["redone_steps"] == 0 and good_first["incidents"] == [] and data[1]["goodput"] is None
 
     old = ddp(bad, "logs", "--run", first[:-2])  # the start of an id is enough
     assert old.exit_code == 0, old.output
@@ -160,6 +166,7 @@ def test_relaunches_keep_every_run_s_logs_and_outcome_until_pruned_by_count(ddp,
 
     was = ddp(bad, "status", "--run", first)
     assert was.exit_code == 0 and f"run {first}: started " in was.stdout and "exited(0)" in was.stdout
+    assert re.search(r"^goodput \d{1,2}% \([\d.]+ s of [\d.]+ s in training steps that count\)$", was.stdout, re.M), was.stdout
     failed = ddp(bad, "status", "--run", second, "--json")
     node = json.loads(failed.stdout)["nodes"][0]
     assert node["state"] == "exited(1)" and "dataset cifar10 is not" in node["first_failure"]["says"]

@@ -131,10 +131,12 @@ class Engine(ABC):
         with Remote(inv) as remote:
             kept = fleet.kept_runs(inv, remote, "", redact)[1]
             running = bool(kept) and kept[-1].end is None and self.running(remote)
+            good = fleet.goodputs(inv, remote, kept, running, redact, render.warn)
         if as_json:
             click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
                                     "outcome": "running" if running and r is kept[-1] else r.outcome(),
                                     "stopped": r.stop_data(),
+                                    "goodput": good[r.id].as_data() if good.get(r.id) else None,
                                     "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
                                                   "stopped": nr.stop.as_data() if nr.stop else None,
                                                   "stalls": [k.as_data() for k in nr.stalls]}
@@ -145,14 +147,15 @@ class Engine(ABC):
             click.echo(f"no run of {inv.job.name} is kept in {runs.runs_dir(inv)}")
             return
         table = DataTable(Column("run", no_wrap=True), Column("took", no_wrap=True), "nodes", "program", "code",
-                          "image", Column("outcome", no_wrap=True), Column("stalls", no_wrap=True),
+                          "image", Column("outcome", no_wrap=True), Column("goodput", no_wrap=True),
+                          Column("stalls", no_wrap=True),
                           title=f"runs of {inv.job.name} (the newest {inv.job.keep_runs} are kept; the id starts "
                                 "with the UTC start time)")
         for r in kept:
             outcome = cell("running", "green") if running and r is kept[-1] else r.outcome()
             table.add_row(r.id, fleet.when(r)[1] or "-", str(len(r.nodes)), r.field("program") or "?",
                           (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8],
-                          outcome, r.stall_text())
+                          outcome, good[r.id].text() if good.get(r.id) else "-", r.stall_text())
         render.out.print(table)
 
     def plot(self, run_ids: tuple[str, ...], output: str | None) -> None:

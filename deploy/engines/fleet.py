@@ -31,7 +31,8 @@ from ..inventory import Inventory, load
 from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv, stall
 from ..job.payload import payload
 from ..nodes.remote import Remote
-from ..observe import doctor, failure, view
+from ..observe import doctor, failure, goodput, view
+from ..observe.goodput import Goodput
 from ..observe import plot as plotting
 
 Say = Callable[[str], None]
@@ -311,6 +312,26 @@ def kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run
         return reader, runs.pick(kept, wanted)
     except ValueError as e:
         raise InputError(f"{verb}: {e}", hint="`ddp-deploy runs` lists the kept runs") from None
+
+
+def goodputs(inv, remote, kept: list[runs.Run], running: bool = False, redact: Callable[[str], str] = str,
+             warn: Say = quiet) -> dict[str, Goodput | None]:
+    """Each kept run's goodput, from the built-in trainer's records in metrics.jsonl (None for a
+    run with none: another program's, or one that never stepped); {} where the file could not be
+    read. The newest run's wall time runs to now while it is ``running``; a run whose end no node
+    recorded (one was lost) ends at its last record."""
+    if not kept:
+        return {}
+    try:
+        got = on_any_node(inv, remote, plotting.sources_argv(inv), f"the metrics in {inv.storage.checkpoints.host}")[1]
+    except RuntimeFailure as e:
+        warn(f"goodput not shown: {e}")
+        return {}
+    by_run = plotting.masked(plotting.records_by_run(plotting.parse_sources(got.stdout)[1]), redact)
+    now = time.time()
+    return {r.id: goodput.of_run(by_run.get(r.id, []), r.start, r.end,
+                                 now if running and r is kept[-1] else (goodput.last_time(by_run.get(r.id, [])) or now))
+            for r in kept}
 
 
 def metrics(inv, remote, run_ids: tuple[str, ...] = (), redact: Callable[[str], str] = str,
@@ -772,6 +793,14 @@ class Fleet:
         """The job's kept runs, oldest first: id, start, end, each node's exits, metrics and stalls."""
         with Remote(self.inv) as remote:
             return kept_runs(self.inv, remote, "", self.redact)[1]
+
+    def goodput(self) -> dict[str, Goodput | None]:
+        """Each kept run's goodput and incidents (restarts, resizes, stops), by run id."""
+        with Remote(self.inv) as remote:
+            kept = kept_runs(self.inv, remote, "", self.redact)[1]
+            running = bool(kept) and kept[-1].end is None and any(s.running for s in node_states(
+                self.inv, remote, self.redact).values())
+            return goodputs(self.inv, remote, kept, running, self.redact, self.warn)
 
     def doctor(self) -> doctor.Diagnosis:
         """What every rank of the running job is doing, grouped by where the ranks wait."""

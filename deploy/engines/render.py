@@ -112,6 +112,7 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     ranks = {n: run.procs(n) for n in states}
     first = fleet.kept_failure(inv, remote, reader, run.id, fleet.witnesses(states), redact)
     stalls = fleet.kept_stalls(inv, remote, reader, run, redact)
+    good = fleet.goodputs(inv, remote, [run], redact=redact, warn=warn).get(run.id)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
                                "stopped": run.stop_data(),
@@ -120,7 +121,7 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
                                           "first_failure": asdict(first) if first and first.node == n else None,
                                           "stalls": [k.as_data() for k in run.nodes[n].stalls]}
                                          for n, s in states.items()],
-                               "stalls": stalls, "record": run.record}))
+                               "stalls": stalls, "goodput": good.as_data() if good else None, "record": run.record}))
         return
     started, took = fleet.when(run)
     click.echo(safe(f"run {run.id}: started {started}{f', took {took}' if took else ''}: "
@@ -129,6 +130,8 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
     if prepared:
         click.echo(f"launch before the start {prepared}")
     out.print(view.table(inv.job.name, ranks, states))
+    if good:
+        click.echo(good.describe())
     if first:
         click.echo(f"first failure: {first.describe()}")
     for kept in stalls:

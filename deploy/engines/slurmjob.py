@@ -28,6 +28,7 @@ from ..job import codesync, plan, record, runs, runtime, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, view
+from ..observe.goodput import Goodput
 from ..observe import plot as plotting
 from ..text import safe
 from . import fleet, slurm
@@ -340,6 +341,13 @@ class SlurmJob:
     def runs(self) -> list[runs.Run]:
         with Remote(self.inv) as remote:
             return fleet.kept_runs(self.inv, remote, "", self.redact)[1]
+
+    def goodput(self) -> dict[str, Goodput | None]:
+        """As :meth:`deploy.engines.fleet.Fleet.goodput`."""
+        with Remote(self.inv) as remote:
+            kept = fleet.kept_runs(self.inv, remote, "", self.redact)[1]
+            running = bool(kept) and kept[-1].end is None and job_state(self.inv, remote).active
+            return fleet.goodputs(self.inv, remote, kept, running, self.redact, self.warn)
 
     def doctor(self) -> doctor.Diagnosis:
         with Remote(self.inv) as remote:
