@@ -21,15 +21,20 @@ def _cell(value) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["fault", "job finished", "work redone (steps)", "time to detect", "left running", "bit-identical"]
+    head = ["fault", "job finished", "work redone (steps)", "time to detect", "left running", "bit-identical",
+            "run's goodput (`runs`)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         redone = r["redone_steps"]
         redone = "n/a" if redone is None else f"{redone} (checkpoint every {r['ckpt_every']})"
         detect = "n/a" if r["detect_s"] is None else f"{r['detect_s']} s: {r['detect_what']}"
         extra = f"; {r['previous_checkpoint']}" if r.get("previous_checkpoint") else ""
+        good = "n/a"
+        if r.get("goodput") is not None:
+            good = f"{r['goodput']:.0%}" + (f", training again {r['recovery_s']} s after the last step logged"
+                                              if r.get("recovery_s") is not None else "")
         lines.append("| " + " | ".join([r["fault"], _cell(r["finished"]) + extra, redone, detect,
-                                        r["left_running"], _cell(r["bit_identical"])]) + " |")
+                                        r["left_running"], _cell(r["bit_identical"]), good]) + " |")
     return "\n".join(lines)
 
 

@@ -208,10 +208,17 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     final = records(fresh_nas)[-1]
     assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 3 * PROCS
     _assert_same_weights(reference, _weights(fresh_nas))
+    # `runs` reckons the same restart from the trainer's records: the step it resumed at, the steps
+    # redone, and the run's goodput with the fault's cost in it
+    good = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["goodput"]
+    assert good["incidents"] and all(i["kind"] == "restart" for i in good["incidents"]), good
+    first = good["incidents"][0]
+    assert first["step"] == resumed["step"] and 0 <= first["redone"] <= CKPT_EVERY and first["gap_s"] > 0, good
+    assert 0 < good["share"] < 1, good
     record_fault(fault=what, finished=True,
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
                  detect_what="kill to the job resumed on all nodes", left_running="nothing (all exited 0)",
-                 bit_identical=True)
+                 bit_identical=True, goodput=good["share"], recovery_s=round(first["gap_s"], 1))
 
 
 def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_resumes(
