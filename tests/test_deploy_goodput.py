@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.observe.goodput import of_run
+from deploy.observe.goodput import last_time, of_run
 
 T0 = 1_800_000_000.0
 
@@ -42,7 +42,8 @@ def test_a_resize_and_a_stop_are_named_and_a_relaunch_s_first_resume_is_no_incid
                train(25, 58), {"time": T0 + 26, "kind": "stopped", "step": 58}]
     got = of_run(records, T0, None, now=T0 + 30)  # still listed as running: up to now
     assert [i.kind for i in got.incidents] == ["resize", "stop"]
-    assert got.incidents[0].world == (6, 4) and got.incidents[0].describe().startswith("resized 6 -> 4 processes at step 48")
+    assert got.incidents[0].world == (6, 4)
+    assert got.incidents[0].describe().startswith("resized 6 -> 4 processes (its epoch replayed from its start) at step 48")
     assert got.wall_s == 30.0 and got.redone_steps == 2
 
 
@@ -60,9 +61,27 @@ def test_records_from_the_volume_that_lie_are_left_out_and_never_crash_it():
                {"time": T0 + 2, "kind": "train", "step": 5, "step_time_s": float("inf")},
                {"time": T0 + 3, "kind": "train", "step": 6, "step_time_s": -4},
                {"time": T0 + 4, "kind": "resumed", "step": -1},
-               train(5, 10, each=1e300)]
+               train(5, 10, each=1e300), train(6, 11, each=10 ** 400),
+               {"time": 10 ** 400, "kind": "train", "step": 12, "step_time_s": 1}]
     got = of_run(hostile, T0, T0 + 10, now=0)
     assert got.training_s == 0.0 and got.share == 0.0  # no usable step time: nothing counts
+    assert last_time(hostile) == T0 + 6 and last_time("x") is None
     assert of_run("not a list", T0, T0 + 10, now=0) is None
     assert of_run([train(5, 10)], None, T0 + 10, now=0) is None  # the start unknown
     assert of_run([train(5, 10, each=100)], T0, T0 + 10, now=0).share == 1.0  # never above all of it
+
+
+def test_records_are_taken_in_the_order_written_not_by_a_clock_another_node_may_skew():
+    # rank 0 moved to a node whose clock is 3 s behind: its records still come after
+    records = [train(10, 10), train(15, 20), train(20, 30),
+               {"time": T0 + 17, "kind": "resumed", "step": 24}, train(22, 34)]
+    got = of_run(records, T0, T0 + 30, now=0)
+    assert got.redone_steps == 6 and got.incidents[0].last_step == 30 and got.training_s == pytest.approx(17.0)
+
+
+def test_twenty_thousand_restarts_are_each_an_incident_with_its_step_redone():
+    records = []
+    for i in range(20000):
+        records += [train(i, 2 * i + 2), {"time": T0 + i + 0.5, "kind": "resumed", "step": 2 * i + 1}]
+    got = of_run(records, T0, T0 + 20001, now=0)
+    assert len(got.incidents) == 20000 and got.redone_steps == 20000

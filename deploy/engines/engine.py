@@ -131,7 +131,7 @@ class Engine(ABC):
         with Remote(inv) as remote:
             kept = fleet.kept_runs(inv, remote, "", redact)[1]
             running = bool(kept) and kept[-1].end is None and self.running(remote)
-            good = fleet.goodputs(inv, remote, kept, running, redact, render.warn)
+            good = fleet.goodputs(inv, remote, kept, running, render.warn)
         if as_json:
             click.echo(json.dumps([{"id": r.id, "start": r.start, "end": r.end,
                                     "outcome": "running" if running and r is kept[-1] else r.outcome(),

@@ -127,7 +127,7 @@ class SshFleet(Engine):
                              hint="poll `status --json` instead" if as_json else "a kept run has ended: drop --follow")
         with Remote(inv) as remote:
             if run_id is not None:
-                render.kept_status(inv, remote, run_id, as_json, self.st.redact)
+                render.kept_status(inv, remote, run_id, as_json, self.st.redact, lambda: self.running(remote))
                 return
             if follow:
                 click.echo(fleet.verdict(inv, render.follow(inv, remote, None, self.st.redact), remote, self.st.redact))

@@ -83,7 +83,7 @@ class Slurm(Engine):
         inv = self.inv
         with Remote(inv) as remote:
             if run_id is not None:
-                render.kept_status(inv, remote, run_id, as_json, self.st.redact)
+                render.kept_status(inv, remote, run_id, as_json, self.st.redact, lambda: self.running(remote))
                 return
             if follow:
                 click.echo(job.verdict(inv, remote, job.follow(inv, remote, None, self.st.redact, render.say),

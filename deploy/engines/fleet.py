@@ -314,8 +314,7 @@ def kept_run(inv, remote, wanted: str, redact, verb: str) -> tuple[str, runs.Run
         raise InputError(f"{verb}: {e}", hint="`ddp-deploy runs` lists the kept runs") from None
 
 
-def goodputs(inv, remote, kept: list[runs.Run], running: bool = False, redact: Callable[[str], str] = str,
-             warn: Say = quiet) -> dict[str, Goodput | None]:
+def goodputs(inv, remote, kept: list[runs.Run], running: bool = False, warn: Say = quiet) -> dict[str, Goodput | None]:
     """Each kept run's goodput, from the built-in trainer's records in metrics.jsonl (None for a
     run with none: another program's, or one that never stepped); {} where the file could not be
     read. The newest run's wall time runs to now while it is ``running``; a run whose end no node
@@ -327,7 +326,9 @@ def goodputs(inv, remote, kept: list[runs.Run], running: bool = False, redact: C
     except RuntimeFailure as e:
         warn(f"goodput not shown: {e}")
         return {}
-    by_run = plotting.masked(plotting.records_by_run(plotting.parse_sources(got.stdout)[1]), redact)
+    # unmasked: a secret equal to a word the reckoning reads ("train") must not change it; none of
+    # the records' text is shown
+    by_run = plotting.records_by_run(plotting.parse_sources(got.stdout)[1])
     now = time.time()
     return {r.id: goodput.of_run(by_run.get(r.id, []), r.start, r.end,
                                  now if running and r is kept[-1] else (goodput.last_time(by_run.get(r.id, [])) or now))
@@ -800,7 +801,7 @@ class Fleet:
             kept = kept_runs(self.inv, remote, "", self.redact)[1]
             running = bool(kept) and kept[-1].end is None and any(s.running for s in node_states(
                 self.inv, remote, self.redact).values())
-            return goodputs(self.inv, remote, kept, running, self.redact, self.warn)
+            return goodputs(self.inv, remote, kept, running, self.warn)
 
     def doctor(self) -> doctor.Diagnosis:
         """What every rank of the running job is doing, grouped by where the ranks wait."""

@@ -105,14 +105,16 @@ def follow(inv, remote, timeout, redact):
     return final
 
 
-def kept_status(inv, remote, wanted: str, as_json: bool, redact) -> None:
-    """``status --run``: how each node of a kept run ended, its last metrics, the first failure."""
+def kept_status(inv, remote, wanted: str, as_json: bool, redact, running=lambda: False) -> None:
+    """``status --run``: how each node of a kept run ended, its last metrics, the first failure,
+    its goodput (``running()``: whether the job's newest run runs still)."""
     reader, run = fleet.kept_run(inv, remote, wanted, redact, "status --run")
     states = {n: r.state() for n, r in run.nodes.items()}
     ranks = {n: run.procs(n) for n in states}
     first = fleet.kept_failure(inv, remote, reader, run.id, fleet.witnesses(states), redact)
     stalls = fleet.kept_stalls(inv, remote, reader, run, redact)
-    good = fleet.goodputs(inv, remote, [run], redact=redact, warn=warn).get(run.id)
+    live = run.end is None and fleet.kept_runs(inv, remote, "", redact)[1][-1].id == run.id and running()
+    good = fleet.goodputs(inv, remote, [run], live, warn).get(run.id)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),
                                "stopped": run.stop_data(),

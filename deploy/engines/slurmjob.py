@@ -347,7 +347,7 @@ class SlurmJob:
         with Remote(self.inv) as remote:
             kept = fleet.kept_runs(self.inv, remote, "", self.redact)[1]
             running = bool(kept) and kept[-1].end is None and job_state(self.inv, remote).active
-            return fleet.goodputs(self.inv, remote, kept, running, self.redact, self.warn)
+            return fleet.goodputs(self.inv, remote, kept, running, self.warn)
 
     def doctor(self) -> doctor.Diagnosis:
         with Remote(self.inv) as remote:

@@ -6,9 +6,13 @@ again, how long until training went on), from the built-in trainer's records of 
 A ``train`` record stands for the steps since the one before it (or since the step the attempt
 resumed at, or 0), each taking its ``step_time_s``. A ``resumed`` record at step C inside a run
 means the steps past C were lost and are done again: their time does not count. Time before the
-first step (the launch, the rendezvous, loading), evaluation, checkpoints and the waits of a fault
-count as wall time only. The records are data from the shared volume: a record whose numbers are
-missing, of another type, not finite or out of range is left out, never trusted.
+first step (the launch, the rendezvous, loading), evaluation, the end of an epoch's checkpoint and
+the waits of a fault count as wall time only; a checkpoint taken inside an epoch (``ckpt_every``)
+falls in its interval's steps. What no record shows is not seen: steps after the last train
+record of an attempt, and an attempt that ended before its first train record (its restart is
+then no incident). A resize resumes at the start of the checkpoint's epoch (trainer/loop.py): the
+batches it trains again there count as steps. The records are data from the shared volume: a
+record whose numbers are missing, of another type, not finite or out of range is left out.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class Incident:
     def describe(self) -> str:
         if self.kind == "stop":
             return f"stopped at step {self.step}"
-        what = f"resized {self.world[0]} -> {self.world[1]} processes" if self.world else "restarted"
+        what = (f"resized {self.world[0]} -> {self.world[1]} processes (its epoch replayed from its start)"
+                if self.world else "restarted")
         redone = f", {self.redone} steps redone" if self.redone else ""
         gap = f", training again {self.gap_s:.1f} s after the last step logged" if self.gap_s is not None else ""
         return f"{what} at step {self.step}{redone}{gap}"
@@ -73,7 +78,10 @@ class Goodput:
 def _number(value, low: float = 0.0, high: float = 1e12) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int of hundreds of digits, as JSON allows
+        return None
     return value if math.isfinite(value) and low <= value <= high else None
 
 
@@ -82,7 +90,9 @@ def _step(value) -> int | None:
 
 
 def _usable(records) -> list[dict]:
-    """The records this reckoning can use, by time: a known kind, a finite time, a step in range."""
+    """The records this reckoning can use, in the order they were written (one writer at a time:
+    rank 0 of the attempt; never re-sorted by a time from another node's clock): a known kind, a
+    finite time, a step in range."""
     kept = []
     for r in records if isinstance(records, list) else ():
         if not isinstance(r, dict) or r.get("kind") not in ("train", "resumed", "stopped"):
@@ -90,7 +100,7 @@ def _usable(records) -> list[dict]:
         if _number(r.get("time"), 0.0, 1e11) is None or _step(r.get("step")) is None:
             continue
         kept.append(r)
-    return sorted(kept, key=lambda r: float(r["time"]))
+    return kept
 
 
 def last_time(records) -> float | None:
@@ -113,22 +123,20 @@ def of_run(records, start: float | None, end: float | None, now: float) -> Goodp
     after_train = False  # the record before was a train record
 
     def resumed(t: float, step: int, world: tuple[int | None, int | None]) -> None:
-        nonlocal intervals, last_step, redone_steps
+        nonlocal last_step, redone_steps
         if last_step is not None:  # inside the run: a restart or a resize
             resized = None not in world and world[0] != world[1]
             incidents.append(Incident("resize" if resized else "restart", t, last_step, step, max(0, last_step - step),
                                       None if last_time is None else max(0.0, t - last_time),
                                       world if resized else None))
-        kept = []
-        for lo, hi, seconds in intervals:
-            if hi <= step:
-                kept.append((lo, hi, seconds))
-            elif lo < step:  # the part up to the checkpoint counts
-                kept.append((lo, step, seconds * (step - lo) / (hi - lo)))
+        while intervals and intervals[-1][1] > step:  # in step order: those past the checkpoint are last
+            lo, hi, seconds = intervals.pop()
+            if lo < step:  # the part up to the checkpoint counts
+                intervals.append((lo, step, seconds * (step - lo) / (hi - lo)))
                 redone_steps += hi - step
-            else:
-                redone_steps += hi - lo
-        intervals, last_step = kept, step
+                break
+            redone_steps += hi - lo
+        last_step = step
 
     for r in usable:
         t, step = float(r["time"]), r["step"]
