@@ -262,7 +262,7 @@ def test_a_record_with_numbers_that_do_not_fit_lists_without_them(ddp, hosts, tm
     listed = ddp(hosts, "runs")
     assert listed.exit_code == 0, listed.output
     assert [c.strip() for c in next(line for line in listed.stdout.splitlines() if run in line).split("│")[1:-1]] \
-        == [run, "-", "1", "?", "-", "-", "exit 0", "-"]
+        == [run, "-", "1", "?", "-", "-", "exit 0", "-", "-"]  # goodput: no start time, none reckoned
     data = _strict(ddp(hosts, "runs", "--json").stdout)
     assert data[0]["start"] is None and data[0]["record"]["nan"] is None and data[0]["record"]["time"] is None
     kept = ddp(hosts, "status", "--run", run)
