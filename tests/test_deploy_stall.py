@@ -418,6 +418,23 @@ def test_a_rank_in_backward_waits_in_ddp_s_gradient_all_reduce_and_the_rank_that
     assert d.culprits == ("node1 rank 1",)
 
 
+def test_a_rank_in_ddp_s_broadcast_of_its_buffers_waits_and_the_rank_that_holds_it_up_is_named():
+    # every forward of a DDP model with buffers (BatchNorm's statistics) broadcasts them from rank 0 first;
+    # py-spy sees DDP's own method, outside torch/distributed/
+    ddp = "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"
+    forward = _dump(("_distributed_broadcast_coalesced", ddp, 2078), ("_sync_buffers", ddp, 2034),
+                    ("forward", ddp, 1632), ("train_step", "/app/trainer/loop.py", 125))
+    ranks = doctor.parse("node1", _node((10, 0, "S", forward), (11, 1, "T", None)) + "\nfr 10 77 broadcast")
+    d = doctor.diagnose(ranks, {}, 2)
+    assert d.culprits == ("node1 rank 1",)
+    assert d.summary == ("node1 rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in "
+                         "_distributed_broadcast_coalesced (loop.py:125) in broadcast #77")
+    # the same name in the program's own file is not DDP's
+    own = _dump(("_distributed_broadcast_coalesced", "/code/train.py", 9), pid=11)
+    d = doctor.diagnose(doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", own))), {}, 2)
+    assert d.culprits == ("node1 rank 1",)
+
+
 def test_ranks_on_the_same_line_in_different_collectives_are_told_apart_by_the_flight_recorder():
     # rank 2 called one all_reduce more than the others: py-spy sees the same line, torch's record does not
     ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", WAITS))
@@ -578,8 +595,9 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     assert stall["action"] == "restart" and stall["culprits"] == ["here rank 1"], stall
     assert stall["diagnosis"].startswith("here rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in "), stall
     if flight.dumper("gloo") is not None:  # this torch records gloo's collectives: the waiting rank's is named,
-        # whichever it is: the stop may land in a step (all_reduce) or at a checkpoint (broadcast)
-        assert re.search(r"waits in (\w+ #\d+ \(\w+\.py:\d+\)|backward \(loop\.py:\d+\) in \w+ #\d+)$",
+        # whichever it is: the stop may land in a step (all_reduce, or the broadcast of the buffers at its
+        # forward) or at a checkpoint (broadcast)
+        assert re.search(r"waits in (\w+ #\d+ \(\w+\.py:\d+\)|\w+ \(loop\.py:\d+\) in \w+ #\d+)$",
                          stall["diagnosis"]), stall
     assert "workers, which torchrun starts again from the newest checkpoint (job.on_stall: restart)" in log
     resumed = [rec for rec in _records(hosts) if rec["kind"] == "resumed" and rec["time"] > stopped]

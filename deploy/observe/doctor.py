@@ -23,6 +23,11 @@ BACKWARD = "/torch/autograd/"
 """A frame in a file under this path is autograd's backward, where DDP's gradient all-reduce runs
 (from the autograd engine's hooks, below any Python frame): a rank of a stalled DDP job there waits
 for the other ranks' gradients."""
+DDP = "/torch/nn/parallel/distributed.py"
+DDP_COLLECTIVES = frozenset({"_distributed_broadcast_coalesced"})
+"""DDP's own collectives, called from Python outside torch/distributed/: the broadcast of the module's
+buffers at the start of every forward (a model with BatchNorm's running statistics) and of the
+parameters when it is built. A rank there waits for the others as in any collective."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Frame:
 
     @property
     def in_collective(self) -> bool:
-        return COLLECTIVES in self.file
+        return COLLECTIVES in self.file or (self.file.endswith(DDP) and self.name in DDP_COLLECTIVES)
 
     @property
     def in_backward(self) -> bool:
