@@ -60,8 +60,14 @@ WORKER_CLOSE_S = 30
 # Typically about 90 s here; CI once took over the 140 s of the formula without the close term,
 # where it kept no log (a failed cluster test now shows every node's). (Shorter timeouts, 10 and
 # 15 s, let the survivors give up in about 55 s, but as often went past their bound: issue 22.)
+# Each attempt also starts its launcher first (Docker starts the container again, then `import torch`
+# and the agent: 4 s of a core here alone, several times that while the other lane of `make test`
+# trains on the same 2 cores): START_S of it.
+START_S = 20
+
+
 def lost_node_bound(max_restarts: int) -> int:
-    return DIST_TIMEOUT + WORKER_CLOSE_S + (1 + max_restarts) * (JOIN_TIMEOUT + 30)
+    return DIST_TIMEOUT + WORKER_CLOSE_S + (1 + max_restarts) * (JOIN_TIMEOUT + 30 + START_S)
 
 
 LOST_NODE_BOUND = lost_node_bound(MAX_RESTARTS)
@@ -69,7 +75,7 @@ LOST_NODE_BOUND = lost_node_bound(MAX_RESTARTS)
 # join_timeout + its slack, found by a probe every few seconds (trainer/launch.py, its rendezvous watch);
 # the workers' dist timeout runs meanwhile.
 RDZV_LOST_BOUND = (1 + MAX_RESTARTS) * (JOIN_TIMEOUT + launch.WATCH_SLACK_S + launch.WATCH_EVERY_S
-                                        + launch.PROBE_TIMEOUT_S)
+                                        + launch.PROBE_TIMEOUT_S + START_S)
 
 
 def _hosts(cluster, path: Path, train=TRAIN, **overrides) -> Path:
