@@ -6,17 +6,38 @@ on its nodes), so the other lane's tests use the cores meanwhile.
 xdist's own ``--dist loadgroup`` would do this with marks, but it names a group by rewriting the
 test's node id, which pytest 9.2 no longer reads: here the scheduler groups by path instead.
 Without ``-n`` nothing changes.
+
+The other lane runs at a lower priority (``LOCAL_NICE``), set in its worker before its first test
+and inherited by every process it starts. The cluster's bounds are formulas of its timeouts: its
+jobs, each node's processes in a container's cgroup, weigh no more to the kernel than a single
+process of the other lane would at the same priority, and under that lane's training one CI run
+went past them. Reniced, the other lane uses what the cluster lane leaves, and still all of the
+cores while a cluster test waits.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 CLUSTER_TESTS = "tests/cluster/"
 
 
+LOCAL_NICE = 5
+"""The other lane's niceness, under ``-n``: a weight of 335 to each of its processes against 1024 for
+a container's cgroup of cluster processes (Linux's CFS)."""
+
+
 def lane(nodeid: str) -> str:
     return "cluster" if nodeid.startswith(CLUSTER_TESTS) else "local"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    config = item.config
+    if hasattr(config, "workerinput") and lane(item.nodeid) == "local" and not getattr(config, "_lanes_niced", False):
+        config._lanes_niced = True
+        os.nice(LOCAL_NICE)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: xdist may be absent

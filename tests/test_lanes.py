@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lanes
+
 HERE = Path(__file__).resolve().parent
 
 TESTS = '''
@@ -19,7 +21,7 @@ import pytest
 def test_{kind}(i):
     time.sleep(0.05)
     with open({seen!r}, "a") as fh:
-        fh.write(json.dumps([{kind!r}, i, os.environ["PYTEST_XDIST_WORKER"]]) + "\\n")
+        fh.write(json.dumps([{kind!r}, i, os.environ["PYTEST_XDIST_WORKER"], os.nice(0)]) + "\\n")
 '''
 
 
@@ -34,7 +36,11 @@ def test_cluster_tests_run_in_one_worker_in_order_and_every_other_test_in_the_ot
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in seen.read_text().splitlines()]
-    workers = {kind: {w for k, _, w in runs if k == kind} for kind in ("cluster", "local")}
+    workers = {kind: {w for k, _, w, _ in runs if k == kind} for kind in ("cluster", "local")}
     assert len(workers["cluster"]) == 1 and len(workers["local"]) == 1, workers
     assert workers["cluster"] != workers["local"]
-    assert [i for k, i, _ in runs if k == "cluster"] == list(range(6))
+    assert [i for k, i, _, _ in runs if k == "cluster"] == list(range(6))
+    # the other lane yields the cores to the cluster's: its tests, and what they start, run reniced
+    base = os.nice(0)
+    assert {n for k, _, _, n in runs if k == "cluster"} == {base}
+    assert {n for k, _, _, n in runs if k == "local"} == {min(base + lanes.LOCAL_NICE, 19)}

@@ -128,6 +128,23 @@ def _exited(cluster, hosts: Path, nodes=None):
     return states if all(s.startswith("exited(") for n, s in states.items() if nodes is None or n in nodes) else None
 
 
+def _until_exited(cluster, hosts: Path, what: str, timeout: float, nodes=None, every: float = 15):
+    """``_exited`` once it holds, within ``timeout``. Each `status` costs an operator process and an SSH
+    round to every node (over a second of a core here, taken from the job the test waits on), so it is
+    asked each second only once the NAS's newest record is the job's last (final, or stopped), else
+    every ``every`` s; the NAS is read each second."""
+    nas = Path(cluster.nas_dir)
+    asked = [float("-inf")]
+
+    def ended():
+        done = records(nas)
+        if (done and done[-1]["kind"] in ("final", "stopped")) or time.monotonic() - asked[0] >= every:
+            asked[0] = time.monotonic()
+            return _exited(cluster, hosts, nodes)
+        return None
+    return wait_until(ended, timeout, what, interval=1)
+
+
 def _no_containers_anywhere(cluster) -> None:
     for h in cluster.hosts:
         assert containers_on(cluster, h.name) == [], f"{h.name} still has containers"
@@ -202,7 +219,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     os.kill(pid, signal.SIGKILL)  # the container's torchrun, as the OOM killer would end it
     killed = time.time()
 
-    states = wait_until(lambda: _exited(cluster, hosts), 900, "the job to end", interval=2)
+    states = _until_exited(cluster, hosts, "the job to end", 900)
     assert states == {h.name: "exited(0)" for h in cluster.hosts}
     restarts = cluster.run_on(node, ["docker", "inspect", "--format", "{{.RestartCount}}", container],
                               check=True).stdout.strip()
@@ -234,7 +251,8 @@ def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_r
     cluster.take_link_down("node3")
     lost = time.time()
     try:
-        states = wait_until(lambda: _exited(cluster, hosts, ("node1", "node2")), LOST_NODE_BOUND, "node1 and node2 to give up on node3", interval=2)
+        states = _until_exited(cluster, hosts, "node1 and node2 to give up on node3", LOST_NODE_BOUND,
+                               ("node1", "node2"), every=4)
         detect = time.time() - lost
         assert states["node3"] == "unreachable"  # status names the lost node
         assert states["node1"] != "exited(0)" and states["node2"] != "exited(0)"
@@ -290,7 +308,7 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_
         # rendezvous it left open takes it in at the others' next round.
         rejoined = wait_until(lambda: _resumed_with(fresh_nas, back, 3 * PROCS), 240,
                               "node3 to be taken in again", interval=1)
-        states = wait_until(lambda: _exited(cluster, elastic), 900, "the job to end", interval=2)
+        states = _until_exited(cluster, elastic, "the job to end", 900)
         assert states == {h.name: "exited(0)" for h in cluster.hosts}
         final = records(fresh_nas)[-1]
         assert final["kind"] == "final" and final["world_size"] == 3 * PROCS
@@ -352,7 +370,7 @@ def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_r
     cluster.take_link_down("node1")  # the c10d store every agent needs lives on node1
     lost = time.time()
     try:
-        wait_until(lambda: _exited(cluster, hosts, ("node2", "node3")), RDZV_LOST_BOUND, "node2 and node3 to give up on node1", interval=2)
+        _until_exited(cluster, hosts, "node2 and node3 to give up on node1", RDZV_LOST_BOUND, ("node2", "node3"), every=4)
         detect = time.time() - lost
         refused = ddp(cluster, hosts, "launch")
         assert refused.returncode == 1 and "unreachable: node1" in refused.stderr
@@ -508,7 +526,7 @@ def test_a_full_shared_volume_during_a_checkpoint_keeps_the_previous_one_loadabl
         subprocess.run(["fallocate", "-l", str(free - 64 * 1024), str(ckpt / "filler")], check=True)
         filled = time.time()
 
-        states = wait_until(lambda: _exited(cluster, hosts), 600, "the job to stop", interval=1)
+        states = _until_exited(cluster, hosts, "the job to stop", 600, every=3)
         detect = time.time() - filled
         assert any(s != "exited(0)" for s in states.values())
         said = ok(ddp(cluster, hosts, "logs")).stdout
@@ -561,7 +579,7 @@ def test_host_runtime_a_nodes_torchrun_killed_mid_epoch_is_started_again_and_the
         os.kill(torchrun[0], signal.SIGKILL)  # as the OOM killer would end it
         killed = time.time()
 
-        states = wait_until(lambda: _exited(cluster, host_hosts), 900, "the job to end", interval=2)
+        states = _until_exited(cluster, host_hosts, "the job to end", 900)
         assert states == {h.name: "exited(0)" for h in cluster.hosts}, (run / "log").read_text()[-3000:]
         assert (run / "restarts").read_text().strip() == "1"
         resumed = _resumed_after(fresh_nas, killed)
