@@ -635,7 +635,32 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
     assert dog.check() and list(tmp_path.iterdir()) == []  # acted, and its beats are gone: the next are the new workers'
     assert not dog.check() and dog.actions == 1
     assert out.getvalue().startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
-                                     "job.stall_timeout 5 s): not kept (no run directory); killing its 0 workers")
+                                     "job.stall_timeout 5 s); no worker of it runs, and torchrun's agent is in ")
+    assert out.getvalue().endswith(": not kept (no run directory); killing its 0 workers, which torchrun starts again "
+                                   "from the newest checkpoint (job.on_stall: restart)\n")
+
+
+def test_a_stall_with_no_worker_left_names_where_the_agent_hangs(tmp_path):
+    # the workers ended and nothing started them again: the launcher's own main thread, torchrun's agent,
+    # is what hangs (a store call, a rendezvous), and the watchdog's thread says where
+    out = io.StringIO()
+    dog = heartbeat.Watchdog(str(tmp_path), 5.0, "report", out=out)
+    Heartbeat(str(tmp_path), 0, 0).beat(7)
+    old = time.time() - 60
+    os.utime(tmp_path / "0", (old, old))
+    found = []
+
+    def agent_hangs_here():
+        watch = threading.Thread(target=lambda: found.append(dog.check()))
+        watch.start()
+        watch.join()
+
+    agent_hangs_here()
+    assert found == [True]
+    said = out.getvalue()
+    assert said.startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 7; job.stall_timeout "
+                           "5 s); no worker of it runs, and torchrun's agent is in "), said
+    assert " < agent_hangs_here (test_deploy_stall.py:" in said and said.count(" < ") == 4, said
 
 
 def test_on_stop_the_watchdog_kills_and_ends_its_launcher_so_that_nothing_starts_the_workers_again(tmp_path):

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 HEARTBEAT_DIR_ENV = "DDP_HEARTBEAT_DIR"
 ON_STALL_ENV = "DDP_ON_STALL"
@@ -276,6 +277,16 @@ def workers(directory: str) -> list[int]:
     return found
 
 
+def main_thread_at(depth: int = 5) -> str:
+    """Where this process's main thread is, its innermost ``depth`` frames innermost first: in the
+    launcher, torchrun's agent."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown"
+    frames = traceback.extract_stack(frame)[-depth:]
+    return " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in reversed(frames))
+
+
 class Watchdog:
     """A node's own watch of its ranks, in its launcher: when none of them has beaten for the stall
     timeout, it keeps the stall with the run and acts on ``job.on_stall``.
@@ -338,6 +349,8 @@ class Watchdog:
         kept = self.keep(int(time.time() if now is None else now), step, age, limit)
         what = f"no rank on this node moved for {age:.0f} s (last step {'?' if step is None else step}; " \
                f"job.stall_timeout {limit:g} s)"
+        if not workers(self.directory):  # they ended, and nothing started them again: the agent hangs
+            what += f"; no worker of it runs, and torchrun's agent is in {main_thread_at()}"
         if self.action == "report":
             self.out.write(f"trainer.launch: stalled: {what}: {kept} (job.on_stall: report)\n")
             self.out.flush()
