@@ -61,7 +61,7 @@ WORKER_CLOSE_S = 30
 # where it kept no log (a failed cluster test now shows every node's). (Shorter timeouts, 10 and
 # 15 s, let the survivors give up in about 55 s, but as often went past their bound: issue 22.)
 # Each attempt also starts its launcher first (Docker starts the container again, then `import torch`
-# and the agent: 4 s of a core here alone, several times that while the other lane of `make test`
+# and the agent: 4 s of a core here alone, several times that while the other lane of `make test-lanes`
 # trains on the same 2 cores): START_S of it.
 START_S = 20
 
