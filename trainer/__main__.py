@@ -56,7 +56,7 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None, startup:
     ``startup``: the moments this process reached so far; each node's first process prints where
     its time went before its first step (trainer/startup.py)."""
     stop = stop or StopSignal()
-    stop.join(env)
+    stop.join(env, cfg.dist_timeout)
     startup = startup or Startup()
     ctx = make_context(cfg, env, stop, startup)
     watch = FlightWatch.start_for(os.environ.get(HEARTBEAT_DIR_ENV), env.local_rank, env.backend) if env.distributed else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -67,12 +68,18 @@ class StopSignal:
         # os.write: the logging module takes locks the interrupted code may hold.
         os.write(2, f"trainer: {name} received: stopping after this step, with a checkpoint\n".encode())
 
-    def join(self, env: DistEnv) -> None:
+    def join(self, env: DistEnv, timeout_s: float | None = None) -> None:
         """Collective (every rank, once, after the process group exists): the group the flag
         travels in, gloo's, so that the question stays on the CPU, off the GPU's stream, and its
-        collectives apart from the training's (whose sequence numbers doctor reads)."""
+        collectives apart from the training's (whose sequence numbers doctor reads).
+
+        ``timeout_s``: the job's ``--dist-timeout``, the training group's. A group made without one
+        gets torch's default (30 min): the question in flight when a node is lost then waits that
+        long, and so does every rank's exit that tears the group down after its training collective
+        gave up, while torchrun's agent, seeing no worker end, neither restarts nor fails them."""
         if env.has_peers:
-            self._group = dist.new_group(backend="gloo")
+            self._group = (dist.new_group(backend="gloo") if timeout_s is None
+                           else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
     def requested(self, env: DistEnv) -> bool:
         """Collective: True on every rank, at the same call, once any rank has received a stop
