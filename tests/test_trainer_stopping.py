@@ -30,7 +30,7 @@ time.sleep(1)
 stop.requested(env)
 started = time.monotonic()
 try:
-    stop.settle()  # the question in flight, as a rank's exit waits for it
+    stop.settle()  # the question in flight, as the run's end waits for it
 except Exception as exc:
     print("settle raised", type(exc).__name__, flush=True)
 print(f"left after {time.monotonic() - started:.1f} s", flush=True)

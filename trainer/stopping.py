@@ -74,9 +74,8 @@ class StopSignal:
         collectives apart from the training's (whose sequence numbers doctor reads).
 
         ``timeout_s``: the job's ``--dist-timeout``, the training group's. A group made without one
-        gets torch's default (30 min): the question in flight when a node is lost then waits that
-        long, and so does every rank's exit that tears the group down after its training collective
-        gave up, while torchrun's agent, seeing no worker end, neither restarts nor fails them."""
+        (the benchmarks') gets torch's default, 30 min: a question in flight when a peer goes silent
+        then waits that long to be answered, at the next step or at :meth:`settle`."""
         if env.has_peers:
             self._group = (dist.new_group(backend="gloo") if timeout_s is None
                            else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
