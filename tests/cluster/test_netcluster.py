@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -240,24 +241,38 @@ def test_hosts_yaml_is_accepted_by_the_deploy_tools_inventory(cluster, tmp_path)
         assert inv.context_path() == netcluster.REPO_ROOT
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid}: (gone)"
+
+
 def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster, containerd_node, image_registry, slurm):
     """Runs last in this file: the other test files get the rebuilt cluster, and the parts built on
     it (the containerd node, the registry, Slurm) are started again for them."""
     state_dir = cluster.state_dir
     cluster.down()
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    assert netcluster.BRIDGE not in links and "ddpv" not in links
-    assert subprocess.run(["ip", "netns", "list"], capture_output=True,
-                          text=True).stdout.strip() == ""
-    assert subprocess.run(["iptables", "-C", *netcluster.FORWARD_RULE],
-                          capture_output=True).returncode != 0
-    assert netcluster._processes_referencing(
-        [netcluster.RUN_ROOT, netcluster.DATA_ROOT, netcluster.operator_store_path()]) == []
-    mounts = open("/proc/self/mounts").read()
-    assert "ddpcluster" not in mounts and "operator-docker-" not in mounts
-    assert not state_dir.exists() and not netcluster.RUN_ROOT.exists()
+    try:  # what down left, read before up, asserted after it: a failure here costs no other test its cluster
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        mounts = open("/proc/self/mounts").read()
+        left = {
+            "links": [ln.split(":")[1].strip() for ln in links.splitlines()
+                      if netcluster.BRIDGE in ln or "ddpv" in ln],
+            "namespaces": subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                         text=True).stdout.split(),
+            "forward rule": subprocess.run(["iptables", "-C", *netcluster.FORWARD_RULE],
+                                           capture_output=True).returncode == 0,
+            "processes": [_cmdline(p) for p in netcluster._processes_referencing(
+                [netcluster.RUN_ROOT, netcluster.DATA_ROOT, netcluster.operator_store_path()])],
+            "mounts": [ln for ln in mounts.splitlines()
+                       if "ddpcluster" in ln or "operator-docker-" in ln],
+            "paths": [str(p) for p in (state_dir, netcluster.RUN_ROOT) if p.exists()],
+        }
+    finally:
+        cluster.up()
+    assert not any(left.values()), f"down left: { {k: v for k, v in left.items() if v} }"
 
-    cluster.up()
     r = cluster.ssh("node3", ["docker", "info", "--format", "{{.ID}}"])
     assert r.returncode == 0, r.stderr
     assert containerd_node.docker("image", "inspect", "--format", "{{.Id}}", netcluster.BASE_IMAGE).returncode == 0
