@@ -12,7 +12,7 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest operator-wheels gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-lanes test-fast test-area clean
+.PHONY: install install-oldest operator-wheels gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-serial test-fast test-area clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
@@ -86,15 +86,14 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-## Every test, in one process, one after the other. CI runs this.
+## Every test, in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
+## order, every other test in the other, reniced. CI runs this.
 test: install install-oldest operator-wheels
-	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
-
-## The same tests in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
-## order, every other test in the other, reniced. Not what CI runs: in both of its clean-clone runs an
-## elastic job's survivors hung after losing a node under the other lane's load (issue 22).
-test-lanes: install install-oldest operator-wheels
 	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 2 $(PYTEST_ARGS)
+
+## The same tests in one process, one after the other.
+test-serial: install install-oldest operator-wheels
+	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -ra -m "not e2e and not cluster" $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""The two lanes of ``make test-lanes`` (``pytest -n 2``, pytest-xdist): every test under tests/cluster/ in
+"""The two lanes of ``make test`` (``pytest -n 2``, pytest-xdist): every test under tests/cluster/ in
 one worker, in collection order, since a machine holds one test cluster at a time (its names and
 addresses are fixed), and every other test in the other. A cluster test mostly waits (on timeouts,
 on its nodes), so the other lane's tests use the cores meanwhile.

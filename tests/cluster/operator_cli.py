@@ -51,7 +51,7 @@ def containers_on(cluster, node: str) -> list[str]:
 def trainer_processes_on(cluster, node: str) -> list[str]:
     """The trainer's processes (launcher, torchrun's workers) left on ``node``: those in its network
     namespace, read from /proc. The nodes share this machine's pids, so a plain ``pgrep`` would also
-    find the trainers other tests run here at the same time (``make test-lanes`` runs two lanes)."""
+    find the trainers other tests run here at the same time (``make test`` runs two lanes)."""
     netns = os.stat(f"/var/run/netns/{cluster.host(node).ns}").st_ino
     found = []
     for proc in Path("/proc").iterdir():

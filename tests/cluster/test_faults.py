@@ -61,7 +61,7 @@ WORKER_CLOSE_S = 30
 # where it kept no log (a failed cluster test now shows every node's). (Shorter timeouts, 10 and
 # 15 s, let the survivors give up in about 55 s, but as often went past their bound: issue 22.)
 # Each attempt also starts its launcher first (Docker starts the container again, then `import torch`
-# and the agent: 4 s of a core here alone, several times that while the other lane of `make test-lanes`
+# and the agent: 4 s of a core here alone, several times that while the other lane of `make test`
 # trains on the same 2 cores): START_S of it.
 START_S = 20
 
@@ -86,7 +86,7 @@ def _hosts(cluster, path: Path, train=TRAIN, **overrides) -> Path:
 
 # An elastic job trains longer: taking a node in (its round, a checkpoint, the epoch replayed)
 # must happen while the job still runs; two epochs on two nodes take about 30 s here.
-ELASTIC_TRAIN = _train(samples=6144, epochs=8)
+ELASTIC_TRAIN = _train(samples=6144, epochs=4)
 ELASTIC_MAX_RESTARTS = 3
 # Its survivors go on within the same formula of its own settings: a round that fails (its
 # join_timeout) costs one of its restarts, as a lost node's does. (One CI run went past the bound of
