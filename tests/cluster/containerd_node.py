@@ -34,7 +34,8 @@ from typing import Any
 
 from .netcluster import (BASE_IMAGE, CACHE_DIR, NODE_INTERFACE, NS_PREFIX, SUBNET_PREFIX,
                          ClusterError, Host, _debian_mirror, _kill_and_wait, _ns_path, _read_pid, _run,
-                         _unmount_under, _which, base_image_cache_path, base_image_key, plug_namespace)
+                         _unmount_under, _which, base_image_cache_path, base_image_key, cgroup_parent_args,
+                         plug_namespace)
 
 INDEX = 9
 SUITE = "trixie"
@@ -223,7 +224,7 @@ class ContainerdNode:
                 "--exec-root", str(h.run_dir / "exec"), "--pidfile", str(h.run_dir / "dockerd.pid"),
                 "-H", f"unix://{h.docker_sock}", "--bridge=none", "--iptables=false", "--ip-masq=false",
                 "--shutdown-timeout", "3", "--log-driver", "json-file",
-                "--config-file", str(h.run_dir / "daemon.json")]
+                "--config-file", str(h.run_dir / "daemon.json"), *cgroup_parent_args()]
         log = open(c.state_dir / "logs" / f"dockerd-{h.name}.log", "ab")
         c._daemons[f"dockerd-{h.name}"] = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -58,6 +58,16 @@ SLURM_CONF = SLURM_ROOT / "slurm.conf"
 # In the environment of every daemon slurmcluster.py starts (and so of what they fork: slurmscriptd,
 # slurmstepd), whose command lines do not all name a path of ours: teardown finds them by it.
 DAEMON_MARK = "DDPCLUSTER_DAEMON"
+
+CGROUP = "ddpcluster"  # the cgroup every daemon of ours puts its containers in (cgroup v1)
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_SHARES = 3 * 1024
+"""The weight of the cluster's containers together: each node as much as one process at nice 0.
+dockerd's default parent, ``/docker``, weighs 1024 for all containers of all nodes together: next
+to the other lane of ``make test`` (reniced to 5, 335 a process) a whole cluster job got about what
+that lane's training got. With three nodes' weight it gets about three quarters of the cores while
+both lanes compute, and the other lane still uses all of what it leaves."""
+STATE_PARENT, STATE_PREFIX = "/var/tmp", "ddpcluster-"  # a cluster's own state dir, when none is chosen
 CACHE_DIR = Path("/var/cache/ddp-bundle")
 OPERATOR_STORE_PREFIX = "operator-docker-"  # + base image key: the operator's kept data root
 
@@ -578,7 +588,7 @@ class NetCluster:
 
     def _prepare_state_dir(self) -> None:
         if self.state_dir is None:
-            self.state_dir = Path(tempfile.mkdtemp(prefix="ddpcluster-", dir="/var/tmp"))
+            self.state_dir = Path(tempfile.mkdtemp(prefix=STATE_PREFIX, dir=STATE_PARENT))
         self.state_dir = self.state_dir.resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o755)
@@ -690,7 +700,7 @@ class NetCluster:
         if _dockerd_major() < 23:
             config["deprecated-key-path"] = str(data / "key.json")
         (run_dir / "daemon.json").write_text(json.dumps(config))
-        argv += ["--config-file", str(run_dir / "daemon.json")]
+        argv += ["--config-file", str(run_dir / "daemon.json"), *cgroup_parent_args()]
         if h is not None:
             # not `ip netns exec`: it remounts /sys and dockerd then finds no devices cgroup
             argv = ["nsenter", f"--net={_ns_path(h.ns)}", *argv]
@@ -887,6 +897,31 @@ def teardown_daemons(procs: Sequence[subprocess.Popen] = ()) -> None:
     _kill_and_wait(pids, grace=15)
 
 
+def cgroup_parent_args() -> list[str]:
+    """``--cgroup-parent`` for a dockerd, to our weighted cgroup: made on cgroup v1 (dockerd's
+    cgroupfs driver there), none elsewhere (the containers then go where dockerd puts them)."""
+    if not (CGROUP_V1_CPU / "cpu.shares").exists():
+        return []
+    group = CGROUP_V1_CPU / CGROUP
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(CGROUP_SHARES))
+    except OSError as e:
+        _log(f"containers keep dockerd's own cgroup: {group}: {e}")
+        return []
+    return ["--cgroup-parent", f"/{CGROUP}"]
+
+
+def _remove_cgroups() -> None:
+    """Our cgroup in every v1 hierarchy, once no container is left in it (dockerd makes it in each)."""
+    for group in Path("/sys/fs/cgroup").glob(f"*/{CGROUP}"):
+        for sub in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+            with contextlib.suppress(OSError):
+                sub.rmdir()
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
 def teardown(state_dir: Path | None, *, remove_state: bool,
              procs: Sequence[subprocess.Popen] = ()) -> None:
     """Remove every trace of a cluster: by name and fixed path, so it also works after a crash."""
@@ -907,10 +942,13 @@ def teardown(state_dir: Path | None, *, remove_state: bool,
         with contextlib.suppress(Exception):
             p.wait(timeout=1)
     _reap()
-    # 2. mounts and daemon state
-    for root in (RUN_ROOT, DATA_ROOT, *stores):
+    # 2. mounts and daemon state; a test's own mounts on the NAS (a full volume), this cluster's
+    # and those a crashed run left on its state dir
+    for root in (RUN_ROOT, DATA_ROOT, *stores, *([state_dir] if state_dir is not None else []),
+                 *Path(STATE_PARENT).glob(STATE_PREFIX + "*")):
         if root.exists():
             _unmount_under(root)
+    _remove_cgroups()
     # 3. network
     for ns in namespaces:
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True)

@@ -84,20 +84,37 @@ def test_operator_daemon_runs_the_base_image_with_torch(cluster):
     assert r.stdout.strip().startswith("2.13.0")
 
 
-def test_a_container_on_a_node_with_host_network_sees_the_nodes_address(cluster):
-    """The premise of the docker runtime: --network host on node2's daemon is node2's network.
-    (A tiny image of the machine's own cat and libc, imported straight into node2's daemon.)"""
+def _import_probe_image(cluster, node: str) -> None:
+    """A tiny image of the machine's own cat and libc, imported straight into the node's daemon."""
     files = ["usr/bin/cat", "lib64/ld-linux-x86-64.so.2", "lib/x86_64-linux-gnu/libc.so.6"]
     tar = subprocess.Popen(["tar", "-C", "/", "-ch", *files], stdout=subprocess.PIPE)
-    imported = cluster.run_on("node2", ["docker", "import", "-", "ddp-probe:cat"],
-                              stdin=tar.stdout)
+    imported = cluster.run_on(node, ["docker", "import", "-", "ddp-probe:cat"], stdin=tar.stdout)
     tar.stdout.close()
     assert tar.wait() == 0 and imported.returncode == 0, imported.stderr
+
+
+def test_a_container_on_a_node_with_host_network_sees_the_nodes_address(cluster):
+    """The premise of the docker runtime: --network host on node2's daemon is node2's network."""
+    _import_probe_image(cluster, "node2")
     r = cluster.ssh("node2", ["docker", "run", "--rm", "--network", "host", "ddp-probe:cat",
                               "/usr/bin/cat", "/proc/net/fib_trie"])
     assert r.returncode == 0, r.stderr
     assert cluster.host("node2").address in r.stdout
     assert cluster.host("node1").address not in r.stdout
+
+
+@pytest.mark.skipif(not (netcluster.CGROUP_V1_CPU / "cpu.shares").exists(), reason="cgroup v1 only: "
+                    "elsewhere the containers go where dockerd puts them")
+def test_every_nodes_containers_share_one_cgroup_weighing_one_process_a_node(cluster):
+    """Under the other lane of `make test`, the cluster's job must not get the CPU share of a single
+    process: its containers run in our cgroup, each node weighed as one process at nice 0."""
+    _import_probe_image(cluster, "node1")
+    r = cluster.ssh("node1", ["docker", "run", "--rm", "ddp-probe:cat", "/usr/bin/cat", "/proc/self/cgroup"])
+    assert r.returncode == 0, r.stderr
+    cpu = next(line for line in r.stdout.splitlines() if ":cpu," in line or line.split(":")[1] == "cpu")
+    assert cpu.split(":")[2].startswith(f"/{netcluster.CGROUP}/"), cpu
+    shares = (netcluster.CGROUP_V1_CPU / netcluster.CGROUP / "cpu.shares").read_text()
+    assert int(shares) == netcluster.CGROUP_SHARES
 
 
 SERVER = textwrap.dedent("""
@@ -268,6 +285,7 @@ def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster, conta
             "mounts": [ln for ln in mounts.splitlines()
                        if "ddpcluster" in ln or "operator-docker-" in ln],
             "paths": [str(p) for p in (state_dir, netcluster.RUN_ROOT) if p.exists()],
+            "cgroups": [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{netcluster.CGROUP}")],
         }
     finally:
         cluster.up()
