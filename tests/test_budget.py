@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,18 @@ def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):
     assert "within the suite's limit" in report
     assert "over their own limit (1):" in report  # only the test that sets a tiny limit of its own
     assert "test_quick" not in report[report.index("over their own limit"):]
+
+
+def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done(tmp_path):
+    import budget
+
+    before = budget.busy_core_seconds()
+    spin_until = time.process_time() + 0.5
+    while time.process_time() < spin_until:
+        pass
+    assert budget.busy_core_seconds() - before >= 0.4  # the machine's count holds this process's work
+    line = budget.Budget().lines(600.0, 1500.0, busy=900.0, cores=2)[1]
+    assert line == "cores busy 75% of the run: 15.0 core-min of 20.0 (2 cores, every process of the machine)"
+    proc, times = _run(tmp_path, "600")
+    assert "cores busy " in proc.stdout[proc.stdout.index("time budget"):]
+    assert times["busy_core_s"] > 0 and times["cores"] == os.cpu_count()
