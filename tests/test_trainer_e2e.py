@@ -134,8 +134,8 @@ def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_determ
     """What an elastic job does when a node is lost or taken in (hosts.yaml job.min_nodes)."""
     import shutil
 
-    flags = [*SMALL, "--ckpt-every", "4", "--synthetic-size", "2048"]  # 32 steps per epoch on 2 ranks (64 on one):
-    # the kill at step 20 lands inside the first epoch
+    flags = [*SMALL, "--ckpt-every", "4", "--synthetic-size", "2048", "--epochs", "1"]  # 32 steps per epoch on
+    # 2 ranks (64 on one): the kill at step 20 lands inside the only epoch, which each resized run does again
     _run_until_checkpoint_then_kill(torch_python.python, tmp_path / "a", flags, 20)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     for run in ("a", "b"):

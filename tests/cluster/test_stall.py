@@ -25,6 +25,10 @@ from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records
 pytestmark = pytest.mark.cluster
 
 STALL_TIMEOUT = 5
+STATUS_EVERY = 2
+"""Seconds between two `status` asked while waiting: each is an operator process and an SSH round to
+every node, over a second of a core here, taken from the job the test waits on. Asked every 0.5 s
+they kept a core busy for the whole wait; the bounds (the stall timeout + 15 s) hold the extra 1.5 s."""
 
 
 def _states(cluster, hosts: Path) -> list[dict]:
@@ -43,12 +47,12 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
     try:
         ok(ddp(cluster, hosts, "launch"))
         moving = wait_until(lambda: (lambda s: s if all(len(n["heartbeats"]) == 2 for n in s) else None)(
-            _states(cluster, hosts)), 180, "every rank's heartbeat in status", interval=0.5)
+            _states(cluster, hosts)), 180, "every rank's heartbeat in status", interval=STATUS_EVERY)
         assert all(n["state"] == "running" and n["stalled"] is None for n in moving)
         assert sorted(b["rank"] for n in moving for b in n["heartbeats"]) == list(range(6))
 
         stalled = wait_until(lambda: (lambda s: s if all(n["stalled"] for n in s) else None)(
-            _states(cluster, hosts)), 120, "every node stalled", interval=0.5)
+            _states(cluster, hosts)), 120, "every node stalled", interval=STATUS_EVERY)
         seen = time.time()
         for n in stalled:
             assert n["state"] == "running" and n["stalled"]["last_step"] == 4, n
@@ -119,7 +123,7 @@ def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the
     os.mkfifo(fresh_nas / "ckpt" / "stuck.fifo")
     try:
         ok(ddp(cluster, hosts, "launch"))
-        stalled = wait_until(lambda: _all_stalled(cluster, hosts), 180, "every node stalled", interval=0.5)
+        stalled = wait_until(lambda: _all_stalled(cluster, hosts), 180, "every node stalled", interval=STATUS_EVERY)
         seen = time.time()
         assert all(n["state"] == "running" and n["stalled"]["last_step"] == 4 for n in stalled), stalled
         detect = seen - max(n["stalled"]["since"] for n in stalled)
@@ -149,12 +153,12 @@ def test_a_node_whose_link_goes_down_mid_training_is_named_and_the_others_shown_
     try:
         ok(ddp(cluster, hosts, "launch"))
         wait_until(lambda: (lambda s: s if all(len(n["heartbeats"]) == 2 for n in s) else None)(
-            _states(cluster, hosts)), 180, "every rank's heartbeat in status", interval=0.5)
+            _states(cluster, hosts)), 180, "every rank's heartbeat in status", interval=STATUS_EVERY)
         cluster.take_link_down("node3")
         down = time.time()
         try:
             states = wait_until(lambda: _all_stalled(cluster, hosts, ("node1", "node2")), 120,
-                                "node1 and node2 stalled", interval=0.5)
+                                "node1 and node2 stalled", interval=STATUS_EVERY)
             seen = time.time()
             assert {n["node"]: n["state"] for n in states}["node3"] == "unreachable"
             found = json.loads(ok(ddp(cluster, hosts, "doctor", "--json")).stdout)
@@ -259,7 +263,7 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
         states = _states(cluster, hosts)
         seen.append(states)
         return states if all(len(n["heartbeats"]) == 2 for n in states) else None
-    states = wait_until(beating, 180, "every rank's heartbeat", interval=0.5)
+    states = wait_until(beating, 180, "every rank's heartbeat", interval=STATUS_EVERY)
     assert sorted(b["rank"] for n in states for b in n["heartbeats"]) == list(range(6))
     assert all(b["gap_s"] is not None for n in states for b in n["heartbeats"])
     followed = ok(ddp(cluster, hosts, "status", "--follow", timeout=600)).stdout
