@@ -170,8 +170,8 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     assert _state(ddp, hosts)["state"] == "running"
     # status shows how far it is, from the trainer's METRICS lines
     # asked each half second: a `status` costs a share of a core, taken from the trainer it waits on
-    shown = wait_until(lambda: (lambda s: s if s.get("step") else None)(_state(ddp, hosts)), 240, "a step in status",
-                       interval=0.5)
+    shown = _wait_for(lambda: (lambda s: s if s.get("step") else None)(_state(ddp, hosts)), "a step in status",
+                      interval=0.5)
     assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
     # and that it moves, from its rank's heartbeat (trainer/heartbeat.py): one per rank, never stalled
     assert [(b["local_rank"], b["rank"]) for b in shown["heartbeats"]] == [(0, 0)] and shown["stalled"] is None
@@ -203,8 +203,8 @@ def _records(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_for(predicate, what: str, timeout: float = 240):
-    return wait_until(predicate, timeout, what, interval=0.05)
+def _wait_for(predicate, what: str, timeout: float = 240, interval: float = 0.05):
+    return wait_until(predicate, timeout, what, interval=interval)
 
 
 LONG_ARGS = ["--dataset", "synthetic", "--epochs", "2", "--synthetic-size", "2048", "--batch-size", "16",
