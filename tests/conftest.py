@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_ends import torch_python  # noqa: E402,F401  (the fixture: both ends of the torch range)
 
-pytest_plugins = ("budget", "lanes")  # the time budget, reported at the end of every run; the lanes of `make test`
+pytest_plugins = ("budget", "lanes", "live_report")  # the time budget, reported at the end of every run; the lanes of `make test`; failures named as they happen
 
 # The Ctrl-C tests press Ctrl-C for real (SIGINT to this process or to a CLI it starts). A suite
 # started in the background of a non-interactive shell (`./.ci/run &`, nohup) inherits SIGINT
