@@ -1,7 +1,8 @@
 """The example user projects under examples/ run under torchrun, report metrics and resume.
 
 Each example is copied into tmp_path and run there with real processes (2 under torchrun, gloo
-on CPU), once on each end of the supported torch range (the ``torch_python`` fixture).
+on CPU), once on each end of the supported torch range (the ``torch_python`` fixture): each
+example trains on both ends; the package's ``-m`` entry and resume, the trainer's own, on the newest.
 """
 
 import ast
@@ -13,6 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from torch_ends import NEWEST_ONLY
 
 pytestmark = pytest.mark.e2e
 
@@ -78,6 +81,7 @@ def test_charlm_script_trains_reports_metrics_and_resumes_from_its_checkpoint(to
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ckpt-epoch0.pt", "ckpt-epoch1.pt"]
 
 
+@NEWEST_ONLY
 def test_regress_package_runs_with_dash_m_and_resumes_from_its_checkpoint(torch_python, tmp_path):
     cwd = copy_example("regress", tmp_path)
     first = metrics(torchrun(torch_python.python, cwd, tmp_path, "-m", "regress.train", "--epochs", "1").stdout)

@@ -1,6 +1,7 @@
 """End-to-end: the launcher users run (torchrun in-process), 2 processes, gloo on CPU, real files.
 
-Every test runs once on each end of the supported torch range (the ``torch_python`` fixture).
+Each test runs once on each end of the supported torch range (the ``torch_python`` fixture), but for
+those marked ``NEWEST_ONLY``, whose behaviour is the trainer's own (tests/torch_ends.py).
 """
 
 import math
@@ -21,6 +22,7 @@ from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port
 from procs import children_of
+from torch_ends import NEWEST_ONLY
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +78,7 @@ def test_mixed_precision_runs_on_cpu(torch_python, tmp_path, amp, model):
     assert math.isfinite(next(r for r in records if r["kind"] == "eval")["eval_loss"])
 
 
+@NEWEST_ONLY
 def test_distributed_evaluation_equals_single_process_evaluation(torch_python, tmp_path):
     assert_ok(run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1"))
     reported = metrics(tmp_path / "ckpt")[-1]
@@ -108,10 +111,11 @@ def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
     assert not (tmp_path / "ckpt" / "final_model.pt").exists(), "killed too late: the run had finished"
 
 
-@pytest.mark.parametrize("kill_at_step, extra", [
-    (16, []),                        # after epoch 1 of 2 (16 steps per epoch)
-    (8, ["--ckpt-every", "4"]),      # in the middle of epoch 1, from a mid-epoch checkpoint
-])
+@pytest.mark.parametrize("torch_python, kill_at_step, extra", [
+    ("newest", 16, []),                        # after epoch 1 of 2 (16 steps per epoch)
+    ("newest", 8, ["--ckpt-every", "4"]),      # in the middle of epoch 1, from a mid-epoch checkpoint
+    ("oldest", 8, ["--ckpt-every", "4"]),      # the sampler's and RNG state mid-epoch, on the oldest torch
+], indirect=["torch_python"])
 def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(torch_python, tmp_path, kill_at_step, extra):
     flags = [*SMALL, *extra]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -130,13 +134,14 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
         assert torch.equal(a[name], b[name]), name
 
 
+@NEWEST_ONLY
 def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_deterministically(torch_python, tmp_path):
     """What an elastic job does when a node is lost or taken in (hosts.yaml job.min_nodes)."""
     import shutil
 
-    flags = [*SMALL, "--ckpt-every", "4", "--synthetic-size", "2048", "--epochs", "1"]  # 32 steps per epoch on
-    # 2 ranks (64 on one): the kill at step 20 lands inside the only epoch, which each resized run does again
-    _run_until_checkpoint_then_kill(torch_python.python, tmp_path / "a", flags, 20)
+    flags = [*SMALL, "--ckpt-every", "4", "--epochs", "1"]  # 16 steps per epoch on 2 ranks (32 on one):
+    # the kill at step 8 lands inside the only epoch, which each resized run does again
+    _run_until_checkpoint_then_kill(torch_python.python, tmp_path / "a", flags, 8)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     for run in ("a", "b"):
         resized = run_torchrun(torch_python.python, tmp_path / run, *flags, nproc=1)
@@ -183,6 +188,7 @@ def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_no
         assert torch.equal(a[name], b[name]), name
 
 
+@NEWEST_ONLY
 def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(torch_python, tmp_path):
     port = free_port()
     nodes = []
@@ -201,6 +207,7 @@ def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(torch_pytho
     assert sum("dataset synthetic found" in e for e in said) == 1
 
 
+@NEWEST_ONLY
 def test_resuming_with_another_model_or_without_resume_is_refused_naming_the_cause(torch_python, tmp_path):
     assert_ok(run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", nproc=1))
     other = run_torchrun(torch_python.python, tmp_path, *SMALL, "--epochs", "1", "--model", "lenet", nproc=1)
@@ -280,13 +287,14 @@ def test_sync_bn_on_cpu_is_one_clear_error_at_start(torch_python, tmp_path):
     assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()
 
 
+@NEWEST_ONLY
 def test_two_processes_of_two_stages_end_as_one_stage_does_and_resume_exactly_with_another_split(
         torch_python, tmp_path):
     """Model parallelism inside each DDP process (--stages): on gloo the split changes nothing the
     job computes, and a checkpoint of one split resumes bit-exactly in another."""
     import shutil
 
-    flags = [*SMALL, "--model", "resnet", "--ckpt-every", "4", "--keep-last", "10"]
+    flags = [*SMALL, "--model", "resnet", "--ckpt-every", "4", "--keep-last", "10", "--epochs", "1"]  # 16 steps
     one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
     assert_ok(run_torchrun(torch_python.python, one, *flags))
     split = run_torchrun(torch_python.python, two, *flags, "--stages", "2")

@@ -2,7 +2,11 @@
 
 ``newest`` is the interpreter running the tests (the Makefile's main venv); ``oldest`` is
 ``$DDP_TORCH_OLDEST_PYTHON`` (the Makefile's second venv, the Dockerfile's default base's
-torch). A test taking the fixture runs once per end. Where the oldest is not installed the
+torch). A test taking the fixture runs once per end, unless it is marked ``NEWEST_ONLY``: a test of
+what does not change with torch's version (the trainer's own logic over torch's stable API) runs on
+the newest end alone, since each end costs a whole training run. What torch changed between the
+ends runs on both: the stores' bind, torchrun's signals and error files, autocast, torch.load's
+defaults, torchvision, a mid-epoch resume's state. Where the oldest is not installed the
 test is skipped with the reason; with ``DDP_TORCH_ENDS_REQUIRED=1`` (CI) that is a failure, and
 each interpreter's torch must then be exactly the end of the range it stands for.
 """
@@ -65,3 +69,12 @@ def torch_python(request) -> TorchEnd:
         pytest.fail(f"{request.param} end: {python} has torch {version}, expected "
                     f"{'.'.join(map(str, expected))} ({TORCH_SUPPORTED})", pytrace=False)
     return TorchEnd(request.param, python, version)
+
+
+def on_ends(*ends: str):
+    """Runs the test on these ends of the range only (``newest``, ``oldest``)."""
+    return pytest.mark.parametrize("torch_python", ends, indirect=True)
+
+
+NEWEST_ONLY = on_ends("newest")
+"""For a test whose behaviour does not depend on torch's version (see above)."""

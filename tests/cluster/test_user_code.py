@@ -1,7 +1,12 @@
 """The user's own code on the 3-node cluster through the CLI, in both code modes: built into a
 project image (docker/Dockerfile.project on the trainer image), and synced as a snapshot to the
 NAS and mounted read-only. Each example trains on every node, shows its metrics in `status`, is
-stopped and launched again and resumes from its checkpoint; a one-file edit sends one file."""
+stopped and launched again and resumes from its checkpoint; a one-file edit sends one file.
+
+Each example in one mode, the two modes between them: the package (``-m regress.train``) built into
+an image, the script (charlm's ``train.py``) synced. The train section's script or module reaches
+the launcher the same way in either mode (deploy/job/payload.py), both examples' entries run under
+torchrun in tests/test_examples.py, and each more pairing would cost a 3-node job's two launches."""
 
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ def _train_then_resume(cluster, tmp_path, name, fresh_nas, **sections):
     return first, again
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", ["regress"])
 def test_an_example_built_into_a_project_image_trains_on_three_nodes_and_resumes(
         cluster, fresh_nas, trainer_image, tmp_path, name):
     image = {"name": f"{name}:test", "context": str(REPO / "examples" / name),
@@ -77,7 +82,7 @@ def test_an_example_built_into_a_project_image_trains_on_three_nodes_and_resumes
     assert "code sent" not in first.stdout  # the code is in the image
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", ["charlm"])
 def test_an_example_synced_as_a_snapshot_trains_on_three_nodes_resumes_and_an_edit_sends_one_file(
         cluster, fresh_nas, trainer_image, tmp_path, name):
     project = tmp_path / name
