@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.cluster.netcluster import NetCluster  # noqa: E402
+from tests.cluster.netcluster import NetCluster, copy_build_context  # noqa: E402
 
 IMAGE = "ddp-trainer:test"
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1",
@@ -96,9 +96,7 @@ def operator_docker(cluster: NetCluster, *args: str) -> str:
 
 def build_code_change(cluster: NetCluster, workdir: Path) -> str:
     """Tag IMAGE to a rebuild with one changed trainer file (the dependency layers come from the cache)."""
-    context = workdir / "ctx"
-    shutil.rmtree(context, ignore_errors=True)
-    shutil.copytree(ROOT, context, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__"))
+    context = copy_build_context(workdir / "ctx")
     models = context / "trainer" / "models.py"
     models.write_text(models.read_text() + f"\n# code-only change {time.time()}\n")
     operator_docker(cluster, "build", "--build-arg", f"BASE_IMAGE={cluster.base_image}", "-t", IMAGE, str(context))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from .netcluster import copy_build_context
 
 pytestmark = pytest.mark.cluster
 
@@ -51,8 +52,7 @@ def test_standalone_docker_run_trains_on_this_machine_as_a_non_root_user(cluster
 
 
 def test_a_code_only_change_reuses_the_dependency_layers(cluster, tmp_path):
-    context = tmp_path / "ctx"
-    shutil.copytree(REPO, context, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__"))
+    context = copy_build_context(tmp_path / "ctx")
     first = build(cluster, context, "ddp-trainer:layers")
     (context / "trainer" / "models.py").write_text((context / "trainer" / "models.py").read_text() + "\n# changed\n")
     second = build(cluster, context, "ddp-trainer:layers")
