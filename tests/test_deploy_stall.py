@@ -640,6 +640,26 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
                                    "from the newest checkpoint (job.on_stall: restart)\n")
 
 
+def test_a_rank_that_finished_leaves_no_beat_so_its_slow_exit_is_never_judged_a_stall(tmp_path):
+    def judged(directory: Path) -> bool:
+        old = time.time() - 60  # every beat left is a minute old: past any stall_timeout here
+        for beat in directory.iterdir():
+            os.utime(beat, (old, old))
+        return heartbeat.Watchdog(str(directory), 5.0, "report", out=io.StringIO()).check()
+
+    for case, finishing in (("none", ()), ("one", (0,)), ("both", (0, 1))):
+        beats = tmp_path / case
+        beats.mkdir()
+        ranks = [Heartbeat(str(beats), local, local) for local in (0, 1)]
+        for rank in ranks:
+            rank.beat(128)
+        for local in finishing:
+            ranks[local].finish()  # trained, evaluated, saved: the process now ends, however long that takes
+            ranks[local].beat(129)  # and writes nothing again
+        assert sorted(p.name for p in beats.iterdir()) == [str(n) for n in (0, 1) if n not in finishing]
+        assert judged(beats) is (case != "both"), case  # a rank still at work and silent counts as before
+
+
 def test_a_stall_with_no_worker_left_names_where_the_agent_hangs(tmp_path):
     # the workers ended and nothing started them again: the launcher's own main thread, torchrun's agent,
     # is what hangs (a store call, a rendezvous), and the watchdog's thread says where

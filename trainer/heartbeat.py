@@ -17,6 +17,7 @@ and no import of this bundle (docs/failures.md, "When a job hangs")::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -91,6 +92,17 @@ class Heartbeat:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def finish(self) -> None:
+        """This rank is done (trained, evaluated, saved): its beat goes, so that the seconds it still
+        takes to end (the process group's teardown, the interpreter's exit, a peer's final save) are
+        never judged a stall. Under load these took over a short job.stall_timeout, and the
+        launcher's watchdog killed a job that had finished (on_stall restart ran its last step again)."""
+        self.close()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.path = None
 
 
 def prepare(directory: str | None) -> str | None:

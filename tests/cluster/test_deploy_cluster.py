@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+from torch_ends import on_ends
+
 from .operator_cli import containers_on, ddp, image_id_on, ok, records, trainer_processes_on
 
 pytestmark = pytest.mark.cluster
@@ -87,10 +89,12 @@ def test_a_model_split_into_two_stages_per_process_trains_to_the_end_on_three_no
     ok(ddp(cluster, hosts, "stop"))
 
 
+@on_ends("oldest")
 def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, tmp_path, torch_python):
     # No interface in the inventory: every hostname here resolves to loopback, so this run
-    # completes only because launch detects the NIC holding each node's address. It runs on
-    # each end of the supported torch range (the nodes' interpreter is that end's venv).
+    # completes only because launch detects the NIC holding each node's address. The nodes'
+    # interpreter is the oldest end's venv: the host runtime on the newest torch (the tests' own
+    # venv) runs in test_faults.py's host runtime test and under Slurm (test_slurm.py).
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=2, train_args=TRAIN,
                                      train={"python": torch_python.python})
     checked = ok(ddp(cluster, hosts, "check")).stdout
