@@ -52,7 +52,7 @@ def _slurm_job(nas: Path) -> tuple[str, str]:
 
 
 def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh_nas, tmp_path):
-    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml")
+    hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml", train=[*TRAIN, "--epochs", "1"])  # nothing to stop
     checked = ok(ddp(cluster, hosts, "check")).stdout
     assert "partition" in checked and "all 5 checks passed" in checked
     ok(ddp(cluster, hosts, "deploy"))
