@@ -244,8 +244,9 @@ def test_on_stall_stop_in_docker_ends_every_node_of_a_hung_job_names_the_culprit
 # loaded 2-core machine (a clean-clone CI run, session 21) a healthy rank went 5 s without a step
 # (the follow diagnosed a stall in the fault-free run); 15 s keeps the claim true there.
 RESTART_STALL_TIMEOUT = 15
-RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-size", "16", "--epochs", "2",
-                 "--log-every", "1", "--ckpt-every", "8", "--eval-batch-size", "256"]
+RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-size", "16", "--epochs", "1",
+                 "--log-every", "1", "--ckpt-every", "8", "--eval-batch-size", "256"]  # 32 steps: the stop lands
+# past step 12, and the rank it stops holds every other one there until the restart
 
 
 def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_ends_bit_identical(
