@@ -94,10 +94,11 @@ class Heartbeat:
             self._fd = None
 
     def finish(self) -> None:
-        """This rank is done (trained, evaluated, saved): its beat goes, so that the seconds it still
-        takes to end (the process group's teardown, the interpreter's exit, a peer's final save) are
-        never judged a stall. Under load these took over a short job.stall_timeout, and the
-        launcher's watchdog killed a job that had finished (on_stall restart ran its last step again)."""
+        """This rank is done (trained, evaluated, saved; or stopped as planned, its checkpoint
+        written): its beat goes, so that the seconds it still takes to end (the process group's
+        teardown, the interpreter's exit, a peer's final save) are never judged a stall. Under load
+        these took over a short job.stall_timeout, and the launcher's watchdog killed a job that had
+        finished (on_stall restart ran its last step again)."""
         self.close()
         if self.path is not None:
             with contextlib.suppress(OSError):

@@ -229,6 +229,7 @@ def stop_here(ctx: Context, pos: Position) -> None:
 
 def _stopped(ctx: Context, pos: Position) -> Stopped:
     name = ctx.checkpoints.path_for(pos.global_step).name
+    ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (trainer/heartbeat.py)
     ctx.metrics.write({"kind": "stopped", "epoch": pos.epoch, "step": pos.global_step, "micro": pos.micro,
                        "checkpoint": name, "signal": ctx.stop.received, "world_size": ctx.env.world_size})
     return Stopped(pos.global_step, pos.epoch, name, ctx.stop.received)
