@@ -483,7 +483,12 @@ def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_a
     beats = tmp_path / "beats"
     beats.mkdir()
     env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "3"}
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline().strip() == "ready"  # exec'd, with the job's environment (a fork not yet is not)
+    # asleep, as a worker waiting in a collective is (under load it was still running its last bytecodes)
+    wait_until(lambda: Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S", 10,
+               "the worker asleep", interval=0.05)
     watch = flight.FlightWatch(str(beats), 0, lambda collectives, active: json.dumps({"entries": [
         {"process_group": ["0", ""], "collective_seq_id": 41, "profiling_name": "gloo:all_reduce"}]}), every=0.05)
     thread = threading.Thread(target=watch.run, daemon=True)
