@@ -73,6 +73,8 @@ def _holds_exactly(cluster, node9, operator_id: str, code: str) -> None:
     manifest = node9.docker("image", "inspect", "--format", "{{.Id}}", NAME).stdout.strip()
     assert manifest != operator_id and _config_of_manifest(node9, manifest) == operator_id
     assert manifest in node9.docker("image", "ls", "-q", "--no-trunc").stdout.split()  # its content is all there
+    names = node9.ctr("images", "ls", "-q").stdout.split()  # the name that held the previous image during the load
+    assert not [n for n in names if "ddp-deploy-load-hold" in n], names  # is gone
     ran = node9.docker("run", "--rm", "--network", "none", NAME, "cat", "/opt/code.txt")
     assert (ran.returncode, ran.stdout) == (0, code), ran.stderr
 
