@@ -32,10 +32,11 @@ from pathlib import Path
 ACCT = struct.Struct("<BBHIIIIIIf8H16s")  # struct acct_v3 (linux/acct.h), 64 bytes
 AHZ = 100  # acct_v3 times are in 1/100 s
 
-# (class, pattern on the command line); the first match wins
+# (class, pattern on the command line); the first match wins. The image's entrypoint runs a module
+# as ``python -c "import runpy, ..." MODULE``.
 CLASSES = [
-    ("preflight probe", re.compile(r"-m trainer\.probe\b")),
-    ("launcher and torchrun agent", re.compile(r"(-m trainer\.launch\b|torch\.distributed\.run|/torchrun\b)")),
+    ("preflight probe", re.compile(r"(-m |runpy.*[ ,])trainer\.probe\b")),
+    ("launcher and torchrun agent", re.compile(r"((-m |runpy.*[ ,])trainer\.launch\b|torch\.distributed\.run|/torchrun\b)")),
     ("trainer worker", re.compile(r"(-m trainer( |$)|-u -m |trainer/__main__\.py)")),
     ("operator CLI", re.compile(r"(ddp-deploy|-m deploy\b)")),
     ("pytest", re.compile(r"(pytest|xdist|execnet)")),
