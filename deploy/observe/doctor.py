@@ -27,7 +27,8 @@ DDP = "/torch/nn/parallel/distributed.py"
 DDP_COLLECTIVES = frozenset({"_distributed_broadcast_coalesced"})
 """DDP's own collectives, called from Python outside torch/distributed/: the broadcast of the module's
 buffers at the start of every forward (a model with BatchNorm's running statistics) and of the
-parameters when it is built. A rank there waits for the others as in any collective."""
+parameters when it is built. A rank there waits for the others as in any collective. py-spy names a
+method by its qualified name on Python 3.11 and later (``DistributedDataParallel._distributed_broadcast_coalesced``)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Frame:
 
     @property
     def in_collective(self) -> bool:
-        return COLLECTIVES in self.file or (self.file.endswith(DDP) and self.name in DDP_COLLECTIVES)
+        return COLLECTIVES in self.file or (self.file.endswith(DDP) and self.name.rsplit(".", 1)[-1] in DDP_COLLECTIVES)
 
     @property
     def in_backward(self) -> bool:
