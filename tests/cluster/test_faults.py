@@ -412,7 +412,9 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
     _no_containers_anywhere(cluster)
     stop = records(fresh_nas)[-1]
     assert stop["kind"] == "stopped" and stop["signal"].startswith("SIGTERM"), stop
-    assert stop["micro"] > 0, "a planned stop writes a checkpoint at its own step"
+    # a planned stop writes a checkpoint at its own step, the last one trained. (`stop` may take some
+    # steps to arrive under load: it once came at the epoch's last step, which is also where the
+    # epoch ends, so that where it lands is not asserted.)
     assert stop["step"] == _last_step_before(fresh_nas, time.time())
     assert complete_checkpoint_steps(fresh_nas)[-1] == stop["step"]
     for h in cluster.hosts:
