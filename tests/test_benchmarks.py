@@ -90,3 +90,33 @@ def test_the_faults_table_is_made_from_the_recorded_figures():
     table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)  # the header and one row per recorded fault
     assert all(table[i + 1].startswith(f"| {row['fault']} |") for i, row in enumerate(rows))
+
+
+def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path):
+    """suite_cpu's report on a recording made here: process accounting's records (struct acct_v3)
+    matched to the sampled command lines by pid and start second; a pid used again later is
+    another process; one never sampled is classed by its command name. (Recording needs root and
+    `accton`, which CI does not install.)"""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import suite_cpu
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def record(pid, start, ticks, comm):  # CPU time in 1/100 s, below comp_t's first exponent
+        return suite_cpu.ACCT.pack(0, 3, 0, 0, 0, 0, pid, 1, start, 0.0, ticks, 0, 0, 0, 0, 0, 0, 0, comm.encode())
+
+    (tmp_path / "pacct").write_bytes(
+        record(100, 1000, 500, "python3.11") + record(101, 1000, 300, "python3.11")
+        + record(100, 2000, 120, "python3.11") + record(102, 1000, 7, "docker") + b"\0" * 10)
+    sampled = [(100, 1000.4, "/opt/venv/bin/python -u -m trainer --epochs 1"),
+               (101, 999.6, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3"),
+               (100, 2000.2, "python -m trainer.probe --gpus 0")]
+    (tmp_path / "cmdlines.jsonl").write_text("".join(json.dumps({"pid": p, "start": s, "cmd": c}) + "\n"
+                                                     for p, s, c in sampled))
+    summary = suite_cpu.report(tmp_path)
+    got = {c["class"]: (c["core_s"], c["processes"]) for c in summary["classes"]}
+    assert got == {"trainer worker": (5.0, 1), "launcher and torchrun agent": (3.0, 1), "preflight probe": (1.2, 1),
+                   "docker": (0.1, 1)}
+    assert summary["total_core_s"] == 9.3
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
