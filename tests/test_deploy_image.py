@@ -80,14 +80,15 @@ elif a[:1] == ["load"]:
         digest = json.loads(files["index.json"])["manifests"][0]["digest"]
         manifest = json.loads(files["blobs/sha256/" + digest[7:]])
         have = {x for layers in held for x in layers}
-        if read("gc_collects") and not read("second_name"):  # containerd's collector, once the name moved:
-            gone = set(json.loads(read("gc_collects")))  # what only the image that had it kept alive
-            for layer in manifest["layers"]:
-                if "blobs/sha256/" + layer["digest"][7:] not in files and layer["digest"] in gone:
-                    sys.exit(f"failed to unpack loaded image: failed to prepare extraction snapshot: "
-                             f"parent snapshot {layer['digest']} does not exist: not found")
+        # containerd's collector, once the name moved: what only the image that had it kept alive
+        gone = set() if read("second_name") else set(json.loads(read("gc_collects", "[]")))
         for layer in manifest["layers"]:
-            if "blobs/sha256/" + layer["digest"][7:] not in files and layer["digest"] not in have:
+            if "blobs/sha256/" + layer["digest"][7:] in files:
+                continue
+            if layer["digest"] in gone:
+                sys.exit(f"failed to unpack loaded image: failed to prepare extraction snapshot: "
+                         f"parent snapshot {layer['digest']} does not exist: not found")
+            if layer["digest"] not in have:
                 sys.exit(f"failed to unpack loaded image: content digest {layer['digest']}: not found")
         got = digest
     elif containerd:  # docker's own layout: every file manifest.json names must be there

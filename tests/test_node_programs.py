@@ -13,6 +13,7 @@ import pytest
 from deploy.checks import preflight
 from deploy.job import runs, runtime
 from deploy.engines import slurm
+from deploy.images import image
 from deploy.node import HERE, node_program
 from trainer import heartbeat
 
@@ -20,6 +21,7 @@ SPLICED = {  # programs put together in Python from shared parts: (text, shell)
     "runtime.HOST_START": (runtime.HOST_START, "sh"), "runtime.RECORD_STOP": (runtime.RECORD_STOP, "sh"),
     "runs.NODES_OF": (runs.NODES_OF, "sh"), "slurm.TASK": (slurm.TASK, "sh"),
     "preflight.PHASES": (preflight.PHASES, "bash"), "trainer.heartbeat.DIAGNOSE": (heartbeat.DIAGNOSE, "sh"),
+    "image.IDENTIFY": (image.IDENTIFY, "sh"), "image.LOAD": (image.LOAD, "sh"),
 }
 FILES = sorted(p for p in HERE.iterdir() if p.suffix in (".sh", ".bash"))
 

@@ -68,7 +68,7 @@ def save_argv(inv: Inventory) -> list[str]:
 # store reports the driver type io.containerd.snapshotter.v1), "ID <the ID $1 names, or ->" and
 # "LISTED yes|no": whether `docker image ls` shows that ID (the containerd store leaves out an
 # image whose content is not all there).
-IDENTIFY = node_program("identify.sh")
+IDENTIFY = node_program("docker_store.sh") + node_program("identify.sh")
 
 # $1 = image name, then optionally a command run first (the storage directories). Prints
 # PREPARED once that command succeeded, IDENTIFY's lines, then one
@@ -78,7 +78,7 @@ SURVEY = node_program("survey.sh")
 # $1 = image name. Loads the tar on stdin; prints docker load's output (stdout and stderr), each
 # line as "LOAD <line>", then "EXIT <docker load's exit status>" and IDENTIFY's lines; exits with
 # docker load's status. load_problem() judges it.
-LOAD = node_program("load.sh")
+LOAD = node_program("docker_store.sh") + node_program("load.sh")
 
 
 def survey_argv(inv: Inventory, before: Sequence[str] = ()) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-store=$(docker info --format '{{json .DriverStatus}}') || exit $?
-case $store in *io.containerd.snapshotter*) echo "STORE containerd" ;; *) echo "STORE classic" ;; esac
+store=$(docker_store) || exit $?
+echo "STORE $store"
 id=$(docker image inspect --format '{{.Id}}' "$1" 2>/dev/null) || id=-
 echo "ID $id"
 ids=$(docker image ls -q --no-trunc) || exit $?

@@ -4,10 +4,9 @@
 # collector may drop them in between ("parent snapshot ... does not exist", containerd#3787).
 # A second name holds the old image until the load has ended.
 hold=
-case $(docker info --format '{{json .DriverStatus}}' 2>/dev/null) in
-*io.containerd.snapshotter*)
-    if docker tag "$1" "ddp-deploy-load-hold:$$" >/dev/null 2>&1; then hold="ddp-deploy-load-hold:$$"; fi ;;
-esac
+if [ "$(docker_store 2>/dev/null)" = containerd ] && docker tag "$1" "ddp-deploy-load-hold:$$" >/dev/null 2>&1; then
+  hold="ddp-deploy-load-hold:$$"
+fi
 out=$(docker load 2>&1); rc=$?
 if [ -n "$hold" ]; then docker image rm -f "$hold" >/dev/null 2>&1; fi
 printf '%s\n' "$out" | sed -e '/^$/d' -e 's/^/LOAD /'
