@@ -29,6 +29,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.text import safe  # noqa: E402  (a process names itself: its name is shown as text)
+
 ACCT = struct.Struct("<BBHIIIIIIf8H16s")  # struct acct_v3 (linux/acct.h), 64 bytes
 AHZ = 100  # acct_v3 times are in 1/100 s
 
@@ -122,7 +126,7 @@ def report(out: Path) -> dict:
     print(f"{total / 60:.1f} core-min in processes that ended")
     for k, s, n in table[:25]:
         print(f"{s / 60:8.1f} core-min {100 * s / max(total, 1e-9):5.1f}%  {n:7d} processes  "
-              f"{s / max(n, 1):6.2f} s each  {k}")
+              f"{s / max(n, 1):6.2f} s each  {safe(k)}")
     return summary
 
 

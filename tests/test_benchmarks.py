@@ -92,7 +92,7 @@ def test_the_faults_table_is_made_from_the_recorded_figures():
     assert all(table[i + 1].startswith(f"| {row['fault']} |") for i, row in enumerate(rows))
 
 
-def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path):
+def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path, capsys):
     """suite_cpu's report on a recording made here: process accounting's records (struct acct_v3)
     matched to the sampled command lines by pid and start second; a pid used again later is
     another process; one never sampled is classed by its command name. (Recording needs root and
@@ -108,7 +108,8 @@ def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_
 
     (tmp_path / "pacct").write_bytes(
         record(100, 1000, 500, "python3.11") + record(101, 1000, 300, "python3.11")
-        + record(100, 2000, 120, "python3.11") + record(102, 1000, 7, "docker") + b"\0" * 10)
+        + record(100, 2000, 120, "python3.11") + record(102, 1000, 7, "docker")
+        + record(103, 1000, 1, "x\x1b]0;pwn\x07") + b"\0" * 10)
     sampled = [(100, 1000.4, "/opt/venv/bin/python -u -m trainer --epochs 1"),
                (101, 999.6, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3"),
                (100, 2000.2, "python -m trainer.probe --gpus 0")]
@@ -117,6 +118,8 @@ def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_
     summary = suite_cpu.report(tmp_path)
     got = {c["class"]: (c["core_s"], c["processes"]) for c in summary["classes"]}
     assert got == {"trainer worker": (5.0, 1), "launcher and torchrun agent": (3.0, 1), "preflight probe": (1.2, 1),
-                   "docker": (0.1, 1)}
+                   "docker": (0.1, 1), "x\x1b]0;pwn\x07": (0.0, 1)}
     assert summary["total_core_s"] == 9.3
+    printed = capsys.readouterr().out  # a process names itself: shown as text, never to the terminal
+    assert "x\\x1b]0;pwn\\x07" in printed and "\x1b" not in printed
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
