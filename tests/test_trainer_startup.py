@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 from trainer import startup
@@ -11,8 +12,21 @@ from trainer import startup
 def test_a_process_start_time_is_read_from_proc_and_is_in_the_past():
     mine, parent = startup.started_at(), startup.started_at(os.getppid())
     assert mine is not None and parent is not None
-    assert parent - 1.0 <= mine <= time.time() + 1.0  # btime's grain is a second
+    assert parent <= mine <= time.time()
     assert startup.started_at(2 ** 22 + 12345) is None  # no such process
+
+
+def test_a_start_time_is_right_to_a_clock_tick_not_to_btime_s_whole_second():
+    for _ in range(5):
+        before = time.time()
+        child = subprocess.Popen(["sleep", "5"])
+        after = time.time()
+        try:
+            at = startup.started_at(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+        assert before - 0.011 <= at <= after, (before, at, after)  # a tick is 10 ms
 
 
 def test_each_phase_is_named_by_the_moment_that_ends_it_and_an_unknown_start_is_left_out():

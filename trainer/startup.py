@@ -22,15 +22,24 @@ NAMES = {"process": "launcher to this process", "imports": "imports", "process_g
 
 
 def started_at(pid: int | str = "self") -> float | None:
-    """The wall-clock time process ``pid`` started (seconds since the epoch), from /proc."""
+    """The wall-clock time process ``pid`` started (seconds since the epoch), from /proc, to a
+    clock tick (10 ms)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # field 22, starttime: clock ticks after boot
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        return _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def _boot_time() -> float:
+    """When this machine booted, in seconds since the epoch. /proc/stat's ``btime`` has it only
+    to the whole second (so a start time from it was up to a second early); the clock that
+    /proc's start times count on, CLOCK_BOOTTIME, read beside the wall clock has it exactly."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
 
 
 class Startup:
@@ -46,7 +55,7 @@ class Startup:
 
     def phases(self) -> dict[str, float]:
         """Seconds of each phase, named by the moment that ended it, where both its ends are known
-        (btime has a 1 s grain, so a start time read from /proc may be a little off: never below 0)."""
+        (a start time read from /proc has a clock tick's grain: never below 0)."""
         out = {}
         for (_, start), (name, end) in zip(self.marks, self.marks[1:]):
             if start is not None and end is not None:
