@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -212,3 +213,98 @@ def test_a_joining_node_alone_must_see_the_running_job_s_record_and_reach_its_st
     assert rows["rendezvous"] == (store, f"{'reaches' if store else 'cannot reach'} the running job's store at "
                                          f"127.0.0.2:{port}")
     assert rows["previous run"] == (True, "none") and rows["torch"][0]
+
+
+# The fake docker above, which also knows its image's id ($FAKE_IMAGE_ID) and counts the probe's runs.
+KEEPING_DOCKER = """#!/bin/sh
+case "$1" in
+  version) case "$3" in *Arch*) echo linux/amd64 ;; *) echo 20.10.24 ;; esac ;;
+  image) echo "sha256:$FAKE_IMAGE_ID" ;;
+  inspect) echo "Error response from daemon: No such container: $6" >&2; exit 1 ;;
+  run) echo run >> "$FAKE_RUNS"; while [ "$1" != --entrypoint ]; do shift; done; shift 3; exec PYTHON "$@" ;;
+  *) echo "fake docker: unexpected $*" >&2; exit 99 ;;
+esac
+""".replace("PYTHON", sys.executable)
+
+
+def _torch_row(inv, remote, for_launch):
+    (row,) = [c for c in preflight.run_checks(inv, remote, for_launch=for_launch).checks if c.name == "torch"]
+    assert row.ok, row
+    return row.detail
+
+
+def test_a_launch_takes_the_probe_answer_check_kept_for_the_same_image_and_a_rebuilt_image_is_probed_again(
+        tmp_path, monkeypatch):
+    install_command(tmp_path, monkeypatch, "docker", KEEPING_DOCKER)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("FAKE_RUNS", str(runs))
+    monkeypatch.setenv("FAKE_IMAGE_ID", "a" * 64)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    inv = _inv(tmp_path, nodes=1, rdzv="n1")
+    kept_dir = tmp_path / "home/.cache/ddp-deploy/probe"
+    with Remote(inv) as remote:
+        assert "kept" not in _torch_row(inv, remote, False)  # check probes
+        assert "kept" not in _torch_row(inv, remote, False)  # every time
+        assert len(runs.read_text().split()) == 2
+        (kept,) = kept_dir.iterdir()
+        assert kept.name.endswith("-" + "a" * 64) and (kept_dir.stat().st_mode & 0o777) == 0o700
+        said = _torch_row(inv, remote, True)  # launch takes the kept answer: no container
+        assert "the answer the node kept for this image and probe command, probed 20" in said, said
+        assert len(runs.read_text().split()) == 2
+        monkeypatch.setenv("FAKE_IMAGE_ID", "b" * 64)  # the image rebuilt under the same name
+        assert "kept" not in _torch_row(inv, remote, True)
+        assert len(runs.read_text().split()) == 3
+
+
+def test_a_gpu_node_and_a_host_node_are_probed_every_time_and_the_key_follows_the_command(tmp_path):
+    inv = _inv(tmp_path, nodes=2, rdzv="n1")
+    from deploy.job import plan
+
+    bare = plan.probe_argv(inv, inv.node("n1"))
+    kept = plan.probe_argv(inv, inv.node("n1"), reuse=True)
+    assert kept[:2] == ("sh", "-c") and kept[3:5] == ("sh", "reuse") and kept[-len(bare):] == bare
+    assert plan.probe_argv(inv, inv.node("n1"), reuse=False)[4] == "keep"
+    other = plan.probe_argv(inv, inv.node("n2"), reuse=True)  # its own DDP_NODE_NAME: its own key
+    assert other[5] != kept[5] and kept[6] == "ddp-trainer:latest"
+    gpu = loads(json.dumps({**_raw(tmp_path),
+                            "nodes": [{"name": "g", "address": "127.0.0.1", "connection": "local", "gpus": 2}],
+                            "rendezvous": {"node": "g", "port": 29400}}))
+    assert plan.probe_argv(gpu, gpu.node("g"), reuse=True) == plan.probe_argv(gpu, gpu.node("g"))
+    host = loads(json.dumps({**_raw(tmp_path), "job": {"name": "pf", "runtime": "host"},
+                             "train": {"python": sys.executable}}))
+    assert plan.probe_argv(host, host.node("n1"), reuse=True) == plan.probe_argv(host, host.node("n1"))
+
+
+def _raw(tmp_path: Path) -> dict:
+    return {"job": {"name": "pf", "runtime": "docker"}, "rendezvous": {"node": "n1", "port": 29400},
+            "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
+            "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                        "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"}}}
+
+
+@pytest.mark.parametrize("answer", ['{"torch": null, "error": "cannot import torch: boom", "program_error": null}',
+                                    '{"torch": "2.13.0", "error": null, "program_error": "No module named \'x\'"}',
+                                    "not json at all"])
+def test_a_failed_probe_answer_is_never_kept_and_is_probed_again(tmp_path, answer):
+    from deploy.job.runtime import PROBE_KEPT
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text('#!/bin/sh\necho sha256:abc\n')
+    (bin_dir / "docker").chmod(0o755)
+    runs = tmp_path / "runs"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe = ["sh", "-c", f'echo run >> {runs}; echo "PROBE $1"', "sh", answer]
+    for mode in ("keep", "reuse", "reuse"):
+        r = subprocess.run(["sh", "-c", PROBE_KEPT, "sh", mode, "k" * 32, "img", *probe], env=env,
+                           capture_output=True, text=True)
+        assert r.stdout == f"PROBE {answer}\n" and r.returncode == 0, r
+    assert len(runs.read_text().split()) == 3
+    assert not (tmp_path / ".cache/ddp-deploy/probe").exists() or not any((tmp_path / ".cache/ddp-deploy/probe").iterdir())
+
+
+@pytest.mark.parametrize("line", ["PROBE_KEPT \x1b[31m1\x1b[0m", "PROBE_KEPT 99999999999999999999", "PROBE_KEPT"])
+def test_a_kept_answer_s_date_that_is_no_number_is_not_shown(line):
+    assert preflight._kept(f"{line}\nPROBE {{}}\n") == ""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -133,15 +134,18 @@ def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
 
 
 def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = None,
-               meeting: Sequence[tuple[str, Sequence[str]]] | None = None) -> tuple[str, ...]:
+               meeting: Sequence[tuple[str, Sequence[str]]] | None = None, *, reuse_probe: bool = False
+               ) -> tuple[str, ...]:
     """The one command run on ``node``; ``token`` is empty for a one-node inventory; ``code``: the
     code snapshot the probe imports the program from; ``meeting``: the checks by which the node
-    meets the others (default: the fleet's, :class:`FleetMeeting`)."""
+    meets the others (default: the fleet's, :class:`FleetMeeting`); ``reuse_probe``: a probe
+    answer the node kept for the same command and image serves (a launch's checks; ``check``
+    itself always probes, and keeps a good answer)."""
     s = inv.storage
     engine = runtime(inv).engine_argv()
     checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
     checks.append(("platform", builder.node_platform_argv(inv)))
-    checks.append(("probe", plan.probe_argv(inv, node, code)))
+    checks.append(("probe", plan.probe_argv(inv, node, code, reuse=reuse_probe)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
@@ -203,8 +207,8 @@ class FleetMeeting:
             out.append(("token", ("sh", "-c", TOKEN, "sh", inv.storage.checkpoints.host, token)))
         return [*out, ("rdzv", rendezvous_argv(inv, node))]
 
-    def argv(self, node: Node, code: CodeDir | None) -> tuple[str, ...]:
-        return check_argv(self.inv, node, self.tokens.get(node.name, ""), code)
+    def argv(self, node: Node, code: CodeDir | None, reuse_probe: bool) -> tuple[str, ...]:
+        return check_argv(self.inv, node, self.tokens.get(node.name, ""), code, reuse_probe=reuse_probe)
 
     def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
         return token_waves(self.inv, first)
@@ -221,10 +225,10 @@ class JoinMeeting:
     def __init__(self, inv: Inventory, record_path: str, record_text: str) -> None:
         self.inv, self.path, self.text = inv, record_path, record_text
 
-    def argv(self, node: Node, code: CodeDir | None) -> tuple[str, ...]:
+    def argv(self, node: Node, code: CodeDir | None, reuse_probe: bool) -> tuple[str, ...]:
         rdzv = self.inv.rdzv_node
         reach = ("bash", "-c", CONNECT, "bash", rdzv.address, str(self.inv.rendezvous.port), str(LISTEN_SECONDS))
-        return check_argv(self.inv, node, "", code, meeting=[("rdzv", reach)])
+        return check_argv(self.inv, node, "", code, meeting=[("rdzv", reach)], reuse_probe=reuse_probe)
 
     def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
         return [{n: f"READ {self.path}\n" for n, r in first.items() if r.connected}]
@@ -261,7 +265,7 @@ def join_checks(inv: Inventory, remote: Remote, node: str, record: tuple[str, st
 
 def _run(inv: Inventory, remote: Remote, nodes: Sequence[Node], meeting, *, for_launch: bool,
          code: CodeDir | None) -> Preflight:
-    commands = {n.name: meeting.argv(n, code) for n in nodes}
+    commands = {n.name: meeting.argv(n, code, for_launch) for n in nodes}
     first: dict[str, Result] = {}
 
     def reply(phase1: dict[str, Result]) -> list[dict[str, str]]:
@@ -399,6 +403,7 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
 
 
 PROBE_PREFIX = "PROBE "
+PROBE_KEPT = "PROBE_KEPT"
 PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names", "nccl", "cuda_error")
 
 
@@ -458,7 +463,17 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
         detail += f", {report['devices']} GPU(s) ({', '.join(names)}), NCCL {report['nccl']}"
     if report.get("infiniband"):
         detail += f", InfiniBand {' '.join(report['infiniband'])}"
-    return Check(r.node, "torch", True, f"{detail} in {where}")
+    return Check(r.node, "torch", True, f"{detail} in {where}{_kept(r.stdout)}")
+
+
+def _kept(stdout: str) -> str:
+    """How a kept answer (deploy/node/probe_kept.sh) is said: when it was probed, by the node's clock."""
+    for line in stdout.splitlines():
+        word = line.split(" ", 1)
+        if word[0] == PROBE_KEPT and len(word) == 2 and word[1].strip().isdigit() and len(word[1].strip()) < 12:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(word[1])))
+            return f" (the answer the node kept for this image and probe command, probed {when})"
+    return ""
 
 
 def _program(inv: Inventory, r: Result, code: CodeDir | None) -> Check | None:

@@ -219,9 +219,14 @@ def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str,
     return out
 
 
-def probe_argv(inv: Inventory, node: Node, code: CodeDir | None = None) -> tuple[str, ...]:
-    """trainer.probe where the job runs, with its code: torch, CUDA, and the program importing."""
-    return tuple(runtime(inv, code).probe_argv(node, node_env(inv, node, code=code), payload(inv).probe_options()))
+def probe_argv(inv: Inventory, node: Node, code: CodeDir | None = None, *, reuse: bool | None = None
+               ) -> tuple[str, ...]:
+    """trainer.probe where the job runs, with its code: torch, CUDA, and the program importing.
+    ``reuse``: None runs the probe alone; False keeps its good answer on the node where the
+    runtime can (:meth:`Runtime.kept_probe_argv`); True also takes an answer kept before."""
+    rt = runtime(inv, code)
+    probe = tuple(rt.probe_argv(node, node_env(inv, node, code=code), payload(inv).probe_options()))
+    return probe if reuse is None else tuple(rt.kept_probe_argv(node, probe, reuse))
 
 
 def status_argv(inv: Inventory, node: Node) -> tuple[str, ...]:

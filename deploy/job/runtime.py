@@ -11,6 +11,7 @@ and the network check reach the job's own torch.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from trainer.entry import module_argv
@@ -31,6 +32,10 @@ RUN_SUBDIR = ".ddp-deploy"
 # directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
 # No single quote in it: the supervisor's script below is one quoted word.
 KILL_RUN = node_program("kill_run.sh")
+
+# reuse|keep, the probe command's key, the image's name, then the probe's argv: a CPU node's good
+# probe answer kept for the next launch in the same image with the same command.
+PROBE_KEPT = node_program("probe_kept.sh")
 
 # Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
 # torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
@@ -402,6 +407,12 @@ class Runtime:
         CUDA state and whether the program imports."""
         raise NotImplementedError
 
+    def kept_probe_argv(self, node: Node, probe: tuple[str, ...], reuse: bool) -> tuple[str, ...]:
+        """``probe`` (:meth:`probe_argv`), with its good answer kept on the node where the answer
+        can only change with what the command names; ``reuse``: a kept answer serves (launch).
+        Here: probed every time (a host's interpreter can change under the same path)."""
+        return probe
+
     def status_argv(self, node: Node) -> tuple[str, ...]:
         raise NotImplementedError
 
@@ -502,6 +513,15 @@ class DockerRuntime(Runtime):
         return ["docker", "run", "--rm", "--pull", "never", "--network", "none", *self.gpu_args(node),
                 *self._code_args(), *(f"--env={k}={v}" for k, v in env), "--entrypoint", "python",
                 self.inv.image.name, *probe_args(node, program)]
+
+    def kept_probe_argv(self, node, probe, reuse):
+        """A CPU node's answer is a function of the image (kept by its id), the code snapshot
+        (named by its content), the environment and the flags (all in the command, hashed); a
+        GPU node's devices are probed every time."""
+        if node.devices:
+            return probe
+        key = hashlib.sha256("\0".join(probe).encode()).hexdigest()[:32]
+        return ("sh", "-c", PROBE_KEPT, "sh", "reuse" if reuse else "keep", key, self.inv.image.name, *probe)
 
     def status_argv(self, node):
         return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node), heartbeat_dir(self.inv, node),
