@@ -647,7 +647,9 @@ class NetCluster:
 
     def _sshd_config(self, h: Host) -> str:
         d = self.state_dir / "nodes" / h.name
-        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path(), "SLURM_CONF": SLURM_CONF}
+        # XDG_CACHE_HOME: each node's own, as on machines of their own (the nodes share root's home)
+        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path(), "SLURM_CONF": SLURM_CONF,
+               "XDG_CACHE_HOME": str(self.node_cache_dir(h.name))}
         return "\n".join([
             f"ListenAddress {h.address}",
             "Port 22",
@@ -668,6 +670,10 @@ class NetCluster:
             "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()),
             "",
         ])
+
+    def node_cache_dir(self, name: str) -> Path:
+        """Node ``name``'s XDG_CACHE_HOME in its SSH sessions (where it keeps its probe answers)."""
+        return self.state_dir / "nodes" / name / "cache"
 
     def _start_sshd(self, h: Host) -> None:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir

@@ -1,0 +1,50 @@
+"""bench/bench_launch.py in its smoke mode on the session's cluster: one round on one node (a launch
+whose node probes, a relaunch taking the probe answer the node kept, and the floor: the same job's
+torchrun started by hand over SSH), so that the launch benchmark cannot rot (issue 25). No figure is asserted; what is asserted is that each run was timed and split into
+its parts, as the benchmark's table shows them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_launch.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_launch", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_launch_benchmark_times_launch_and_its_floor_to_the_first_step_and_splits_both(cluster, fresh_nas,
+                                                                                          tmp_path):
+    bench = _bench()
+    result = bench.measure(cluster, tmp_path, [1], 1)
+    assert [(r["kind"], r["nodes"]) for r in result["runs"]] == [("probed", 1), ("ours", 1), ("floor", 1)]
+    for run in result["runs"]:
+        # each part was found: the first step, the launcher's start, the trainer's own line
+        assert math.isfinite(run["first_step_s"]) and run["first_step_s"] > run["container_s"], run
+        assert run["trainer_total_s"] is not None, run
+        assert {"launcher to this process", "imports", "process group", "model"} <= set(run["trainer"]), run
+    for run in result["runs"][:2]:
+        assert {"lock", "checks", "image check", "start"} <= set(run["operator"]), run
+    (row,) = result["rows"]
+    assert row["ours_overhead_s"] == round(row["ours"]["first_step_s"] - row["floor"]["first_step_s"], 2)
+    table = bench.table(result)
+    assert "operator: checks" in table and "trainer: imports" in table, table
+    # the node kept its probe answer (the relaunch took it) under the id of the image it holds
+    image = cluster.run_on("node1", ["docker", "image", "inspect", "-f", "{{.Id}}", bench.IMAGE]).stdout.strip()
+    kept = [p.name for p in (cluster.node_cache_dir("node1") / "ddp-deploy" / "probe").iterdir()]
+    assert [k for k in kept if k.endswith("-" + image.removeprefix("sha256:"))], (kept, image)
+    # the floor's containers are gone, by their exact names; ours were stopped by `stop`
+    for h in cluster.hosts[:1]:
+        left = cluster.run_on(h.name, ["docker", "ps", "-a", "--format", "{{.Names}}"]).stdout.split()
+        assert not [n for n in left if n in (f"ddp-floor-{h.name}", f"ddp-test-{h.name}")], left
