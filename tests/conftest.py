@@ -26,3 +26,13 @@ def fleet_lock_path(tmp_path_factory, monkeypatch) -> Path:
     path = tmp_path_factory.mktemp("fleet-lock") / "ddp-deploy.lock"
     monkeypatch.setenv("DDP_DEPLOY_LOCK_PATH", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def node_cache_home(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own XDG_CACHE_HOME, where a local node keeps its probe answers
+    (deploy/node/probe_kept.sh): an answer one test's fake docker gave never serves another test.
+    The test cluster's nodes have their own (tests/cluster/netcluster.py), as machines do."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path))
+    return path

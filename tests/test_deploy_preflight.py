@@ -241,7 +241,7 @@ def test_a_launch_takes_the_probe_answer_check_kept_for_the_same_image_and_a_reb
     monkeypatch.setenv("FAKE_RUNS", str(runs))
     monkeypatch.setenv("FAKE_IMAGE_ID", "a" * 64)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME")  # tests/conftest.py gives each test its own: here, the default
     inv = _inv(tmp_path, nodes=1, rdzv="n1")
     kept_dir = tmp_path / "home/.cache/ddp-deploy/probe"
     with Remote(inv) as remote:
