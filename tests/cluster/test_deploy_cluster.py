@@ -24,6 +24,8 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "
 def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(cluster, fresh_nas, tmp_path):
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, train_args=TRAIN, interface="eth0")
     nodes = [h.name for h in cluster.hosts]
+    for node in nodes:  # the deploy below ships to every node, whichever test deployed before this one
+        cluster.run_on(node, ["docker", "image", "rm", "-f", "ddp-trainer:test"])
 
     ok(ddp(cluster, hosts, "check"))
 
