@@ -53,13 +53,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_deploy import busy_cpu_seconds  # noqa: E402
+from bench.bench_deploy import IMAGE, TRAIN, busy_cpu_seconds, inventory  # noqa: E402
 from trainer.startup import started_at  # noqa: E402
 
-IMAGE = "ddp-trainer:test"
-PROCS = 2
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1",
-         "--log-every", "1"]
+PROCS = 2  # bench_deploy's inventory: 2 processes a node
 KINDS = ("probed", "ours", "floor")
 """A launch whose nodes probe, a relaunch taking the answers they kept, the floor: in turn."""
 FLOOR_PORT = 29410  # not the job's (29400): a floor run never meets a run of ours
@@ -104,20 +101,13 @@ def first_step(metrics: Path, since: float, timeout: float = 300) -> float:
 
 
 class Bench:
-    def __init__(self, cluster, workdir: Path, train: list[str] = TRAIN) -> None:
+    def __init__(self, cluster, workdir: Path) -> None:
         self.cluster = cluster
         self.workdir = workdir
-        self.train = train
         self.nas = Path(cluster.nas_dir)
 
     def hosts(self, nodes: int) -> Path:
-        import yaml
-
-        config = self.cluster.hosts_config("docker", PROCS, self.train, "eth0")
-        config["nodes"] = config["nodes"][:nodes]
-        path = self.workdir / f"hosts-{nodes}.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return path
+        return inventory(self.cluster, self.workdir, nodes)
 
     def ddp(self, hosts: Path, *args: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "DOCKER_HOST": self.cluster.operator_docker_host, "COLUMNS": "200",
@@ -183,7 +173,7 @@ class Bench:
                     "--rdzv-id", "floor", "--local-addr", h.address, "--max-restarts", "0",
                     *(["--rdzv-conf", "is_host=1"] if i == 0 else []),
                     "-m", "trainer", "--data-dir", "/data", "--ckpt-dir", "/ckpt/floor", "--device", "cpu",
-                    "--backend", "gloo", *self.train]
+                    "--backend", "gloo", *TRAIN]
             r = subprocess.run(self.cluster.ssh_argv(h.name, argv), capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise SystemExit(f"{h.name}: the floor's docker run failed: {r.stderr.strip()}")
@@ -212,7 +202,7 @@ class Bench:
 
 
 def measure(cluster, workdir: Path, nodes: list[int], rounds: int) -> dict:
-    """Every round: ours and the floor on each node count (which goes first alternates)."""
+    """Every round, on each node count: the three KINDS one after the other, in turn first."""
     bench = Bench(cluster, workdir)
     bench.ddp(bench.hosts(max(nodes)), "deploy")  # the image on every node before anything is timed
     runs: list[dict] = []
