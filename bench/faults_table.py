@@ -38,10 +38,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def recovery_table(rows: list[dict]) -> str:
+    """The faults that recorded where their recovery's time went (``recovery_phases``: seconds by
+    phase, in order), one row each; empty where none did."""
+    timed = [r for r in rows if r.get("recovery_phases")]
+    if not timed:
+        return ""
+    names = list(timed[0]["recovery_phases"])
+    head = ["fault", *names, "kill to training again"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in timed:
+        phases = r["recovery_phases"]
+        cells = [f"{phases[n]:.1f} s" if n in phases else "n/a" for n in names]
+        lines.append("| " + " | ".join([r["fault"], *cells, f"{sum(phases.values()):.1f} s"]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     with open(sys.argv[1]) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     print(table(rows))
+    recovery = recovery_table(rows)
+    if recovery:
+        print()
+        print(recovery)
 
 
 if __name__ == "__main__":

@@ -87,9 +87,17 @@ def test_the_faults_table_is_made_from_the_recorded_figures():
     r = subprocess.run([sys.executable, str(BENCH / "faults_table.py"), str(recorded)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    faults, _, recovery = r.stdout.partition("\n\n")
+    table = [line for line in faults.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)  # the header and one row per recorded fault
     assert all(table[i + 1].startswith(f"| {row['fault']} |") for i, row in enumerate(rows))
+    # where a recovery's time went: one row per fault that recorded its phases, their sum at the end
+    timed = [row for row in rows if row.get("recovery_phases")]
+    lines = [line for line in recovery.splitlines() if line.startswith("| ")]
+    assert len(lines) == (1 + len(timed) if timed else 0)
+    for line, row in zip(lines[1:], timed):
+        assert line.startswith(f"| {row['fault']} |")
+        assert line.endswith(f"| {sum(row['recovery_phases'].values()):.1f} s |")
 
 
 def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path, capsys):

@@ -126,6 +126,10 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
     assert "resumed from" in restarted.stderr
     said = printed(restarted.stdout)
     assert said[0]["kind"] == "resumed" and said[0]["step"] >= kill_at_step
+    # the moments rank 0 reached on its way there, in order (a recovery's phases, tests/FAULTS.md)
+    moments = said[0]["startup"]
+    assert list(moments) == ["launcher", "process", "imports", "process_group", "data", "model", "resume"]
+    assert list(moments.values()) == sorted(moments.values()) and moments["resume"] <= said[0]["time"]
     # the restarted job continued from there, it did not start again from zero
     assert all(r["step"] > said[0]["step"] for r in said[1:] if r["kind"] == "train")
     a, b = final_weights(straight / "ckpt"), final_weights(resumed / "ckpt")

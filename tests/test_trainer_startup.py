@@ -43,3 +43,10 @@ def test_a_start_time_read_a_little_late_gives_a_phase_of_zero_not_below():
     s.marks = [("launcher", 10.0), ("process", 10.5), ("imports", 10.25)]
     assert s.phases() == {"process": 0.5, "imports": 0.0}
     assert s.line() == "trainer: ready to train 0.2 s after the launcher started: launcher to this process 0.5 s, imports 0.0 s"
+
+
+def test_the_moments_kept_for_a_resume_leave_out_an_unknown_start_and_keep_the_order():
+    s = startup.Startup()
+    s.marks = [("launcher", None), ("process", 100.0), ("imports", 102.50049), ("resume", 104.0)]
+    assert s.moments() == {"process": 100.0, "imports": 102.5, "resume": 104.0}
+    assert list(s.moments()) == ["process", "imports", "resume"]

@@ -86,15 +86,19 @@ def resume_and_train(ctx: Context, startup: Startup | None = None) -> dict:
         state = found.state if found else ctx.checkpoints.load(latest)
         pos = restore(ctx, state)
         log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
-        # from_world_size != world_size: the job was resized (a node lost or taken in), and
-        # resumed at the start of the checkpoint's epoch (loop.restore).
-        ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
-                           "step": pos.global_step, "micro": pos.micro, "world_size": env.world_size,
-                           "from_world_size": state["world_size"]})
     if startup is not None:
         startup.mark("resume")
-        if env.is_local_main:
-            print(startup.line(), file=sys.stderr, flush=True)
+    if latest:
+        # from_world_size != world_size: the job was resized (a node lost or taken in), and
+        # resumed at the start of the checkpoint's epoch (loop.restore). ``startup``: the moments
+        # this process reached (its launcher's start, its own, its imports, process group, data,
+        # model, resume), so that a restart's time can be told apart (tests/FAULTS.md)
+        ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
+                           "step": pos.global_step, "micro": pos.micro, "world_size": env.world_size,
+                           "from_world_size": state["world_size"],
+                           **({"startup": startup.moments()} if startup is not None else {})})
+    if startup is not None and env.is_local_main:
+        print(startup.line(), file=sys.stderr, flush=True)
     pos = train(ctx, pos)
     final = evaluate(ctx)
     if env.is_main:

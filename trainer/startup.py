@@ -53,6 +53,11 @@ class Startup:
         """The phase ``name`` ended now."""
         self.marks.append((name, time.time()))
 
+    def moments(self) -> dict[str, float]:
+        """Each moment reached so far (seconds since the epoch), by name, where known: the
+        ``resumed`` record keeps them, so that a recovery can be split into its phases."""
+        return {name: round(t, 3) for name, t in self.marks if t is not None}
+
     def phases(self) -> dict[str, float]:
         """Seconds of each phase, named by the moment that ended it, where both its ends are known
         (a start time read from /proc has a clock tick's grain: never below 0)."""

@@ -9,6 +9,7 @@ as one JSON line: tests/FAULTS.md is written from those.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -169,6 +170,32 @@ def _resumed_after(nas: Path, moment: float) -> dict:
     return found[0]
 
 
+RECOVERY = ("container back", "launcher and rendezvous", "imports", "process group", "data and model", "resume",
+            "first step")
+
+
+def _recovery_phases(nas: Path, killed: float, back: float, resumed: dict) -> dict[str, float]:
+    """Where the time from a kill to training again went (tests/FAULTS.md), node 1's first process's
+    view of it (the trainer keeps its moments in the ``resumed`` record): the killed node's container
+    started again by Docker, its launcher's start and the new rendezvous round to that process's
+    start, its imports, process group, data and model, the checkpoint loaded, the first step."""
+    at = resumed["startup"]
+    first = min(r["time"] for r in records(nas) if r["kind"] == "train" and r["time"] > resumed["time"])
+    moments = [killed, back, at["process"], at["imports"], at["process_group"], at["model"], at["resume"], first]
+    assert moments == sorted(moments), moments
+    return {name: round(b - a, 2) for name, a, b in zip(RECOVERY, moments, moments[1:])}
+
+
+def _started_at(cluster, node: str, container: str) -> float:
+    """When Docker last started ``container`` (its own clock: this machine's), seconds since the epoch."""
+    text = cluster.run_on(node, ["docker", "inspect", "--format", "{{.State.StartedAt}}", container],
+                          check=True).stdout.strip()
+    whole, _, rest = text.partition(".")
+    digits = rest.rstrip("Z")[:6]
+    stamp = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc)
+    return stamp.timestamp() + (int(digits) / 10 ** len(digits) if digits else 0.0)
+
+
 def _last_step_before(nas: Path, moment: float) -> int:
     return max(r["step"] for r in records(nas) if r["kind"] == "train" and r["time"] <= moment)
 
@@ -228,6 +255,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     assert resumed["step"] >= newest and resumed["world_size"] == 3 * PROCS
     redone = _last_step_before(fresh_nas, killed) - resumed["step"]
     assert 0 <= redone <= CKPT_EVERY
+    phases = _recovery_phases(fresh_nas, killed, _started_at(cluster, node, container), resumed)
     final = records(fresh_nas)[-1]
     assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 3 * PROCS
     _assert_same_weights(reference, _weights(fresh_nas))
@@ -241,7 +269,8 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     record_fault(fault=what, finished=True,
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
                  detect_what="kill to the job resumed on all nodes", left_running="nothing (all exited 0)",
-                 bit_identical=True, goodput=good["share"], recovery_s=round(first["gap_s"], 1))
+                 bit_identical=True, goodput=good["share"], recovery_s=round(first["gap_s"], 1),
+                 recovery_phases=phases)
 
 
 def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_resumes(
