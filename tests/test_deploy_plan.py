@@ -364,3 +364,22 @@ def test_join_dry_run_prints_the_node_s_start_command_and_where_the_rendezvous_c
     assert all(line.startswith("[c] ") for line in lines)
     assert "launch record /nas/ckpt/.ddp-deploy/demo/launch.json" in lines[0]
     assert "--nnodes 2:3" in lines[-1] and "--rdzv-endpoint 198.18.0.12:29500" in lines[-1]
+
+
+def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(tmp_path):
+    from click.testing import CliRunner
+
+    from deploy.cli import cli
+
+    def kept(text: str) -> list[str]:
+        hosts = tmp_path / "hosts.yaml"
+        hosts.write_text(text)
+        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"],
+                               env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+        assert r.exit_code == 0, r.output
+        return [line for line in r.stdout.splitlines() if "probe's answer this node kept" in line]
+
+    assert kept(THREE_NODES) == []  # GPU nodes: probed every time (their devices can change)
+    cpu = THREE_NODES.replace("gpus: 2", "gpus: 0").replace("gpus: 1", "gpus: 0")
+    assert kept(cpu) == [f"[{n}] the torch probe's answer this node kept for the same image and probe command "
+                         "serves, if it has one (`ddp-deploy check` probes afresh and keeps it)" for n in "abc"]

@@ -448,7 +448,8 @@ class DockerRuntime(Runtime):
 
     def dry_run_notes(self, node: Node) -> list[str]:
         if not node.devices:
-            return []
+            return ["the torch probe's answer this node kept for the same image and probe command serves, "
+                    "if it has one (`ddp-deploy check` probes afresh and keeps it)"]
         return ["if the node has /dev/infiniband (found at launch): " + " ".join(INFINIBAND_DOCKER_ARGS)]
 
     def mounts(self) -> tuple[tuple[str, str], ...]:
