@@ -11,6 +11,15 @@ from pathlib import Path
 from fakes import free_port
 
 
+def beats_dir(hosts: Path, node: str = "here") -> str:
+    """Where the job of ``hosts`` keeps node ``node``'s heartbeats (deploy/job/runtime.py)."""
+    from deploy.inventory import load
+    from deploy.job.runtime import heartbeat_dir
+
+    inv = load(hosts)
+    return heartbeat_dir(inv, inv.node(node))
+
+
 def local_hosts(tmp_path: Path, *, job: str, train: dict, procs: int = 1, name: str = "hosts.yaml",
                 max_restarts: int = 0) -> Path:
     """hosts.yaml in ``tmp_path`` for node ``here`` (127.0.0.1), data and checkpoints under

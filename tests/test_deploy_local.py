@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from local_job import local_hosts
+from local_job import beats_dir, local_hosts
 from procs import alive, parent_of
 from trainer.entry import module_argv
 from waiting import wait_until
@@ -61,7 +61,7 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     assert "all nodes finished with exit code 0" in r.stdout
     # not a terminal: plain lines as the state changes (the live table is for terminals)
     assert any(line.startswith("here  exited(0)") for line in r.stdout.splitlines()), r.stdout
-    assert not Path("/dev/shm/ddp-heartbeat-host-localtest@here").exists()  # the run's heartbeats went with it
+    assert not Path(beats_dir(hosts)).exists()  # the run's heartbeats went with it
     # where the launch's time went: every part timed, in order, and those before the start kept
     took = next(line for line in r.stdout.splitlines() if line.startswith("launch took "))
     assert [part.rsplit(" ", 2)[0] for part in took.split(": ", 1)[1].split(", ")] == [

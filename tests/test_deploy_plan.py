@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import subprocess
 
@@ -10,7 +11,7 @@ import pytest
 from deploy.job import plan
 from deploy.inventory import loads
 from deploy.nodes.remote import command_line
-from deploy.job.runtime import HOST_START, STOP_GRACE_S
+from deploy.job.runtime import HOST_START, STOP_GRACE_S, heartbeat_dir
 from fakes import install_command
 from trainer.entry import module_argv
 
@@ -35,10 +36,14 @@ def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
             f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID"]
 
 
+# the job by where it lives: its directory on the shared volume, hashed (docs/CONTRACTS.md)
+DEMO_WHERE = hashlib.sha256(b"/nas/ckpt/.ddp-deploy/demo").hexdigest()[:12]
+
+
 def beats(node, runtime="docker"):
     """Where the started job's ranks keep their heartbeats (the node's memory, this job's and node's
     alone), and how its launcher judges and acts on a stall (trainer/heartbeat.py, Watchdog)."""
-    return [f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}", "DDP_ON_STALL=report",
+    return [f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}-{DEMO_WHERE}", "DDP_ON_STALL=report",
             "DDP_STALL_TIMEOUT=auto"]
 
 
@@ -213,7 +218,8 @@ def test_stop_status_logs_target_the_job_container():
     a = inv.node("a")
     assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
     assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
-    assert plan.status_argv(inv, a)[4:] == ("demo-a", "/dev/shm/ddp-heartbeat-docker-demo@a", "/nas/ckpt/.ddp-deploy/demo", "a")
+    assert plan.status_argv(inv, a)[4:] == ("demo-a", f"/dev/shm/ddp-heartbeat-docker-demo@a-{DEMO_WHERE}",
+                                            "/nas/ckpt/.ddp-deploy/demo", "a")
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
 
@@ -383,3 +389,12 @@ def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(t
     cpu = THREE_NODES.replace("gpus: 2", "gpus: 0").replace("gpus: 1", "gpus: 0")
     assert kept(cpu) == [f"[{n}] the torch probe's answer this node kept for the same image and probe command "
                          "serves, if it has one (`ddp-deploy check` probes afresh and keeps it)" for n in "abc"]
+
+
+def test_two_jobs_of_one_name_from_other_checkpoint_roots_never_share_a_heartbeat_directory():
+    # the launcher empties its directory and its watchdog takes every process naming it for its own:
+    # two hosts.yaml that both call their job demo, run on one machine, must not meet there
+    one, other = loads(THREE_NODES), loads(THREE_NODES.replace("/nas/ckpt", "/nas/other-ckpt"))
+    assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(other, other.node("a"))
+    assert heartbeat_dir(one, one.node("a")) == heartbeat_dir(loads(THREE_NODES), one.node("a"))  # launch after launch
+    assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(one, one.node("b"))

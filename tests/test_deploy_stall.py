@@ -24,7 +24,7 @@ from deploy.cli import cli
 from deploy.job.runtime import HOST_STATUS
 from deploy.text import safe
 from hung_job import hanging_program
-from local_job import local_hosts
+from local_job import beats_dir, local_hosts
 from trainer import flight, heartbeat
 from trainer.heartbeat import Heartbeat, parse_beat
 from trainer_helpers import final_weights
@@ -274,7 +274,7 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_i
     data = json.loads(hosts.read_text())
     data["job"]["stall_timeout"] = 3
     hosts.write_text(json.dumps(data))
-    beats = Path("/dev/shm/ddp-heartbeat-host-stalljob@here")
+    beats = Path(beats_dir(hosts))
     try:
         assert _ddp(hosts, "launch").exit_code == 0
         moving = wait_until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), 120,
@@ -342,8 +342,8 @@ def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_a
         ended = _status(hosts)
         assert ended["state"] == "stopped (stalled)" and ended["restarts"] == 0, ended
         assert (run_dir / "exit").read_text().strip() == "0"  # so that nothing starts it again
-        assert heartbeat.workers("/dev/shm/ddp-heartbeat-host-stallstop@here") == []  # its workers are gone
-        assert not Path("/dev/shm/ddp-heartbeat-host-stallstop@here").exists()
+        assert heartbeat.workers(beats_dir(hosts)) == []  # its workers are gone
+        assert not Path(beats_dir(hosts)).exists()
         assert "stopped (stalled)" in _ddp(hosts, "status").stdout
         assert "and ending this node's part of the job, which nothing starts again (job.on_stall: stop)" in \
             _ddp(hosts, "logs").stdout
@@ -583,7 +583,7 @@ def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_en
     assert r.exit_code == 0, r.output
 
     hosts = _restart_job(tmp_path, "stalled", stall_timeout=3, on_stall="restart")
-    beats = "/dev/shm/ddp-heartbeat-host-stallrestart@here"
+    beats = beats_dir(hosts)
     try:
         assert _ddp(hosts, "launch").exit_code == 0
         # past a complete checkpoint, inside the epoch: then one rank is stopped (SIGSTOP), the other

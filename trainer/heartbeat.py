@@ -1,8 +1,9 @@
 """Each rank's progress, kept where `status` reads it cheaply: one small file per local rank in a
 node-local directory, never on the shared volume. No torch here (the deploy tool reads these too).
 
-``ddp-deploy launch`` sets ``DDP_HEARTBEAT_DIR`` on every node (``/dev/shm/ddp-heartbeat-RUNTIME-JOB@NODE``:
-memory, and a container with ``--ipc host`` shares it with its node); the launcher makes it empty
+``ddp-deploy launch`` sets ``DDP_HEARTBEAT_DIR`` on every node
+(``/dev/shm/ddp-heartbeat-RUNTIME-JOB@NODE-WHERE``, WHERE a hash of the job's directory on the
+shared volume: memory, and a container with ``--ipc host`` shares it with its node); the launcher makes it empty
 and private to the run. A rank writes ``$DDP_HEARTBEAT_DIR/$LOCAL_RANK`` whenever it makes
 progress: one line, ``STEP [RANK [GAP_MS]]``, the file's modification time being when. The
 built-in trainer writes it at every optimizer step, evaluation batch and checkpoint, in place

@@ -288,11 +288,16 @@ def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> st
 
 def heartbeat_dir(inv: Inventory, node: Node) -> str:
     """Where the job's ranks on ``node`` keep their heartbeats (trainer/heartbeat.py): in the node's
-    memory, shared with a container by ``--ipc host``; ``@`` is in neither a job's nor a node's name,
-    so no two jobs or nodes (network namespaces of one machine in the tests) share one. The runtime
-    is in the name too: a container's user (uid 1000) and the host runtime's (ssh.user) never meet
-    over one directory, which the launcher would refuse as another user's."""
-    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}"
+    memory, shared with a container by ``--ipc host``. It names the job by its name and by where it
+    lives (its directory on the shared volume, hashed: two hosts.yaml may both call their job
+    ``demo``, and both run on one machine), and the node; ``@`` is in neither a job's nor a node's
+    name and the hash has a fixed length, so no two jobs or nodes (network namespaces of one machine
+    in the tests) share one: the launcher empties its directory, and its watchdog takes every
+    process that names the directory for a worker of its own. The runtime is in the name too: a
+    container's user (uid 1000) and the host runtime's (ssh.user) never meet over one directory,
+    which the launcher would refuse as another user's."""
+    where = hashlib.sha256(job_dir(inv).encode()).hexdigest()[:12]
+    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}-{where}"
 
 
 def spy_beside(python: str) -> str:
