@@ -29,6 +29,19 @@ def fleet_lock_path(tmp_path_factory, monkeypatch) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def no_job_outlives_its_test(request):
+    """A local job a test started under its own directory ends with the test, whatever the test
+    did: one that failed before its `stop` would otherwise train on (a 1000-epoch job takes a core
+    from every test after it)."""
+    yield
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")
+    if tmp is not None:
+        from procs import kill_runs_under
+
+        kill_runs_under(tmp)
+
+
+@pytest.fixture(autouse=True)
 def node_cache_home(tmp_path_factory, monkeypatch) -> Path:
     """Each test's own XDG_CACHE_HOME, where a local node keeps its probe answers
     (deploy/node/probe_kept.sh): an answer one test's fake docker gave never serves another test.

@@ -27,3 +27,27 @@ def alive(pid: int) -> bool:
 
 def children_of(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
+
+
+def kill_runs_under(directory: Path) -> list[int]:
+    """SIGKILLs every process of a run kept under ``directory`` (the host runtime marks each process
+    of a run with ``DDP_DEPLOY_RUN=<its run directory>``, deploy/job/runtime.py); their pids."""
+    import os
+    import signal
+
+    prefix = f"DDP_DEPLOY_RUN={directory}/".encode()
+    killed = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(prefix) for v in env):
+            try:
+                os.kill(int(p.name), signal.SIGKILL)
+                killed.append(int(p.name))
+            except OSError:
+                pass
+    return killed
