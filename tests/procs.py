@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -29,14 +32,9 @@ def children_of(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
 
 
-def kill_runs_under(directory: Path) -> list[int]:
-    """SIGKILLs every process of a run kept under ``directory`` (the host runtime marks each process
-    of a run with ``DDP_DEPLOY_RUN=<its run directory>``, deploy/job/runtime.py); their pids."""
-    import os
-    import signal
-
-    prefix = f"DDP_DEPLOY_RUN={directory}/".encode()
-    killed = []
+def with_environ(match: Callable[[list[bytes]], bool]) -> list[int]:
+    """The pids of the other processes whose environment (its ``NAME=VALUE`` entries) ``match`` accepts."""
+    found = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit() or int(p.name) == os.getpid():
             continue
@@ -44,10 +42,20 @@ def kill_runs_under(directory: Path) -> list[int]:
             env = (p / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(v.startswith(prefix) for v in env):
-            try:
-                os.kill(int(p.name), signal.SIGKILL)
-                killed.append(int(p.name))
-            except OSError:
-                pass
+        if match(env):
+            found.append(int(p.name))
+    return found
+
+
+def kill_runs_under(directory: Path) -> list[int]:
+    """SIGKILLs every process of a run kept under ``directory`` (the host runtime marks each process
+    of a run with ``DDP_DEPLOY_RUN=<its run directory>``, deploy/job/runtime.py); their pids."""
+    prefix = f"DDP_DEPLOY_RUN={directory}/".encode()
+    killed = []
+    for pid in with_environ(lambda env: any(v.startswith(prefix) for v in env)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
     return killed

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from deploy.cli import cli
 from local_job import beats_dir, local_hosts
-from procs import alive, parent_of
+from procs import alive, parent_of, with_environ
 from trainer.entry import module_argv
 from waiting import wait_until
 
@@ -288,14 +288,8 @@ def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_f
 
 def _tagged(run_dir: Path) -> list[int]:
     """Processes whose environment carries this run's marker (torchrun and every worker)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"DDP_DEPLOY_RUN={run_dir}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
+    marker = f"DDP_DEPLOY_RUN={run_dir}".encode()
+    return with_environ(lambda env: marker in env)
 
 
 def _group_alive(pgid: int) -> bool:

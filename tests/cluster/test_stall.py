@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from hung_job import hanging_program
-from deploy.inventory import load
-from deploy.job.runtime import heartbeat_dir
+from local_job import beats_dir
 from trainer import heartbeat
 from trainer_helpers import final_weights
 
@@ -282,7 +281,7 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
             r["step"] for r in records(fresh_nas) if r["kind"] == "train") >= complete_checkpoint_steps(fresh_nas)[-1] + 4,
                    300, "training past a checkpoint", interval=0.2)
         # node2's second process, seen from the node (the container's processes are the node's too)
-        beats = heartbeat_dir(load(hosts), load(hosts).node("node2"))
+        beats = beats_dir(hosts, "node2")
         one = [pid for pid in heartbeat.workers(beats)
                if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
         assert len(one) == 1
