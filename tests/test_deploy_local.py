@@ -170,8 +170,10 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     assert _state(ddp, hosts)["state"] == "running"
     # status shows how far it is, from the trainer's METRICS lines
     # asked each half second: a `status` costs a share of a core, taken from the trainer it waits on
-    shown = _wait_for(lambda: (lambda s: s if s.get("step") else None)(_state(ddp, hosts)), "a step in status",
-                      interval=0.5)
+    # a train record's line (an epoch here is 8 steps: the last line is often the epoch's eval record,
+    # which holds no `epochs`)
+    shown = _wait_for(lambda: (lambda s: s if s.get("step") and s.get("kind") == "train" else None)(_state(ddp, hosts)),
+                      "a training step in status", interval=0.5)
     assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
     # and that it moves, from its rank's heartbeat (trainer/heartbeat.py): one per rank, never stalled
     assert [(b["local_rank"], b["rank"]) for b in shown["heartbeats"]] == [(0, 0)] and shown["stalled"] is None
