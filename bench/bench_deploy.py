@@ -115,6 +115,76 @@ def shipped_mb(output: str) -> float:
     return sum(float(mb) for mb in re.findall(r"shipped ([\d.]+) MB", output))
 
 
+def measure(cluster: NetCluster, workdir: Path, rounds: int, nodes: int | None = None,
+            only_check: bool = False) -> dict:
+    """Every part (the module's docstring) ``rounds`` times, on 1 node and on ``nodes`` (default:
+    all of the cluster's): the record main() writes. The operator's IMAGE is left retagged to the
+    code-only change's build (its previous build stays tagged ``ddp-trainer:previous``)."""
+    times: dict[str, list[float]] = {"check_1": [], "check_all": [], "deploy_1": [], "deploy_all": [],
+                                     "redeploy_all": [], "launch_to_first_step": [],
+                                     "code_change_1": [], "code_change_all": []}
+    cpu: dict[str, list[float]] = {}
+    redeploy_mb: list[float] = []
+    code_change_mb: dict[str, list[float]] = {"1": [], "all": []}
+    nodes = nodes or len(cluster.hosts)
+    one, every = inventory(cluster, workdir, 1), inventory(cluster, workdir, nodes)
+    if not only_check:
+        ddp(cluster, every, "deploy")  # builds the image once, so later rounds time shipping alone
+    for _ in range(rounds):
+        timed(times, cpu, "check_1", cluster, one, "check")
+        timed(times, cpu, "check_all", cluster, every, "check")
+        if only_check:
+            continue
+        drop_image(cluster, one)
+        timed(times, cpu, "deploy_1", cluster, one, "deploy", "--no-build")
+        drop_image(cluster, every)
+        timed(times, cpu, "deploy_all", cluster, every, "deploy", "--no-build")
+        took, proc = ddp(cluster, every, "deploy", "--no-build")
+        times["redeploy_all"].append(took)
+        redeploy_mb.append(shipped_mb(proc.stdout))
+
+        subprocess.run(["rm", "-rf", f"{cluster.nas_dir}/ckpt"], check=True)
+        ddp(cluster, every, "deploy", "--no-build")  # recreates the NAS directories
+        started = time.time()
+        ddp(cluster, every, "launch")
+        metrics = Path(cluster.nas_dir) / "ckpt" / "metrics.jsonl"
+        first = None
+        while first is None and time.time() - started < 600:
+            if metrics.exists():
+                first = next((json.loads(line)["time"] for line in metrics.read_text().splitlines()
+                              if '"kind": "train"' in line), None)
+            time.sleep(0.2)
+        times["launch_to_first_step"].append((first or float("nan")) - started)
+        ddp(cluster, every, "stop")
+
+    if not only_check:
+        previous = operator_docker(cluster, "image", "inspect", "--format", "{{.Id}}", IMAGE)
+        ddp(cluster, every, "deploy", "--no-build")  # every node holds the previous image
+        operator_docker(cluster, "tag", previous, "ddp-trainer:previous")
+        current = build_code_change(cluster, workdir)
+        for _ in range(rounds):
+            for key, hosts in (("1", one), ("all", every)):
+                hold_previous(cluster, hosts, previous, current)
+                proc = timed(times, cpu, f"code_change_{key}", cluster, hosts, "deploy", "--no-build")
+                code_change_mb[key].append(shipped_mb(proc.stdout))
+
+    times = {k: v for k, v in times.items() if v}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bench": "deploy", "nodes": nodes, "rounds": rounds, "seconds": times, "median": med,
+        "check_all_over_1": med["check_all"] / med["check_1"],
+        "deploy_all_over_1": med["deploy_all"] / med["deploy_1"] if "deploy_1" in med else None,
+        "redeploy_image_mb": redeploy_mb,
+        "code_change_all_over_1": (med["code_change_all"] / med["code_change_1"]
+                                   if "code_change_1" in med else None),
+        "code_change_image_mb": code_change_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        # All nodes and the operator share this machine's cores: a run on N nodes needs at least
+        # its busy CPU seconds / cores of wall time, whatever the parallelism.
+        "cores": os.cpu_count(), "busy_cpu_seconds": cpu,
+        "busy_cpu_median": {k: statistics.median(v) for k, v in cpu.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -123,72 +193,11 @@ def main() -> None:
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="ddp-bench-deploy-"))
-    times: dict[str, list[float]] = {"check_1": [], "check_all": [], "deploy_1": [], "deploy_all": [],
-                                     "redeploy_all": [], "launch_to_first_step": [],
-                                     "code_change_1": [], "code_change_all": []}
-    cpu: dict[str, list[float]] = {}
-    redeploy_mb: list[float] = []
-    code_change_mb: dict[str, list[float]] = {"1": [], "all": []}
     with NetCluster(nodes=3) as cluster:
-        one, every = inventory(cluster, workdir, 1), inventory(cluster, workdir, len(cluster.hosts))
-        if not args.only_check:
-            ddp(cluster, every, "deploy")  # builds the image once, so later rounds time shipping alone
-        for _ in range(args.rounds):
-            timed(times, cpu, "check_1", cluster, one, "check")
-            timed(times, cpu, "check_all", cluster, every, "check")
-            if args.only_check:
-                continue
-            drop_image(cluster, one)
-            timed(times, cpu, "deploy_1", cluster, one, "deploy", "--no-build")
-            drop_image(cluster, every)
-            timed(times, cpu, "deploy_all", cluster, every, "deploy", "--no-build")
-            took, proc = ddp(cluster, every, "deploy", "--no-build")
-            times["redeploy_all"].append(took)
-            redeploy_mb.append(shipped_mb(proc.stdout))
-
-            subprocess.run(["rm", "-rf", f"{cluster.nas_dir}/ckpt"], check=True)
-            ddp(cluster, every, "deploy", "--no-build")  # recreates the NAS directories
-            started = time.time()
-            ddp(cluster, every, "launch")
-            metrics = Path(cluster.nas_dir) / "ckpt" / "metrics.jsonl"
-            first = None
-            while first is None and time.time() - started < 600:
-                if metrics.exists():
-                    first = next((json.loads(line)["time"] for line in metrics.read_text().splitlines()
-                                  if '"kind": "train"' in line), None)
-                time.sleep(0.2)
-            times["launch_to_first_step"].append((first or float("nan")) - started)
-            ddp(cluster, every, "stop")
-
-        if not args.only_check:
-            previous = operator_docker(cluster, "image", "inspect", "--format", "{{.Id}}", IMAGE)
-            ddp(cluster, every, "deploy", "--no-build")  # every node holds the previous image
-            operator_docker(cluster, "tag", previous, "ddp-trainer:previous")
-            current = build_code_change(cluster, workdir)
-            for _ in range(args.rounds):
-                for key, hosts in (("1", one), ("all", every)):
-                    hold_previous(cluster, hosts, previous, current)
-                    proc = timed(times, cpu, f"code_change_{key}", cluster, hosts, "deploy", "--no-build")
-                    code_change_mb[key].append(shipped_mb(proc.stdout))
-        nodes = len(cluster.hosts)
-
-    times = {k: v for k, v in times.items() if v}
-    med = {k: statistics.median(v) for k, v in times.items()}
-    record = {
-        "bench": "deploy", "nodes": nodes, "rounds": args.rounds, "seconds": times, "median": med,
-        "check_all_over_1": med["check_all"] / med["check_1"],
-        "deploy_all_over_1": med["deploy_all"] / med["deploy_1"] if "deploy_1" in med else None,
-        "redeploy_image_mb": redeploy_mb,
-        "code_change_all_over_1": (med["code_change_all"] / med["code_change_1"]
-                                   if "code_change_1" in med else None),
-        "code_change_image_mb": code_change_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        # All nodes and the operator share this machine's cores: a 3-node run needs at least
-        # its busy CPU seconds / cores of wall time, whatever the parallelism.
-        "cores": os.cpu_count(), "busy_cpu_seconds": cpu,
-        "busy_cpu_median": {k: statistics.median(v) for k, v in cpu.items()},
-    }
-    for k, v in med.items():
-        spent = f"   busy CPU {record['busy_cpu_median'][k]:6.2f} s" if k in cpu else ""
+        record = measure(cluster, workdir, args.rounds, only_check=args.only_check)
+    nodes, times = record["nodes"], record["seconds"]
+    for k, v in record["median"].items():
+        spent = f"   busy CPU {record['busy_cpu_median'][k]:6.2f} s" if k in record["busy_cpu_median"] else ""
         print(f"{k:22s} {v:8.2f} s   rounds: {', '.join(f'{x:.2f}' for x in times[k])}{spent}")
     print(f"check  {nodes} nodes / 1 node = {record['check_all_over_1']:.2f}")
     out = Path(args.out)
@@ -196,6 +205,7 @@ def main() -> None:
     if args.only_check:
         (out / "deploy-check.json").write_text(json.dumps(record, indent=2) + "\n")
         return
+    redeploy_mb, code_change_mb = record["redeploy_image_mb"], record["code_change_image_mb"]
     print(f"deploy {nodes} nodes / 1 node = {record['deploy_all_over_1']:.2f}")
     print(f"repeated deploy sent {max(redeploy_mb):.1f} MB of image")
     print(f"code-only change: deploy {nodes} nodes / 1 node = {record['code_change_all_over_1']:.2f}, "
