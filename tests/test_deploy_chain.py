@@ -140,7 +140,7 @@ def test_a_node_killed_mid_chain_is_named_and_the_nodes_after_it_still_get_every
     by = run.by_name
     assert by["b"].failure
     for n in "acd":
-        assert (by[n].failure, by[n].load_exit, by[n].out[-1]) == (None, 0, f"ID {_sha(stream)}"), n
+        assert (by[n].failure, by[n].load_exit, by[n].out[-1:]) == (None, 0, [f"ID {_sha(stream)}"]), (n, by[n])
     assert run.sent_bytes < 1.3 * stream.size
 
 
