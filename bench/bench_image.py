@@ -223,8 +223,11 @@ def ways_supported() -> list[str]:
 
 
 class Bench:
-    def __init__(self, cluster: NetCluster, workdir: Path, args: argparse.Namespace) -> None:
+    def __init__(self, cluster: NetCluster, workdir: Path, args: argparse.Namespace, base: str | None = None) -> None:
+        """``base``: the image the bench image is built on, which every node holds first (default:
+        the cluster's torch base, as nodes that ran an earlier image of the job hold it)."""
         self.cluster, self.workdir, self.args = cluster, workdir, args
+        self.base = base or cluster.base_image
         self.registry = None
         self.runs = 0
         self.image_bytes = 0
@@ -256,7 +259,7 @@ class Bench:
         with open(context / "blob", "wb") as f:
             for _ in range(self.args.mb):
                 f.write(os.urandom(1 << 20))
-        (context / "Dockerfile").write_text(f"FROM {self.cluster.base_image}\nCOPY blob /opt/bench/blob\n")
+        (context / "Dockerfile").write_text(f"FROM {self.base}\nCOPY blob /opt/bench/blob\n")
         self.operator_docker("build", "-q", "-t", name, str(context))
         shutil.rmtree(context, ignore_errors=True)
         return self.operator_docker("image", "inspect", "--format", "{{.Id}}", name)
@@ -268,7 +271,7 @@ class Bench:
         """Every node holds the base; through the registry when it is measured, so that the nodes
         know the base's blobs there (a pull then fetches only the new layer) as they would in a
         team that pulls its images."""
-        base = self.cluster.base_image
+        base = self.base
         if self.registry is not None:
             seeded = f"{self.registry.host}/ddp-bench-base:cpu"
             self.operator_docker("tag", base, seeded)
@@ -278,6 +281,9 @@ class Bench:
                 self.node_docker(h.name, "tag", seeded, base)
             return
         tar = base_image_cache_path()
+        if base != self.cluster.base_image:  # the cluster's base is saved already; another is saved here
+            tar = self.workdir / "base.tar"
+            self.operator_docker("save", "-o", str(tar), base)
         for h in self.cluster.hosts:
             self.node_docker(h.name, "load", "-q", "-i", str(tar))
 
@@ -447,20 +453,23 @@ def print_table(table: dict, failed: list[dict]) -> None:
         print(f"FAILED {r['way']} N={r['nodes']}: exit {r['exit']}, {r['verified_nodes']} verified\n{r['output']}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=5, help="cluster size K (the largest N)")
-    parser.add_argument("--sizes", default="", help="comma-separated N (default: 1,2,3,...,K)")
-    parser.add_argument("--ways", default="", help="comma-separated ways (default: every way the tool has)")
-    parser.add_argument("--mb", type=int, default=300, help="megabytes of random data on top of the base")
-    parser.add_argument("--operator-mbit", type=float, default=200)
-    parser.add_argument("--node-mbit", type=float, default=1000)
-    parser.add_argument("--stall-seconds", type=float, default=10, help="image.stall_seconds")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--no-repair", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "image.json"))
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=5, help="cluster size K (the largest N)")
+    p.add_argument("--sizes", default="", help="comma-separated N (default: 1,2,3,...,K)")
+    p.add_argument("--ways", default="", help="comma-separated ways (default: every way the tool has)")
+    p.add_argument("--mb", type=int, default=300, help="megabytes of random data on top of the base")
+    p.add_argument("--operator-mbit", type=float, default=200)
+    p.add_argument("--node-mbit", type=float, default=1000)
+    p.add_argument("--stall-seconds", type=float, default=10, help="image.stall_seconds")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--no-repair", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "image.json"))
+    return p
 
+
+def plan(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The ways and the sizes N the arguments ask for, or SystemExit naming what is wrong."""
     supported = ways_supported()
     ways = [w for w in args.ways.split(",") if w] or supported
     missing = [w for w in ways if w not in supported]
@@ -469,27 +478,34 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",") if n] or list(range(1, args.nodes + 1))
     if max(sizes) > args.nodes or 1 not in sizes:
         raise SystemExit("--sizes must include 1 and stay within --nodes")
+    return ways, sizes
 
+
+def measure(cluster: NetCluster, workdir: Path, args: argparse.Namespace, registry=None,
+            base: str | None = None) -> dict:
+    """Every row (the module's docstring) on ``cluster`` (its first ``args.nodes`` hosts at most),
+    then the chain's repair: the record main() writes. ``registry``: a started
+    tests.cluster.registry_ns.RegistryNamespace, where the registry way is measured. ``base``: as
+    Bench's. The bench image is left on the operator's daemon and the nodes (``drop_everywhere``)."""
+    ways, sizes = plan(args)
     tree = git_state()
-    workdir = Path(tempfile.mkdtemp(prefix="ddp-bench-image-"))
     rows: list[dict] = []
-    with contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(NetCluster(nodes=args.nodes))
-        bench = Bench(cluster, workdir, args)
-        others = []
-        if "registry" in ways:
-            from tests.cluster import registry_ns
+    bench = Bench(cluster, workdir, args, base)
+    others = []
+    if "registry" in ways:
+        from tests.cluster import registry_ns
 
-            bench.registry = registry_ns.RegistryNamespace(cluster).start()
-            stack.callback(bench.registry.stop)
-            others.append((registry_ns.NS, registry_ns.VETH))
-        t = time.perf_counter()
-        bench.base_on_every_node()
-        image_id = bench.build(IMAGE)
-        bench.image_bytes = bench.size(IMAGE) - bench.size(cluster.base_image)
-        print(f"setup {time.perf_counter() - t:.0f} s; image layer {bench.image_bytes / 1e6:.1f} MB", flush=True)
+        if registry is None:
+            raise SystemExit("the registry way needs the registry (tests/cluster/registry_ns.py) started")
+        bench.registry = registry
+        others.append((registry_ns.NS, registry_ns.VETH))
+    t = time.perf_counter()
+    bench.base_on_every_node()
+    image_id = bench.build(IMAGE)
+    bench.image_bytes = bench.size(IMAGE) - bench.size(bench.base)
+    print(f"setup {time.perf_counter() - t:.0f} s; image layer {bench.image_bytes / 1e6:.1f} MB", flush=True)
 
-        stack.enter_context(shaping.shaped(cluster, args.operator_mbit, args.node_mbit, others))
+    with shaping.shaped(cluster, args.operator_mbit, args.node_mbit, others):
         probe = lambda mbit: int(mbit * 1e6 / 8 * 2)  # noqa: E731  (2 s at the rate)
         rates = {
             "operator_to_node1": shaping.measure_mbit(cluster, shaping.OPERATOR, "node1", probe(args.operator_mbit)),
@@ -511,7 +527,7 @@ def main() -> None:
                           f"exit {r['exit']}, {r['verified_nodes']}/{n} verified", flush=True)
 
         repair = None
-        if "chain" in ways and not args.no_repair and args.nodes >= 3:
+        if "chain" in ways and not args.no_repair and len(cluster.hosts) >= 3:
             repair = bench.repair(image_id)
             print(f"repair: middle {repair['middle']} down after {repair['link_down_after_s'] or 0:.1f} s; "
                   f"receiving again after {repair['resumed_after_s']}; deploy exit {repair['deploy_exit']}; "
@@ -522,13 +538,28 @@ def main() -> None:
     table = median_table(rows, ways, sizes, bench.image_bytes)
     failed = [r for r in rows if r["exit"] != 0 or r["verified_nodes"] != r["nodes"]]
     print_table(table, failed)
-    record = {
+    return {
         "bench": "image", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cores": os.cpu_count(),
-        "nodes": args.nodes, "sizes": sizes, "ways": ways, "rounds": args.rounds,
+        "nodes": len(cluster.hosts), "sizes": sizes, "ways": ways, "rounds": args.rounds,
         "image_layer_bytes": bench.image_bytes, "operator_mbit": args.operator_mbit, "node_mbit": args.node_mbit,
         "measured_mbit": rates, "git": tree, "qdiscs": qdiscs, "stall_seconds": args.stall_seconds,
-        "table": table, "rows": rows, "repair": repair,
+        "table": table, "rows": rows, "failed": failed, "repair": repair,
     }
+
+
+def main() -> None:
+    args = parser().parse_args()
+    plan(args)  # refused before a cluster is built for nothing
+    workdir = Path(tempfile.mkdtemp(prefix="ddp-bench-image-"))
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(NetCluster(nodes=args.nodes))
+        registry = None
+        if "registry" in plan(args)[0]:
+            from tests.cluster import registry_ns
+
+            registry = registry_ns.RegistryNamespace(cluster).start()
+            stack.callback(registry.stop)
+        record = measure(cluster, workdir, args, registry)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
