@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from deploy.cli import cli
 from local_job import beats_dir, local_hosts
 from procs import alive, parent_of, with_environ
+from trainer import heartbeat
 from trainer.entry import module_argv
 from waiting import wait_until
 
@@ -241,9 +242,7 @@ def test_a_job_whose_ranks_stopped_before_its_own_stop_began_is_stopped_by_it_wi
     assert ddp(hosts, "launch").exit_code == 0
     run_dir = tmp_path / "nas/ckpt/.ddp-deploy/localtest/here"
     _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
-    second = [p for p in _tagged(run_dir) if b"LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
-    assert len(second) == 1
-    os.kill(second[0], signal.SIGTERM)
+    os.kill(heartbeat.ranked(beats_dir(hosts))[1], signal.SIGTERM)  # the second process
     _wait_for(lambda: (run_dir / "exit").exists(), "the node's part to end")
     stop = _records(tmp_path)[-1]
     assert stop["kind"] == "stopped", stop
@@ -275,14 +274,15 @@ def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_f
     supervisor = int((run_dir / "pid").read_text())
     torchrun = [p for p in _tagged(run_dir) if parent_of(p) == supervisor]
     assert len(torchrun) == 1
-    workers = [p for p in _tagged(run_dir) if p not in (supervisor, *torchrun)]
+    workers = list(heartbeat.ranked(beats_dir(hosts)).values())
     assert len(workers) == 2
+    everything = [p for p in _tagged(run_dir) if p != supervisor]  # torchrun, its workers, their zygote
     os.kill(torchrun[0], 9)  # as the OOM killer would end it
 
     final = _wait_for(lambda: (run_dir / "exit").exists() and _state(ddp, hosts), "the job to end", timeout=300)
     assert final["state"] == "exited(0)", (run_dir / "log").read_text()[-3000:]
     assert (run_dir / "restarts").read_text().strip() == "1"
-    assert not any(alive(p) for p in workers)  # the killed torchrun's workers went with it
+    assert not any(alive(p) for p in everything)  # the killed torchrun's workers went with it
     kinds = [rec["kind"] for rec in _records(tmp_path)]
     assert "resumed" in kinds and kinds[-1] == "final"
     assert "starting it again (1 of 1 restarts)" in (run_dir / "log").read_text()

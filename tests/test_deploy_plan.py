@@ -32,8 +32,9 @@ train:
 
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
     """The environment every program gets (docs/own-code.md)."""
+    forked = ["DDP_PREFORK=1"] if device == "cpu" else []  # workers forked from a zygote: CPU jobs alone
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
-            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID"]
+            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID", *forked]
 
 
 # the job by where it lives: its directory on the shared volume, hashed (docs/CONTRACTS.md)
@@ -398,3 +399,11 @@ def test_two_jobs_of_one_name_from_other_checkpoint_roots_never_share_a_heartbea
     assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(other, other.node("a"))
     assert heartbeat_dir(one, one.node("a")) == heartbeat_dir(loads(THREE_NODES), one.node("a"))  # launch after launch
     assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(one, one.node("b"))
+
+
+def test_a_cpu_job_s_workers_are_forked_from_a_zygote_unless_train_env_says_0_and_a_gpu_job_s_never_are():
+    cpu = plan.launch_plan(_inv(**CPU_NODES))
+    assert all(dict(s.env)["DDP_PREFORK"] == "1" for s in cpu)
+    off = plan.launch_plan(_inv(**{**CPU_NODES, "train:\n": "train:\n  env: {DDP_PREFORK: '0'}\n"}))
+    assert all(dict(s.env)["DDP_PREFORK"] == "0" for s in off)
+    assert all("DDP_PREFORK" not in dict(s.env) for s in plan.launch_plan(_inv()))  # CUDA: not until tried on a GPU

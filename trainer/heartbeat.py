@@ -43,6 +43,9 @@ stalls every node, and each one's launcher finds it within a few seconds of the 
 limits alike); once one node's workers are killed, the others' fail, and their stacks say no more."""
 DIAGNOSIS_BYTES = 1 << 20
 """The most of a diagnosis kept: py-spy's JSON of deep stacks, many threads, is large."""
+WORKERS_DIR = "workers"
+"""Under the heartbeat directory: ``LOCAL_RANK`` holding ``PID RANK`` of each worker the launcher's
+zygote forked (trainer/zygote.py), whose /proc environment is the launcher's."""
 LINE_BYTES = 46
 """A beat's line: step (20 digits), rank (10), gap in ms (13), the spaces and the newline: fixed,
 so that a write in place never leaves a longer line's end behind."""
@@ -129,11 +132,15 @@ def prepare(directory: str | None) -> str | None:
     return directory
 
 
-def _empty(directory: str) -> None:
-    """Every file in ``directory`` removed, as far as it can be."""
+def _empty(directory: str, workers_too: bool = True) -> None:
+    """Every file in ``directory`` removed, as far as it can be; and, ``workers_too``, in its
+    ``workers/`` (trainer/zygote.py: which worker the launcher's zygote forked for each local rank)."""
     for name in os.listdir(directory):
         try:
             os.unlink(os.path.join(directory, name))
+        except IsADirectoryError:
+            if name == WORKERS_DIR and workers_too:
+                _empty(os.path.join(directory, name), False)
         except OSError:
             pass
 
@@ -142,8 +149,9 @@ def remove(directory: str | None) -> None:
     if not directory:
         return
     try:
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
+        _empty(directory)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(os.path.join(directory, WORKERS_DIR))
         os.rmdir(directory)
     except OSError:
         pass
@@ -204,7 +212,9 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
 # A node program (doctor runs it through the job's runtime, the Watchdog here on a stall):
 # $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
 # on this node, found by exact identity: its environment holds DDP_HEARTBEAT_DIR=$1 (set for the
-# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none).
+# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none); or,
+# forked by the launcher's zygote (trainer/zygote.py), whose environment is the launcher's, it is
+# named in $1/workers/LOCAL_RANK and its environment holds DDP_HEARTBEAT_DIR=$1.
 # Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
 # it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
 # line (or its error). Then "workers N". Last, where the workers keep torch's flight recorder
@@ -217,19 +227,39 @@ if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
   # the directory is the job's: a new file (noclobber: O_EXCL), never through a link it put there
   ask="$$-$(date +%s%N)"; rm -f "$1/fr-request"; (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || ask=""
 fi
+seen=" "
+worker() {  # PID RANK LOCAL_RANK
+  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null)
+  found=$((found + 1)); seen="$seen$1 "
+  echo "rank $1 ${2:-?} $3 ${state:-?}"
+  [ -f "$dir/fr-$3" ] && fr="$fr $1:$3"
+  [ "$state" = T ] && return
+  echo "stack $1 $(timeout 20 "$spy" dump --pid "$1" --json 2>&1 | tr '\n' ' ')"
+}
+dir=$1
 for p in /proc/[0-9]*; do
   pid=${p#/proc/}
   grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
   rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
   lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
   [ -n "$lrank" ] || continue
-  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "$p/status" 2>/dev/null)
-  found=$((found + 1))
-  echo "rank $pid ${rank:-?} $lrank ${state:-?}"
-  [ -f "$1/fr-$lrank" ] && fr="$fr $pid:$lrank"
-  [ "$state" = T ] && continue
-  echo "stack $pid $(timeout 20 "$spy" dump --pid "$pid" --json 2>&1 | tr '\n' ' ')"
+  worker "$pid" "$rank" "$lrank"
 done
+# workers forked by the launcher's zygote: their /proc environment is the launcher's (marker, no
+# ranks); the zygote names each in workers/LOCAL_RANK as "PID RANK"
+if [ -d "$1/workers" ] && [ ! -L "$1/workers" ]; then
+  for w in "$1"/workers/[0-9]*; do
+    lrank=${w##*/}
+    case $lrank in *[!0-9]*) continue ;; esac
+    if [ ! -f "$w" ] || [ -L "$w" ]; then continue; fi
+    read -r pid rank _ < "$w" 2>/dev/null || continue
+    case $pid in ''|*[!0-9]*) continue ;; esac
+    case $rank in ''|*[!0-9]*) rank="" ;; esac
+    case $seen in *" $pid "*) continue ;; esac
+    grep -qzxF -e "$marker" "/proc/$pid/environ" 2>/dev/null || continue
+    worker "$pid" "$rank" "$lrank"
+  done
+fi
 echo "workers $found"
 [ -n "$ask" ] && [ -n "$fr" ] || exit 0
 i=0
@@ -275,7 +305,34 @@ def read_beats(directory: str, now: float | None = None) -> list[tuple[int, int 
 
 def workers(directory: str) -> list[int]:
     """The pids of this node's workers of the job, by exact identity: their environment holds
-    ``DDP_HEARTBEAT_DIR=directory`` and a ``LOCAL_RANK`` (torchrun's workers; not the launcher)."""
+    ``DDP_HEARTBEAT_DIR=directory`` and a ``LOCAL_RANK`` (torchrun's workers and what they started;
+    not the launcher), or the launcher's zygote named them (:func:`ranked`)."""
+    marked = _marked(directory)
+    found = [m.pid for m in marked if m.local is not None]
+    return found + [pid for _, pid in _named(directory, marked) if pid not in found]
+
+
+def ranked(directory: str) -> dict[int, int]:
+    """This node's workers of the job by local rank: the process torchrun's agent (or the launcher's
+    zygote) started for each, not the processes it started itself; pids as this machine's /proc
+    numbers them (a container's zygote names its own, which :func:`_named` maps)."""
+    marked = _marked(directory)
+    local = {m.pid: m.local for m in marked if m.local is not None}
+    found = {rank: m.pid for m in marked if (rank := m.local) is not None and m.parent not in local}
+    found.update(_named(directory, marked))
+    return found
+
+
+class _Marked:
+    __slots__ = ("pid", "local", "parent", "inner")
+
+    def __init__(self, pid: int, local: int | None, parent: int, inner: int) -> None:
+        self.pid, self.local, self.parent, self.inner = pid, local, parent, inner
+
+
+def _marked(directory: str) -> list[_Marked]:
+    """Every process but this one whose /proc environment holds ``DDP_HEARTBEAT_DIR=directory``:
+    its LOCAL_RANK (None without one), its parent, and its pid in its own pid namespace."""
     marker = f"{HEARTBEAT_DIR_ENV}={directory}".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -284,10 +341,42 @@ def workers(directory: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as fh:
                 env = fh.read().split(b"\0")
+            if marker not in env:
+                continue
+            rank = next((v[11:] for v in env if v.startswith(b"LOCAL_RANK=")), b"")
+            with open(f"/proc/{entry}/status", "rb") as fh:
+                status = dict(line.split(b":", 1) for line in fh.read().splitlines() if b":" in line)
+            inner = status.get(b"NSpid", b"").split() or [entry.encode()]
+            found.append(_Marked(int(entry), int(rank) if rank.isdigit() else None,
+                                 int(status.get(b"PPid", b"0").strip() or 0), int(inner[-1])))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _named(directory: str, marked: list[_Marked]) -> list[tuple[int, int]]:
+    """(local rank, pid) of each worker the launcher's zygote named in ``workers/`` (trainer/zygote.py):
+    one of the job's marked processes (a forked worker's /proc environment is the launcher's), found
+    by its pid in its own namespace, which is the one the zygote wrote (a container's, seen from its node)."""
+    try:
+        names = os.listdir(os.path.join(directory, WORKERS_DIR))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(directory, WORKERS_DIR, name), "rb") as fh:
+                words = fh.read(64).split()
         except OSError:
             continue
-        if marker in env and any(v.startswith(b"LOCAL_RANK=") for v in env):
-            found.append(int(entry))
+        if not words or not words[0].isdigit():
+            continue
+        said = int(words[0])
+        same = [m.pid for m in marked if m.pid == said] or [m.pid for m in marked if m.inner == said]
+        if len(same) == 1:
+            found.append((int(name), same[0]))
     return found
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 
 from .compat import binds_stores
-from . import heartbeat, snapshot_hint
+from . import heartbeat, snapshot_hint, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -322,13 +322,19 @@ def main() -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX)
     args = torchrun_args(sys.argv[1:], dict(os.environ))
+    from torch.distributed.run import main as torchrun
+
+    # The workers forked from a zygote of this process, which has torch (trainer/zygote.py): forked
+    # here, before any thread starts and before torch is patched below for the agent alone.
+    forks = zygote.Zygote.start() if zygote.wanted() else None
+    if forks is not None:
+        zygote.install(forks)
     address = option(args, "--local-addr")
     if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)
         bind_rendezvous_store(address)
     if elastic(args):
         keep_rendezvous_open_on_failure()
     watch_rendezvous(args)
-    from torch.distributed.run import main as torchrun
 
     # The workers' heartbeats (trainer/heartbeat.py): this run's alone, gone with it.
     beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))

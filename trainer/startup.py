@@ -46,7 +46,9 @@ class Startup:
     """The moments a process reached, in order; :meth:`line` says how long each phase took."""
 
     def __init__(self) -> None:
-        self.marks: list[tuple[str, float | None]] = [("launcher", started_at(os.getppid())),
+        launcher = os.environ.get("DDP_LAUNCHER_PID", "")  # a worker forked by the zygote (trainer/zygote.py)
+        self.marks: list[tuple[str, float | None]] = [("launcher", started_at(int(launcher) if launcher.isdigit()
+                                                                              else os.getppid())),
                                                       ("process", started_at())]
 
     def mark(self, name: str) -> None:

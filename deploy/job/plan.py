@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV, parse_beat
+from trainer.zygote import ENABLE_ENV as PREFORK_ENV
 from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
@@ -149,6 +150,8 @@ def contract_env(inv: Inventory, data: str, ckpt: str, code: CodeDir | None = No
         env["DDP_CODE_SNAPSHOT"] = code.snapshot
     if inv.train.secrets:  # names only: the launcher masks their values in the job's output
         env[SECRET_NAMES_ENV] = ",".join(inv.train.secrets)
+    if not inv.gpu_job:  # forked workers, torch imported once (trainer/zygote.py); not yet where CUDA is
+        env[PREFORK_ENV] = "1"
     return env
 
 

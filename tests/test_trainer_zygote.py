@@ -1,0 +1,192 @@
+"""trainer/zygote.py: workers forked from the launcher's zygote behave as the processes torchrun's
+agent would have started itself: their program, environment, directory, arguments, output, exit
+codes, signals and ends; and they are found by exact identity. Each test drives a real launcher-like
+process (the zygote forked from it, the worker forked from that) through ``DRIVER``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainer import heartbeat, zygote
+from waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# argv: a JSON spec {"torch": bool, "args": [...], "env": {...}, "cwd": ..., "out": ..., "err": ...}
+# (the worker's output files); prints "PID n", then
+# "EXIT code" once the worker ends (as torchrun's agent polls it), and follows "kill" on stdin.
+DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    spec = json.loads(sys.argv[1])
+    if spec.get("torch"):
+        import torch
+    from trainer import zygote
+    z = zygote.Zygote.start(preload=())
+    os.chdir(spec["cwd"])
+    out, err = open(spec["out"], "w"), open(spec["err"], "w")  # as torchrun redirects a worker's
+    w = z.spawn([sys.executable, *spec["args"]], spec["env"], 0, out.fileno(), err.fileno())
+    print("PID", w.pid, flush=True)
+    while w.poll() is None:
+        time.sleep(0.02)
+    print("EXIT", w.returncode, flush=True)
+""")
+
+
+def _drive(tmp_path: Path, args, env=None, torch=False, launcher_env=None):
+    """The launcher-like driver; ``env``: what the worker's environment adds to this one's (torchrun's
+    variables); ``launcher_env``: the driver's own."""
+    spec = {"args": args, "env": {**os.environ, **(env or {})}, "cwd": str(tmp_path), "torch": torch,
+            "out": str(tmp_path / "worker.out"), "err": str(tmp_path / "worker.err")}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(spec), str(ROOT)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=launcher_env)
+    driver.files = tmp_path / "worker.out", tmp_path / "worker.err"
+    return driver
+
+
+def _pid(driver) -> int:
+    """The worker's pid, as the driver prints it."""
+    line = driver.stdout.readline()
+    assert line.startswith("PID "), line + driver.stderr.read()
+    return int(line.split()[1])
+
+
+def _ended(driver, timeout=60) -> tuple[int, str, str]:
+    """(the worker's exit code as the driver saw it, the worker's output, its errors); read through
+    the same buffered file as _pid (communicate would miss what it holds already)."""
+    said = driver.stdout.read()
+    problems = driver.stderr.read()
+    driver.wait(timeout)
+    lines = [line for line in said.splitlines() if line.startswith("EXIT ")]
+    assert lines, said + problems
+    out, err = (f.read_text() for f in driver.files)
+    return int(lines[-1].split()[1]), out, err
+
+
+def _program(tmp_path: Path, name: str, body: str) -> None:
+    (tmp_path / name).write_text(textwrap.dedent(body))
+
+
+def test_a_forked_worker_runs_its_module_as_python_u_m_with_its_environment_directory_arguments_and_code(tmp_path):
+    _program(tmp_path, "prog.py", """
+        import os, sys
+        print("name", __name__, "argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0])
+        print("env", os.environ.get("ZYGOTE_TEST"), os.environ.get("ONLY_IN_LAUNCHER"))
+        print("to stderr", file=sys.stderr)
+        sys.exit(3)
+    """)
+    driver = _drive(tmp_path, ["-u", "-m", "prog", "--flag", "x y"], {"ZYGOTE_TEST": "worker's own"})
+    _pid(driver)
+    code, out, err = _ended(driver)
+    assert code == 3
+    assert f"name __main__ argv ['--flag', 'x y'] cwd {tmp_path} path0 {tmp_path}" in out
+    assert "env worker's own None" in out and "to stderr" in err
+
+
+def test_a_script_runs_with_its_own_directory_first_and_an_uncaught_exception_prints_its_traceback_and_exits_1(
+        tmp_path):
+    (tmp_path / "sub").mkdir()
+    _program(tmp_path / "sub", "script.py", """
+        import sys
+        print("path0", sys.path[0], "argv0", sys.argv[0], flush=True)
+        raise RuntimeError("the worker's own error")
+    """)
+    driver = _drive(tmp_path, ["-u", str(tmp_path / "sub" / "script.py")])
+    _pid(driver)
+    code, out, err = _ended(driver)
+    assert code == 1
+    assert f"path0 {tmp_path / 'sub'} argv0 {tmp_path / 'sub' / 'script.py'}" in out
+    assert "Traceback (most recent call last)" in err and "RuntimeError: the worker's own error" in err
+    assert "zygote.py" not in err and "runpy" not in err  # the program's frames alone, as `python SCRIPT` prints
+
+
+def test_the_agent_s_killpg_reaches_the_worker_in_a_session_of_its_own_and_its_signal_is_its_exit_code(tmp_path):
+    _program(tmp_path, "sleeper.py", """
+        import time
+        print("up", flush=True)
+        time.sleep(60)
+    """)
+    driver = _drive(tmp_path, ["-u", "-m", "sleeper"])
+    pid = _pid(driver)
+    assert os.getsid(pid) == pid  # as torchrun's own workers (start_new_session)
+    os.killpg(pid, signal.SIGTERM)  # what SubprocessHandler.close does
+    code, _, _ = _ended(driver)
+    assert code == -signal.SIGTERM
+
+
+def test_an_uncaught_keyboard_interrupt_ends_the_worker_by_sigint_as_python_does(tmp_path):
+    _program(tmp_path, "interrupted.py", "raise KeyboardInterrupt\n")
+    driver = _drive(tmp_path, ["-u", "-m", "interrupted"])
+    _pid(driver)
+    code, _, err = _ended(driver)
+    assert code == -signal.SIGINT and "KeyboardInterrupt" in err
+
+
+def test_a_worker_dies_with_its_launcher(tmp_path):
+    _program(tmp_path, "sleeper.py", "import time\ntime.sleep(120)\n")
+    driver = _drive(tmp_path, ["-u", "-m", "sleeper"])
+    pid = _pid(driver)
+    driver.kill()  # the launcher killed (kill -9): its zygote, then the worker, go with it
+    driver.wait()
+    wait_until(lambda: not _alive(pid), 10, "the worker to die with its launcher", interval=0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_the_launcher_s_marker(tmp_path):
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    _program(tmp_path, "sleeper.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    env = {heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "1", "RANK": "7"}
+    # the launcher's own environment holds the marker, as deploy's does (the worker's /proc shows it)
+    driver = _drive(tmp_path, ["-u", "-m", "sleeper"], env,
+                    launcher_env={**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats)})
+    pid = _pid(driver)
+    try:
+        assert (beats / "workers" / "1").read_text() == f"{pid} 7\n"
+        assert heartbeat.workers(str(beats)) == [pid]
+        found = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/nonexistent"],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert f"rank {pid} 7 1 S" in found and "workers 1" in found, found
+        assert heartbeat.workers(str(tmp_path / "another")) == []
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+    _ended(driver)
+    assert not (beats / "workers" / "1").exists()  # gone with its worker
+    heartbeat.remove(str(beats))
+    assert not beats.exists()
+
+
+def test_torchrun_s_thread_count_is_applied_in_a_worker_forked_after_torch_was_loaded(tmp_path):
+    _program(tmp_path, "threads.py", "import torch\nprint('threads', torch.get_num_threads())\n")
+    driver = _drive(tmp_path, ["-u", "-m", "threads"], {"OMP_NUM_THREADS": "1"}, torch=True)
+    _pid(driver)
+    code, out, _ = _ended(driver, timeout=120)
+    assert code == 0 and "threads 1" in out
+
+
+@pytest.mark.parametrize("args", [["-m", "trainer"], ["-c", "pass"], ["-u", "-c", "pass"], ["-u"], ["-u", "-m"]])
+def test_only_torchrun_s_python_u_program_shapes_are_forked_anything_else_is_left_to_torchrun(args):
+    assert zygote.program_of([sys.executable, *args]) is None
+    assert zygote.program_of(["/bin/python-other", "-u", "-m", "trainer"]) is None
+    assert zygote.program_of([sys.executable, "-u", "-m", "trainer", "--x"]) == {"module": "trainer", "argv": ["--x"]}
+    assert zygote.program_of([sys.executable, "-u", "a.py"]) == {"script": "a.py", "argv": []}
+
+
+def test_the_zygote_is_used_only_where_deploy_asks_for_it():
+    assert zygote.wanted({zygote.ENABLE_ENV: "1"}) is sys.platform.startswith("linux")
+    assert not zygote.wanted({}) and not zygote.wanted({zygote.ENABLE_ENV: "0"})

@@ -1,0 +1,505 @@
+"""Workers forked from a process that has torch imported already, instead of each importing it again.
+
+A worker's first seconds go to ``import torch`` and, in DDP's constructor, ``torch._dynamo``: about
+3.5 s of a core each on the test machine, paid by every worker of every start and restart, and the
+largest phase of a node's recovery (tests/FAULTS.md). The launcher has imported torch (torchrun is
+torch's) before its agent starts any worker. With ``DDP_PREFORK=1`` it forks a *zygote* of itself
+first, before it starts a thread; the zygote imports the rest (``torch._dynamo``, torchvision) while
+the rendezvous runs, and forks each worker that torchrun's agent asks for.
+
+What torchrun's agent sees is unchanged: ``SubprocessHandler._popen`` (torch.distributed.elastic)
+returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``, ``poll()``, ``wait()``,
+``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
+the agent's ``killpg`` reaches it and its children. It gets the agent's standard input and the
+output files torchrun opened for it, its environment, working directory and arguments exactly;
+``python -u`` (torchrun's) is kept as unbuffered standard streams; ``OMP_NUM_THREADS`` (which
+torchrun sets for the workers, and which the OpenMP runtime read when torch was loaded in the
+launcher) is applied with ``torch.set_num_threads``. It runs its module or script as ``python -u
+-m MODULE`` / ``python -u SCRIPT`` would: ``__main__``, its directory first on ``sys.path``, none
+of this bundle's ``trainer`` modules imported yet (the program's own ``trainer`` is found first,
+as with ``-m``); an uncaught exception prints its traceback and exits 1, ``SystemExit`` its code,
+an uncaught ``KeyboardInterrupt`` ends it by SIGINT, as Python does; threads that are not daemons
+are joined and ``atexit`` runs before it exits.
+
+Lifetimes: the zygote ends when the launcher does (its end of a pipe closes) and kills any worker
+left; a worker dies with the zygote (``PR_SET_PDEATHSIG``); a worker whose agent drops its handle
+is killed. Identity: a forked worker's ``/proc/PID/environ`` shows the environment the launcher
+started with (the run's markers, ``DDP_HEARTBEAT_DIR``, but not the worker's own ``RANK``), so the
+zygote writes ``$DDP_HEARTBEAT_DIR/workers/LOCAL_RANK`` = ``PID RANK`` for each worker it forks
+(trainer/heartbeat.py reads it to find and diagnose the workers).
+
+Only on Linux, and only where no GPU is in use: the zygote must never initialise CUDA before it
+forks, which no test here can check (deploy sets ``DDP_PREFORK`` for CPU nodes). Any program
+torchrun starts other than ``python -u -m MODULE`` or ``python -u SCRIPT`` with this interpreter,
+or a zygote that does not answer, gets torchrun's own ``Popen``.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import io
+import json
+import os
+import select
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+from .heartbeat import HEARTBEAT_DIR_ENV, WORKERS_DIR
+
+ENABLE_ENV = "DDP_PREFORK"
+"""``1``: the launcher forks its workers from a zygote (deploy sets it on CPU nodes)."""
+PRELOAD = ("torch._dynamo", "torchvision")
+"""What the zygote imports before it forks (torch itself the launcher has): DDP's constructor
+imports ``torch._dynamo``; the trainer's models come from torchvision."""
+LAUNCHER_PID_ENV = "DDP_LAUNCHER_PID"
+"""In a forked worker's environment: the launcher's pid (its parent is the zygote), where
+trainer/startup.py starts its clock."""
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+HANDSHAKE_S = 30.0
+
+
+def wanted(environ=os.environ) -> bool:
+    """``DDP_PREFORK=1`` here, on a Linux whose kernel (and seccomp profile) has pidfd_open."""
+    if environ.get(ENABLE_ENV) != "1" or not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that forked it ends (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _name(name: bytes) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError("the other end closed")
+        out += chunk
+    return bytes(out)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    return _recv_exact(sock, n)
+
+
+# ---------------------------------------------------------------------------- the launcher's side
+
+class Zygote:
+    """The launcher's handle on its zygote: :meth:`spawn` forks a worker there."""
+
+    def __init__(self, pid: int, control: socket.socket, alive_w: int) -> None:
+        self.pid, self.control, self._alive_w = pid, control, alive_w
+        self.lock = threading.Lock()
+
+    @classmethod
+    def start(cls, preload=PRELOAD) -> "Zygote":
+        """Forks the zygote. Call it before this process starts any thread."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the zygote
+            code = 1
+            try:
+                parent.close()
+                os.close(alive_w)
+                _die_with_parent()
+                _name(b"ddp-zygote")  # what ps and top show
+                code = _Server(child, alive_r, preload).serve()
+            finally:
+                os._exit(code)
+        child.close()
+        os.close(alive_r)
+        os.set_inheritable(alive_w, False)
+        return cls(pid, parent, alive_w)
+
+    def spawn(self, args, env: dict, stdin, stdout, stderr) -> "Forked":
+        """A worker running ``args`` (torchrun's: this interpreter, ``-u``, ``-m MODULE`` or a
+        script, then its arguments); ``stdin``/``stdout``/``stderr``: file descriptors."""
+        program = program_of(args)
+        if program is None:
+            raise ValueError(f"not a program the zygote runs: {list(args)[:3]}")
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with self.lock:
+                fds = array.array("i", [theirs.fileno(), stdin, stdout, stderr])
+                self.control.sendmsg([b"spawn"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            theirs.close()
+            mine.settimeout(HANDSHAKE_S)
+            _send(mine, json.dumps({"program": program, "env": dict(env), "cwd": os.getcwd(),
+                                    "name": os.path.basename(str(args[0]))}).encode())
+            reply = _recv(mine).decode()
+            mine.settimeout(None)
+            if not reply.startswith("PID "):
+                raise OSError(f"the zygote could not fork the worker: {reply}")
+            return Forked(list(args), int(reply.split()[1]), mine)
+        except BaseException:
+            mine.close()
+            theirs.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            os.close(self._alive_w)
+        except OSError:
+            pass
+        self.control.close()
+
+
+def program_of(args) -> dict | None:
+    """``python -u -m MODULE ...`` / ``python -u SCRIPT ...`` (torchrun's worker command) as
+    ``{"module" or "script": ..., "argv": [...]}``; None for anything else."""
+    args = [str(a) for a in args]
+    if len(args) < 3 or os.path.realpath(args[0]) != os.path.realpath(sys.executable) or args[1] != "-u":
+        return None
+    if args[2] == "-m" and len(args) >= 4:
+        return {"module": args[3], "argv": args[4:]}
+    if args[2].startswith("-"):
+        return None
+    return {"script": args[2], "argv": args[3:]}
+
+
+class Forked:
+    """A forked worker as torchrun's agent handles a ``Popen``."""
+
+    def __init__(self, args: list[str], pid: int, sock: socket.socket) -> None:
+        self.args, self.pid, self._sock = args, pid, sock
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self._wait(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def _wait(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            if not select.select([self._sock], [], [], timeout)[0]:
+                return None
+            try:  # its one message is written whole once the worker has ended
+                self._sock.settimeout(HANDSHAKE_S)
+                status = _recv(self._sock).decode()
+            except (EOFError, OSError):
+                status = f"EXIT {-signal.SIGKILL}"  # the zygote went: its workers died with it
+            self.returncode = int(status.split()[1])
+            self._sock.close()
+            return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def install(zygote: Zygote) -> None:
+    """torchrun's agent starts its workers through ``zygote`` (falling back to its own ``Popen``
+    for a program the zygote does not run, or when the zygote fails)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+
+    popen = sh.SubprocessHandler._popen
+
+    def forked(self, args, env):
+        if program_of(args) is not None:
+            try:
+                return zygote.spawn(args, env, 0, _fd(self._stdout, 1), _fd(self._stderr, 2))
+            except (OSError, EOFError, ValueError) as exc:
+                sys.stderr.write(f"trainer.launch: warning: workers start on their own (the zygote: {exc})\n")
+                sh.SubprocessHandler._popen = popen
+        return popen(self, args, env)
+
+    sh.SubprocessHandler._popen = forked
+
+
+def _fd(handle, default: int) -> int:
+    return handle.fileno() if handle is not None else default
+
+
+# ---------------------------------------------------------------------------- the zygote
+
+class _Server:
+    def __init__(self, control: socket.socket, alive_r: int, preload) -> None:
+        self.control, self.alive_r, self.preload = control, alive_r, preload
+        self.sel = selectors.DefaultSelector()
+        self.workers: dict[int, tuple[socket.socket, int, dict]] = {}  # pid -> (its agent's socket, pidfd, env)
+
+    def serve(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)  # a signal to the launcher's group is the agent's to pass on
+        for name in self.preload:
+            try:
+                __import__(name)
+            except Exception:  # an optional part missing: its workers import it themselves
+                pass
+        self.sel.register(self.control, selectors.EVENT_READ, ("control", None))
+        self.sel.register(self.alive_r, selectors.EVENT_READ, ("launcher", None))
+        while True:
+            for key, _ in self.sel.select():
+                kind, pid = key.data
+                if kind == "launcher" or (kind == "control" and not self._take()):
+                    self._end()
+                    return 0
+                if kind == "exited":
+                    self._reap(pid)
+                elif kind == "agent":
+                    self._dropped(pid)
+
+    def _take(self) -> bool:
+        """One spawn request; False when the launcher has gone."""
+        try:
+            _, ancdata, _, _ = self.control.recvmsg(16, socket.CMSG_SPACE(4 * array.array("i").itemsize))
+        except OSError:
+            return False
+        fds = array.array("i")
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if not fds:
+            return False
+        agent = socket.socket(fileno=fds[0])
+        stdio = list(fds[1:4])
+        try:
+            agent.settimeout(HANDSHAKE_S)
+            spec = json.loads(_recv(agent))
+            spec["launcher"] = os.getppid()
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(ready_r)
+                self._become_worker(agent, stdio, spec, ready_w)  # never returns
+            os.close(ready_w)
+            try:  # its own session and its death with this process are in place before the agent hears of it
+                os.read(ready_r, 1)
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise
+            finally:
+                os.close(ready_r)
+            self.workers[pid] = (agent, pidfd, spec["env"])
+            _note(spec["env"], pid)
+            _send(agent, f"PID {pid}".encode())
+            agent.settimeout(None)
+            self.sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
+            self.sel.register(agent, selectors.EVENT_READ, ("agent", pid))
+        except (OSError, EOFError, ValueError, KeyError) as exc:
+            try:
+                _send(agent, f"ERROR {exc}".encode())
+            except OSError:
+                pass
+            agent.close()
+        finally:
+            for fd in stdio:
+                os.close(fd)
+        return True
+
+    def _reap(self, pid: int) -> None:
+        agent, pidfd, env = self.workers.pop(pid)
+        _, status = os.waitpid(pid, 0)
+        _note(env, pid, gone=True)
+        for fd in (pidfd, agent):
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass  # the agent's handle, unregistered when it went
+        os.close(pidfd)
+        try:
+            _send(agent, f"EXIT {os.waitstatus_to_exitcode(status)}".encode())
+        except OSError:
+            pass
+        agent.close()
+
+    def _dropped(self, pid: int) -> None:
+        """The agent's handle went (or it wrote, which it never does): the worker goes too."""
+        agent = self.workers[pid][0]
+        self.sel.unregister(agent)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _end(self) -> None:
+        for pid in list(self.workers):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in list(self.workers):
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+            _note(self.workers[pid][2], pid, gone=True)
+
+    def _become_worker(self, agent: socket.socket, stdio: list[int], spec: dict, ready: int) -> None:
+        code = 1
+        try:
+            zygote = os.getppid()
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                signal.signal(sig, signal.SIG_DFL)  # as a new process has them (the zygote ignores them)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.setsid()
+            _die_with_parent()
+            if os.getppid() != zygote:  # the zygote ended before the line above took effect
+                return
+            _name(spec.get("name", "python").encode())  # as exec would name it, not the zygote
+            os.write(ready, b"1")
+            os.close(ready)
+            for i, fd in enumerate(stdio):
+                if fd != i:
+                    os.dup2(fd, i)
+            keep = set(range(3))
+            for fd in [*stdio, agent.fileno(), self.control.fileno(), self.alive_r, self.sel.fileno(),
+                       *(p for _, p, _ in self.workers.values()), *(a.fileno() for a, _, _ in self.workers.values())]:
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            code = _run(spec)
+        finally:
+            os._exit(code)
+
+
+def _note(env: dict, pid: int, gone: bool = False) -> None:
+    """``$DDP_HEARTBEAT_DIR/workers/LOCAL_RANK``: ``PID RANK`` of the worker forked for that local
+    rank, removed when it ends (if it still names it)."""
+    directory, local = env.get(HEARTBEAT_DIR_ENV), env.get("LOCAL_RANK", "")
+    if not directory or not local.isdigit():
+        return
+    path = os.path.join(directory, WORKERS_DIR, local)
+    try:
+        if gone:
+            with open(path) as fh:
+                if fh.read().split()[:1] == [str(pid)]:
+                    os.unlink(path)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.{pid}"
+        with open(temp, "w") as fh:
+            fh.write(f"{pid} {env.get('RANK', '?')}\n")
+        os.replace(temp, path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------- the worker
+
+def _run(spec: dict) -> int:
+    """The worker's program, as ``python -u`` runs it; returns its exit code."""
+    import atexit
+    import runpy
+    import traceback
+
+    os.chdir(spec["cwd"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.environ[LAUNCHER_PID_ENV] = str(spec["launcher"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    for name in [m for m in sys.modules if m == "trainer" or m.startswith("trainer.")]:
+        del sys.modules[name]  # the program's own modules are found as `python -m` finds them
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    program = spec["program"]
+    code = 0
+    try:
+        if "module" in program:
+            sys.path.insert(0, os.getcwd())
+            sys.argv = [program["module"], *program["argv"]]
+            runpy.run_module(program["module"], run_name="__main__", alter_sys=True)
+        else:
+            script = program["script"]
+            sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+            sys.argv = [script, *program["argv"]]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt as exc:
+        traceback.print_exception(exc.with_traceback(_own_frames(exc.__traceback__)))
+        code = -signal.SIGINT
+    except BaseException as exc:
+        exc.with_traceback(_own_frames(exc.__traceback__))
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 1
+    try:
+        threading._shutdown()  # as the interpreter does at exit: threads that are not daemons end first
+    except Exception:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _own_frames(tb):
+    """A traceback from the program's first frame on, as the interpreter prints it for ``python
+    SCRIPT`` (not this module's frames, nor runpy's)."""
+    first = tb
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+                              or os.path.basename(tb.tb_frame.f_code.co_filename) == "runpy.py"):
+        tb = tb.tb_next
+    return tb or first
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    try:
+        sys.stderr.write(f"{value}\n")
+    except Exception:
+        pass
+    return 1
