@@ -90,7 +90,16 @@ def record(out: Path) -> None:
     subprocess.run(["accton", "off"], capture_output=True)
 
 
-def classify(cmd: str | None, comm: str) -> str:
+ZYGOTE = "ddp-zygote"
+"""A launcher's zygote names itself so (trainer/zygote.py); the workers it forks show its command
+line, so they are told by their parent."""
+
+
+def classify(cmd: str | None, comm: str, forked: bool = False) -> str:
+    if comm == ZYGOTE:
+        return "worker zygote"
+    if forked:
+        return "trainer worker (forked)"
     if cmd:
         for name, pattern in CLASSES:
             if pattern.search(cmd):
@@ -106,16 +115,17 @@ def report(out: Path) -> dict:
         r = json.loads(line)
         cmds[r["pid"]].append((r["start"], r["cmd"]))
     data = (out / "pacct").read_bytes()
+    records = [f for off in range(0, len(data) - ACCT.size + 1, ACCT.size)
+               if (f := ACCT.unpack_from(data, off))[1] == 3]
+    zygotes = {f[6] for f in records if f[18].split(b"\0")[0] == ZYGOTE.encode()}
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     total = 0.0
-    for off in range(0, len(data) - ACCT.size + 1, ACCT.size):
-        f = ACCT.unpack_from(data, off)
-        if f[1] != 3:
-            continue
-        pid, btime, utime, stime, comm = f[6], f[8], f[10], f[11], f[18].split(b"\0")[0].decode(errors="replace")
+    for f in records:
+        pid, ppid, btime, utime, stime = f[6], f[7], f[8], f[10], f[11]
+        comm = f[18].split(b"\0")[0].decode(errors="replace")
         cpu = (_comp_t(utime) + _comp_t(stime)) / AHZ
         cmd = next((c for s, c in cmds.get(pid, ()) if abs(s - btime) <= 1.5), None)
-        row = rows[classify(cmd, comm)]
+        row = rows[classify(cmd, comm, ppid in zygotes)]
         row[0] += cpu
         row[1] += 1
         total += cpu

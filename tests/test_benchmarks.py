@@ -111,23 +111,28 @@ def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_
     finally:
         sys.path.remove(str(BENCH))
 
-    def record(pid, start, ticks, comm):  # CPU time in 1/100 s, below comp_t's first exponent
-        return suite_cpu.ACCT.pack(0, 3, 0, 0, 0, 0, pid, 1, start, 0.0, ticks, 0, 0, 0, 0, 0, 0, 0, comm.encode())
+    def record(pid, start, ticks, comm, parent=1):  # CPU time in 1/100 s, below comp_t's first exponent
+        return suite_cpu.ACCT.pack(0, 3, 0, 0, 0, 0, pid, parent, start, 0.0, ticks, 0, 0, 0, 0, 0, 0, 0,
+                                   comm.encode())
 
     (tmp_path / "pacct").write_bytes(
         record(100, 1000, 500, "python3.11") + record(101, 1000, 300, "python3.11")
         + record(100, 2000, 120, "python3.11") + record(102, 1000, 7, "docker")
-        + record(103, 1000, 1, "x\x1b]0;pwn\x07") + b"\0" * 10)
+        + record(103, 1000, 1, "x\x1b]0;pwn\x07")
+        # a launcher's zygote (trainer/zygote.py) and a worker it forked, which shows the launcher's command line
+        + record(104, 1000, 40, "ddp-zygote", 101) + record(105, 1000, 200, "python", 104) + b"\0" * 10)
     sampled = [(100, 1000.4, "/opt/venv/bin/python -u -m trainer --epochs 1"),
                (101, 999.6, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3"),
-               (100, 2000.2, "python -m trainer.probe --gpus 0")]
+               (100, 2000.2, "python -m trainer.probe --gpus 0"),
+               (105, 1000.1, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3")]
     (tmp_path / "cmdlines.jsonl").write_text("".join(json.dumps({"pid": p, "start": s, "cmd": c}) + "\n"
                                                      for p, s, c in sampled))
     summary = suite_cpu.report(tmp_path)
     got = {c["class"]: (c["core_s"], c["processes"]) for c in summary["classes"]}
     assert got == {"trainer worker": (5.0, 1), "launcher and torchrun agent": (3.0, 1), "preflight probe": (1.2, 1),
-                   "docker": (0.1, 1), "x\x1b]0;pwn\x07": (0.0, 1)}
-    assert summary["total_core_s"] == 9.3
+                   "docker": (0.1, 1), "x\x1b]0;pwn\x07": (0.0, 1), "worker zygote": (0.4, 1),
+                   "trainer worker (forked)": (2.0, 1)}
+    assert summary["total_core_s"] == 11.7
     printed = capsys.readouterr().out  # a process names itself: shown as text, never to the terminal
     assert "x\\x1b]0;pwn\\x07" in printed and "\x1b" not in printed
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
