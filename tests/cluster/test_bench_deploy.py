@@ -7,23 +7,15 @@ watch: nothing shipped again for an unchanged image, a code-only change far smal
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
+import bench_module
+
 pytestmark = pytest.mark.cluster
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_deploy.py"
 PREVIOUS = "ddp-trainer:previous"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_deploy", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _image_id(docker, name: str) -> str | None:
@@ -32,7 +24,7 @@ def _image_id(docker, name: str) -> str | None:
 
 
 def test_the_deploy_benchmark_times_each_part_on_one_node_and_two(cluster, fresh_nas, tmp_path):
-    bench = _bench()
+    bench = bench_module.load("bench_deploy")
     try:
         record = bench.measure(cluster, tmp_path, rounds=1, nodes=2)
     finally:

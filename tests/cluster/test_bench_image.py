@@ -9,28 +9,20 @@ and the repair measured and finished by a second deploy.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
+import bench_module
+
 pytestmark = pytest.mark.cluster
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_image.py"
 TINY_BASE = "ddp-bench-tiny-base:latest"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_image", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_image_benchmark_ships_every_way_to_one_node_and_two_and_measures_the_chain_s_repair(
         cluster, image_registry, fresh_nas, tmp_path):
-    bench = _bench()
+    bench = bench_module.load("bench_image")
     args = bench.parser().parse_args(["--nodes", "3", "--sizes", "1,2", "--mb", "12", "--operator-mbit", "40",
                                       "--node-mbit", "80", "--stall-seconds", "2", "--out", str(tmp_path / "x")])
     context = tmp_path / "tiny"

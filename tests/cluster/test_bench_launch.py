@@ -7,27 +7,19 @@ benchmark's table shows them.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
+import bench_module
+
 pytestmark = pytest.mark.cluster
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_launch.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_launch", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_launch_benchmark_times_launch_and_its_floor_to_the_first_step_and_splits_both(cluster, fresh_nas,
                                                                                           tmp_path):
-    bench = _bench()
+    bench = bench_module.load("bench_launch")
     try:
         result = bench.measure(cluster, tmp_path, [1], 1)
         _check(cluster, bench, result)
