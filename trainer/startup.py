@@ -12,6 +12,7 @@ Linux), those phases are left out.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ def started_at(pid: int | str = "self") -> float | None:
         return None
 
 
+@functools.cache  # once: two readings differ by microseconds, and starts in one tick must compare equal
 def _boot_time() -> float:
     """When this machine booted, in seconds since the epoch. /proc/stat's ``btime`` has it only
     to the whole second (so a start time from it was up to a second early); the clock that
