@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import alive
 from trainer import heartbeat, zygote
 from waiting import wait_until
 
@@ -136,15 +137,7 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
     pid = _pid(driver)
     driver.kill()  # the launcher killed (kill -9): its zygote, then the worker, go with it
     driver.wait()
-    wait_until(lambda: not _alive(pid), 10, "the worker to die with its launcher", interval=0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    wait_until(lambda: not alive(pid), 10, "the worker to die with its launcher", interval=0.05)
 
 
 def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_the_launcher_s_marker(tmp_path):

@@ -317,8 +317,8 @@ def ranked(directory: str) -> dict[int, int]:
     zygote) started for each, not the processes it started itself; pids as this machine's /proc
     numbers them (a container's zygote names its own, which :func:`_named` maps)."""
     marked = _marked(directory)
-    local = {m.pid: m.local for m in marked if m.local is not None}
-    found = {rank: m.pid for m in marked if (rank := m.local) is not None and m.parent not in local}
+    ranked_pids = {m.pid for m in marked if m.local is not None}
+    found = {m.local: m.pid for m in marked if m.local is not None and m.parent not in ranked_pids}
     found.update(_named(directory, marked))
     return found
 

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from .zygote import LAUNCHER_PID_ENV
+
 NAMES = {"process": "launcher to this process", "imports": "imports", "process_group": "process group",
          "data": "data", "model": "model", "resume": "resume"}
 """Each phase by the moment that ends it (:meth:`Startup.mark`)."""
@@ -48,7 +50,7 @@ class Startup:
     """The moments a process reached, in order; :meth:`line` says how long each phase took."""
 
     def __init__(self) -> None:
-        launcher = os.environ.get("DDP_LAUNCHER_PID", "")  # a worker forked by the zygote (trainer/zygote.py)
+        launcher = os.environ.get(LAUNCHER_PID_ENV, "")  # a worker forked by the zygote
         self.marks: list[tuple[str, float | None]] = [("launcher", started_at(int(launcher) if launcher.isdigit()
                                                                               else os.getppid())),
                                                       ("process", started_at())]

@@ -166,13 +166,6 @@ class Zygote:
             theirs.close()
             raise
 
-    def close(self) -> None:
-        try:
-            os.close(self._alive_w)
-        except OSError:
-            pass
-        self.control.close()
-
 
 def program_of(args) -> dict | None:
     """``python -u -m MODULE ...`` / ``python -u SCRIPT ...`` (torchrun's worker command) as
@@ -225,12 +218,6 @@ class Forked:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def install(zygote: Zygote) -> None:
