@@ -32,6 +32,16 @@ def children_of(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_of(int(p.name)) == pid]
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Its children, theirs, and so on (a launcher's zygote and the workers it forked)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def with_environ(match: Callable[[list[bytes]], bool]) -> list[int]:
     """The pids of the other processes whose environment (its ``NAME=VALUE`` entries) ``match`` accepts."""
     found = []

@@ -2,6 +2,10 @@
 
 Each test runs once on each end of the supported torch range (the ``torch_python`` fixture), but for
 those marked ``NEWEST_ONLY``, whose behaviour is the trainer's own (tests/torch_ends.py).
+
+The workers are forked from the launcher's zygote, as the launcher does where no GPU can be opened
+(trainer/zygote.py); those tests marked ``forked=False`` have torchrun start them (``DDP_PREFORK=0``),
+as on a GPU machine: a whole run, a kill and a restart, a SIGTERM.
 """
 
 import math
@@ -21,7 +25,7 @@ from trainer.output import printed
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port
-from procs import children_of
+from procs import descendants_of
 from torch_ends import NEWEST_ONLY
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +36,8 @@ def assert_ok(proc):
 
 
 def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_final_model(torch_python, tmp_path):
-    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--grad-accum", "2", "--clip-grad", "1.0", "--keep-last", "2")
+    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--grad-accum", "2", "--clip-grad", "1.0", "--keep-last", "2",
+                        forked=False)
     assert_ok(proc)
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("ckpt-*.pt")) == ["ckpt-000000008.pt", "ckpt-000000016.pt"]
@@ -94,16 +99,16 @@ def test_distributed_evaluation_equals_single_process_evaluation(torch_python, t
     assert reported["eval_loss"] == pytest.approx(single_loss, rel=1e-5)
 
 
-def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
+def _run_until_checkpoint_then_kill(python, tmp_path, flags, step, forked=True):
     marker = tmp_path / "ckpt" / f"ckpt-{step:09d}.pt.ok"
-    proc = subprocess.Popen(torchrun_cmd(python, tmp_path, *flags), env=trainer_env(), start_new_session=True,
+    proc = subprocess.Popen(torchrun_cmd(python, tmp_path, *flags), env=trainer_env(forked), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not marker.exists():
         assert proc.poll() is None, "the run ended before the checkpoint to kill at: " + proc.stderr.read()[-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    workers = children_of(proc.pid)  # torchrun starts each in a session of its own: not in its group
+    workers = descendants_of(proc.pid)  # each in a session of its own (torchrun's or the zygote's): not in its group
     os.killpg(proc.pid, signal.SIGKILL)
     for pid in workers:
         os.kill(pid, signal.SIGKILL)  # as a machine's crash would end them, with torchrun
@@ -111,17 +116,18 @@ def _run_until_checkpoint_then_kill(python, tmp_path, flags, step):
     assert not (tmp_path / "ckpt" / "final_model.pt").exists(), "killed too late: the run had finished"
 
 
-@pytest.mark.parametrize("torch_python, kill_at_step, extra", [
-    ("newest", 16, []),                        # after epoch 1 of 2 (16 steps per epoch)
-    ("newest", 8, ["--ckpt-every", "4"]),      # in the middle of epoch 1, from a mid-epoch checkpoint
-    ("oldest", 8, ["--ckpt-every", "4"]),      # the sampler's and RNG state mid-epoch, on the oldest torch
-], indirect=["torch_python"])
-def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(torch_python, tmp_path, kill_at_step, extra):
+@pytest.mark.parametrize("torch_python, kill_at_step, extra, forked", [
+    ("newest", 16, [], True),                        # after epoch 1 of 2 (16 steps per epoch)
+    ("newest", 8, ["--ckpt-every", "4"], True),      # in the middle of epoch 1, from a mid-epoch checkpoint
+    ("oldest", 8, ["--ckpt-every", "4"], False),     # the sampler's and RNG state mid-epoch, on the oldest torch,
+], indirect=["torch_python"])                        # its workers started by torchrun
+def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(torch_python, tmp_path, kill_at_step, extra,
+                                                                             forked):
     flags = [*SMALL, *extra]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert_ok(run_torchrun(torch_python.python, straight, *flags))
-    _run_until_checkpoint_then_kill(torch_python.python, resumed, flags, kill_at_step)
-    restarted = run_torchrun(torch_python.python, resumed, *flags)
+    assert_ok(run_torchrun(torch_python.python, straight, *flags, forked=forked))
+    _run_until_checkpoint_then_kill(torch_python.python, resumed, flags, kill_at_step, forked)
+    restarted = run_torchrun(torch_python.python, resumed, *flags, forked=forked)
     assert_ok(restarted)
     assert "resumed from" in restarted.stderr
     said = printed(restarted.stdout)
@@ -162,9 +168,10 @@ def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_determ
 def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_nothing_is_redone(
         torch_python, tmp_path):
     flags = [*SMALL, "--ckpt-every", "100", "--log-every", "1"]  # the stop's checkpoint is the only mid-epoch one
+    forked = torch_python.name == "newest"  # on the oldest end torchrun starts the workers
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert_ok(run_torchrun(torch_python.python, straight, *flags))
-    proc = subprocess.Popen(torchrun_cmd(torch_python.python, stopped, *flags), env=trainer_env(),
+    assert_ok(run_torchrun(torch_python.python, straight, *flags, forked=forked))
+    proc = subprocess.Popen(torchrun_cmd(torch_python.python, stopped, *flags), env=trainer_env(forked),
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = stopped / "ckpt" / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -182,7 +189,7 @@ def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_no
     assert stop["step"] == last_trained
     assert (stopped / "ckpt" / stop["checkpoint"]).exists() and not (stopped / "ckpt" / "final_model.pt").exists()
 
-    again = run_torchrun(torch_python.python, stopped, *flags)
+    again = run_torchrun(torch_python.python, stopped, *flags, forked=forked)
     assert_ok(again)
     said = printed(again.stdout)
     assert said[0]["kind"] == "resumed" and said[0]["step"] == stop["step"]  # zero steps redone

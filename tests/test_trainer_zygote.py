@@ -180,6 +180,13 @@ def test_only_torchrun_s_python_u_program_shapes_are_forked_anything_else_is_lef
     assert zygote.program_of([sys.executable, "-u", "a.py"]) == {"script": "a.py", "argv": []}
 
 
-def test_the_zygote_is_used_only_where_deploy_asks_for_it():
-    assert zygote.wanted({zygote.ENABLE_ENV: "1"}) is sys.platform.startswith("linux")
-    assert not zygote.wanted({}) and not zygote.wanted({zygote.ENABLE_ENV: "0"})
+def test_the_zygote_is_used_when_asked_for_or_unset_where_no_gpu_device_exists_and_never_when_refused(tmp_path):
+    none, gpus = [str(tmp_path / "nvidia[0-9]*")], [str(tmp_path / "nvidia[0-9]*"), str(tmp_path / "kfd")]
+    (tmp_path / "nvidiactl").touch()  # a driver's control node alone opens no GPU
+    linux = sys.platform.startswith("linux")
+    assert zygote.wanted({}, none) is linux and zygote.wanted({zygote.ENABLE_ENV: "1"}, none) is linux
+    assert not zygote.wanted({zygote.ENABLE_ENV: "0"}, none)
+    (tmp_path / "nvidia0").touch()
+    assert not zygote.wanted({}, gpus)  # unset where a GPU may be opened: torchrun starts the workers
+    assert zygote.wanted({zygote.ENABLE_ENV: "1"}, gpus) is linux  # deploy asked for it
+    assert not zygote.wanted({zygote.ENABLE_ENV: "0"}, gpus)

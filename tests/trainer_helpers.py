@@ -14,10 +14,16 @@ SMALL = ["--synthetic-size", "1024", "--batch-size", "32", "--eval-batch-size", 
          "--log-every", "4", "--epochs", "2"]
 
 
-def trainer_env() -> dict[str, str]:
+def trainer_env(forked: bool = True) -> dict[str, str]:
+    """The launcher's environment. ``forked``: its workers forked from a zygote, as the launcher
+    does by default where no GPU can be opened (trainer/zygote.py); False: started by torchrun, as
+    on a GPU machine (``DDP_PREFORK=0``)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env.pop("DDP_PREFORK", None)
+    if not forked:
+        env["DDP_PREFORK"] = "0"
     return env
 
 
@@ -30,8 +36,9 @@ def torchrun_cmd(python: str, tmp: Path, *flags: str, nproc: int = 2) -> list[st
             "--data-dir", str(tmp / "data"), "--ckpt-dir", str(tmp / "ckpt"), *flags]
 
 
-def run_torchrun(python: str, tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_cmd(python, tmp, *flags, nproc=nproc), env=trainer_env(),
+def run_torchrun(python: str, tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300,
+                 forked: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(python, tmp, *flags, nproc=nproc), env=trainer_env(forked),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import glob
 import io
 import json
 import os
@@ -53,7 +54,11 @@ import threading
 from .heartbeat import HEARTBEAT_DIR_ENV, WORKERS_DIR
 
 ENABLE_ENV = "DDP_PREFORK"
-"""``1``: the launcher forks its workers from a zygote (deploy sets it on CPU nodes)."""
+"""``1``: the launcher forks its workers from a zygote (deploy sets it on CPU nodes); ``0``: torchrun
+starts them; unset: a zygote where no GPU can be opened (``GPU_DEVICES``)."""
+GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""The device nodes through which a process reaches a GPU (NVIDIA's, ROCm's, WSL's). Where none
+exists, nothing the zygote imports can initialise a GPU before it forks."""
 PRELOAD = ("torch._dynamo", "torchvision")
 """What the zygote imports before it forks (torch itself the launcher has): DDP's constructor
 imports ``torch._dynamo``; the trainer's models come from torchvision."""
@@ -64,9 +69,13 @@ PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 HANDSHAKE_S = 30.0
 
 
-def wanted(environ=os.environ) -> bool:
-    """``DDP_PREFORK=1`` here, on a Linux whose kernel (and seccomp profile) has pidfd_open."""
-    if environ.get(ENABLE_ENV) != "1" or not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+def wanted(environ=os.environ, gpu_devices=GPU_DEVICES) -> bool:
+    """``DDP_PREFORK=1``, or unset on a machine without a GPU device node, on a Linux whose kernel
+    (and seccomp profile) has pidfd_open."""
+    choice = environ.get(ENABLE_ENV, "")
+    if choice == "0" or (choice != "1" and any(glob.glob(pattern) for pattern in gpu_devices)):
+        return False
+    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         return False
     try:
         os.close(os.pidfd_open(os.getpid()))
