@@ -89,7 +89,7 @@ image:
 ## Every test, in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
 ## order, every other test in the other, reniced. CI runs this.
 test: install install-oldest operator-wheels
-	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 2 $(PYTEST_ARGS)
+	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 3 $(PYTEST_ARGS)
 
 ## The same tests in one process, one after the other.
 test-serial: install install-oldest operator-wheels

@@ -94,6 +94,16 @@ def operator_docker(cluster: NetCluster, *args: str) -> str:
     return proc.stdout.strip()
 
 
+def build(cluster: NetCluster, hosts: Path) -> None:
+    """IMAGE built in the operator's daemon by the command `deploy` runs (deploy/images/build.py),
+    without shipping it anywhere."""
+    from deploy.images.build import build_argv
+    from deploy.inventory import load
+
+    argv = build_argv(load(hosts))
+    operator_docker(cluster, *argv[1:])
+
+
 def build_code_change(cluster: NetCluster, workdir: Path) -> str:
     """Tag IMAGE to a rebuild with one changed trainer file (the dependency layers come from the cache)."""
     context = copy_build_context(workdir / "ctx")
@@ -129,7 +139,7 @@ def measure(cluster: NetCluster, workdir: Path, rounds: int, nodes: int | None =
     nodes = nodes or len(cluster.hosts)
     one, every = inventory(cluster, workdir, 1), inventory(cluster, workdir, nodes)
     if not only_check:
-        ddp(cluster, every, "deploy")  # builds the image once, so later rounds time shipping alone
+        build(cluster, every)  # once, so later rounds time shipping alone
     for _ in range(rounds):
         timed(times, cpu, "check_1", cluster, one, "check")
         timed(times, cpu, "check_all", cluster, every, "check")

@@ -111,7 +111,7 @@ class Bench:
 
     def ddp(self, hosts: Path, *args: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "DOCKER_HOST": self.cluster.operator_docker_host, "COLUMNS": "200",
-               "DDP_DEPLOY_LOG": str(self.workdir / "debug.log")}
+               "DDP_DEPLOY_LOG": str(self.workdir / "debug.log"), "DDP_DEPLOY_IMAGE_CACHE": self.cluster.operator_cache_dir}
         proc = subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0:

@@ -1,7 +1,9 @@
-"""The two lanes of ``make test`` (``pytest -n 2``, pytest-xdist): every test under tests/cluster/ in
-one worker, in collection order, since a machine holds one test cluster at a time (its names and
-addresses are fixed), and every other test in the other. A cluster test mostly waits (on timeouts,
-on its nodes), so the other lane's tests use the cores meanwhile.
+"""The lanes of ``make test`` (``pytest -n 3``, pytest-xdist): the tests under tests/cluster/ in two
+workers, each on a cluster of its own (netcluster.Site 0 and 1: names, addresses and paths of its
+own), in collection order, and every other test in the third. A cluster test mostly waits (on
+timeouts, on its nodes), so the other lanes' tests use the cores meanwhile. The second cluster lane
+takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one lane again, on one
+cluster.
 
 xdist's own ``--dist loadgroup`` would do this with marks, but it names a group by rewriting the
 test's node id, which pytest 9.2 no longer reads: here the scheduler groups by path instead.
@@ -22,6 +24,10 @@ import os
 import pytest
 
 CLUSTER_TESTS = "tests/cluster/"
+SECOND_CLUSTER_TESTS = ("tests/cluster/test_faults.py", "tests/cluster/test_stall.py", "tests/cluster/test_refusals.py")
+"""Cluster tests that run on a second cluster of their own (netcluster.Site 1), in a lane beside the
+first cluster's, under ``-n 3``: tests that mostly wait (a lost node's timeouts, a hang's detection)
+and use none of the parts built on the first cluster (Slurm, the registry, the containerd node)."""
 
 
 LOCAL_NICE = 5
@@ -30,14 +36,28 @@ a container's cgroup of cluster processes (Linux's CFS)."""
 
 
 def lane(nodeid: str) -> str:
+    if nodeid.startswith(SECOND_CLUSTER_TESTS):
+        return "cluster2"
     return "cluster" if nodeid.startswith(CLUSTER_TESTS) else "local"
 
 
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site
 def pytest_runtest_setup(item: pytest.Item) -> None:
     config = item.config
-    if hasattr(config, "workerinput") and lane(item.nodeid) == "local" and not getattr(config, "_lanes_niced", False):
+    if not hasattr(config, "workerinput"):
+        return
+    if lane(item.nodeid) == "local" and not getattr(config, "_lanes_niced", False):
         config._lanes_niced = True
         os.nice(LOCAL_NICE)
+    if lane(item.nodeid) != "local" and not hasattr(config, "_lanes_site"):
+        second = lane(item.nodeid) == "cluster2" and config.workerinput.get("workercount", 0) >= 3
+        config._lanes_site = 1 if second else 0
+
+
+def cluster_site(config: pytest.Config) -> int:
+    """Which site (tests/cluster/netcluster.Site) this process's cluster is on: 1 in the second
+    cluster lane of ``-n 3`` or more, else 0."""
+    return getattr(config, "_lanes_site", 0)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: xdist may be absent
@@ -46,6 +66,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
+            name = lane(nodeid)
+            return "cluster" if name == "cluster2" and self.numnodes < 3 else name  # one cluster lane
 
     return Lanes(config, log)

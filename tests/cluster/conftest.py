@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+import lanes
 from . import registry_ns, slurmcluster
-from .netcluster import NetCluster, missing_prerequisites
+from .netcluster import NetCluster, Site, missing_prerequisites
 from .operator_cli import empty_nas
 
 CLUSTER_NODES = 3
@@ -36,13 +37,13 @@ def _unavailable(reason: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def cluster(request):
     problems = missing_prerequisites()
     if problems:
         _unavailable("test cluster unavailable: " + "; ".join(problems))
     # SIGTERM (a CI timeout) must still run the teardown below, as Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _raise_system_exit)
-    c = NetCluster(nodes=CLUSTER_NODES)
+    c = NetCluster(nodes=CLUSTER_NODES, site=Site(lanes.cluster_site(request.config)))
     try:
         c.up()
         yield c

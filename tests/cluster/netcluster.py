@@ -71,6 +71,78 @@ STATE_PARENT, STATE_PREFIX = "/var/tmp", "ddpcluster-"  # a cluster's own state 
 CACHE_DIR = Path("/var/cache/ddp-bundle")
 OPERATOR_STORE_PREFIX = "operator-docker-"  # + base image key: the operator's kept data root
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where one cluster lives on this machine: its bridge, subnet, namespaces, fixed paths and
+    cgroup. Site 0 is the names above (the parts built on a cluster, Slurm, the registry and the
+    containerd node, use those); site *k* > 0 has names of its own, so that `make test` can run a
+    second cluster beside the first (tests/lanes.py) and each one's setup and teardown touch only
+    what is its own."""
+    index: int = 0
+
+    def _named(self, zero: str, other: str) -> str:
+        return zero if self.index == 0 else other.format(k=self.index)
+
+    @property
+    def bridge(self) -> str:
+        return f"ddpbr{self.index}"
+
+    @property
+    def ns_prefix(self) -> str:
+        return self._named(NS_PREFIX, "ddp{k}n")
+
+    @property
+    def veth_prefix(self) -> str:
+        return self._named(VETH_PREFIX, "ddp{k}v")
+
+    @property
+    def subnet_prefix(self) -> str:
+        return f"198.18.{self.index}."
+
+    @property
+    def operator_address(self) -> str:
+        return self.subnet_prefix + "1"
+
+    @property
+    def forward_rule(self) -> list[str]:
+        return ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+
+    @property
+    def run_root(self) -> Path:
+        return Path(self._named(str(RUN_ROOT), str(RUN_ROOT) + "{k}"))
+
+    @property
+    def data_root(self) -> Path:
+        return Path(self._named(str(DATA_ROOT), str(DATA_ROOT) + "{k}"))
+
+    @property
+    def current(self) -> Path:
+        return self.run_root / CURRENT.name
+
+    @property
+    def state_prefix(self) -> str:
+        return self._named(STATE_PREFIX, "ddpcluster{k}-")
+
+    @property
+    def cgroup(self) -> str:
+        return self._named(CGROUP, CGROUP + "{k}")
+
+    @property
+    def store_prefix(self) -> str:
+        return self._named(OPERATOR_STORE_PREFIX, "operator{k}-docker-")
+
+    def operator_store(self) -> Path:
+        """The operator daemon's data root, kept between runs so the base image is already in it."""
+        return CACHE_DIR / f"{self.store_prefix}{base_image_key()}"
+
+    def stores(self) -> list[Path]:
+        return list(CACHE_DIR.glob(self.store_prefix + "*"))
+
+
+FIRST_SITE = Site(0)
+
 BASE_IMAGE = "ddp-base:cpu"
 BASE_SUITE = "bookworm"
 BASE_INCLUDE = "python3,python3-venv,python3-pip,ca-certificates"
@@ -199,7 +271,7 @@ def _read_pid(path: Path) -> int | None:
 
 def _processes_referencing(roots: Sequence[Path]) -> list[int]:
     """Pids whose command line mentions one of ``roots`` (our daemons, containerd, shims)."""
-    needles = [str(r).encode() for r in roots]
+    needles = [str(r).rstrip("/").encode() + b"/" for r in roots]  # /run/ddpcluster/, never /run/ddpcluster1/
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -239,12 +311,12 @@ def _marked_processes(mark: str | None = None) -> list[int]:
     return sorted(found)
 
 
-def plug_namespace(ns: str, veth: str, address: str) -> None:
-    """A new network namespace ``ns`` on the bridge: its ``NODE_INTERFACE`` at ``address``, the
+def plug_namespace(ns: str, veth: str, address: str, bridge: str = BRIDGE) -> None:
+    """A new network namespace ``ns`` on ``bridge``: its ``NODE_INTERFACE`` at ``address``, the
     other end ``veth`` on the bridge."""
     _run(["ip", "netns", "add", ns])
     _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", ns])
-    _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+    _run(["ip", "link", "set", veth, "master", bridge, "up"])
     inside = ["ip", "netns", "exec", ns, "ip"]
     _run([*inside, "addr", "add", f"{address}/24", "dev", NODE_INTERFACE])
     _run([*inside, "link", "set", NODE_INTERFACE, "up"])
@@ -400,17 +472,12 @@ def build_base_image_tar(docker_host: str, timings: _Timings) -> Path:
         for stale in CACHE_DIR.glob("ddp-base-cpu-*.tar"):
             if stale != target:
                 stale.unlink()
-        for stale in CACHE_DIR.glob(OPERATOR_STORE_PREFIX + "*"):
-            if stale != operator_store_path():
+        for stale in CACHE_DIR.glob("operator*-docker-*"):  # every site's
+            if not stale.name.endswith(f"-docker-{base_image_key()}"):
                 shutil.rmtree(stale, ignore_errors=True)
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def operator_store_path() -> Path:
-    """The operator daemon's data root, kept between runs so the base image is already in it."""
-    return CACHE_DIR / f"{OPERATOR_STORE_PREFIX}{base_image_key()}"
 
 
 def ensure_base_image(docker_host: str, timings: _Timings) -> None:
@@ -452,14 +519,15 @@ class Host:
     ns: str
     address: str
     index: int
+    site: Site = FIRST_SITE
 
     @property
     def veth(self) -> str:
-        return f"{VETH_PREFIX}{self.index}"
+        return f"{self.site.veth_prefix}{self.index}"
 
     @property
     def run_dir(self) -> Path:
-        return RUN_ROOT / self.name
+        return self.site.run_root / self.name
 
     @property
     def docker_sock(self) -> Path:
@@ -487,14 +555,16 @@ class NetCluster:
     """
 
     def __init__(self, nodes: int = 3, state_dir: str | os.PathLike | None = None,
-                 keep_operator_store: bool = True) -> None:
+                 keep_operator_store: bool = True, site: Site = FIRST_SITE) -> None:
         """``keep_operator_store``: reuse the operator's data root kept under CACHE_DIR, reset
         to hold only the base image (warm setup in seconds); False starts the operator daemon
-        empty and loads the base image from the cached tar (about 35 s more)."""
+        empty and loads the base image from the cached tar (about 35 s more). ``site``: where on
+        this machine (Site); clusters on different sites run side by side."""
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes must be between 1 and 200, got {nodes}")
-        self.hosts = [Host(name=f"node{i}", ns=f"{NS_PREFIX}{i}",
-                           address=f"{SUBNET_PREFIX}{10 + i}", index=i)
+        self.site = site
+        self.hosts = [Host(name=f"node{i}", ns=f"{site.ns_prefix}{i}",
+                           address=f"{site.subnet_prefix}{10 + i}", index=i, site=site)
                       for i in range(1, nodes + 1)]
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir else None
@@ -507,7 +577,11 @@ class NetCluster:
     # ---- parts built on the cluster
 
     def attach(self, part: Any) -> None:
-        """``part`` (with ``start()`` and ``stop()``) is stopped by ``down()`` and started by ``up()``."""
+        """``part`` (with ``start()`` and ``stop()``) is stopped by ``down()`` and started by ``up()``.
+        Parts use the first site's fixed names and ports: only a cluster there takes them."""
+        if self.site != FIRST_SITE:
+            raise ClusterError(f"{type(part).__name__} runs on the first site's cluster only, not on site "
+                               f"{self.site.index}'s")
         self._parts.append(part)
 
     def detach(self, part: Any) -> None:
@@ -529,12 +603,22 @@ class NetCluster:
         return str(self.state_dir / "nas")
 
     @property
+    def operator_cache_dir(self) -> str:
+        """The operator's image cache (DDP_DEPLOY_IMAGE_CACHE) for this cluster's deploys: its own,
+        so that a cluster beside it never evicts what it is about to read."""
+        return str(self.state_dir / "operator-cache" / "images")
+
+    @property
     def operator_docker_host(self) -> str:
-        return f"unix://{RUN_ROOT / 'operator' / 'docker.sock'}"
+        return f"unix://{self.site.run_root / 'operator' / 'docker.sock'}"
 
     @property
     def operator_address(self) -> str:
-        return OPERATOR_ADDRESS
+        return self.site.operator_address
+
+    @property
+    def bridge(self) -> str:
+        return self.site.bridge
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -560,10 +644,10 @@ class NetCluster:
         self.timings = _Timings()
         try:
             with self.timings.step("clean leftovers"):
-                cleanup_leftovers()
+                cleanup_leftovers(self.site)
             self._prepare_state_dir()
-            RUN_ROOT.mkdir(parents=True, exist_ok=True)
-            CURRENT.write_text(json.dumps({"state_dir": str(self.state_dir),
+            self.site.run_root.mkdir(parents=True, exist_ok=True)
+            self.site.current.write_text(json.dumps({"state_dir": str(self.state_dir),
                                            "owned": self._own_state_dir}))
             with self.timings.step("operator dockerd"):
                 self._start_operator()
@@ -614,7 +698,7 @@ class NetCluster:
             except Exception as e:  # the teardown below ends what it left
                 _log(f"stopping {type(part).__name__}: {e}")
         teardown(self.state_dir, remove_state=self._own_state_dir,
-                 procs=list(self._daemons.values()))
+                 procs=list(self._daemons.values()), site=self.site)
         self._daemons.clear()
         _log(f"cluster down in {time.monotonic() - start:.1f} s")
 
@@ -628,7 +712,7 @@ class NetCluster:
 
     def _prepare_state_dir(self) -> None:
         if self.state_dir is None:
-            self.state_dir = Path(tempfile.mkdtemp(prefix=STATE_PREFIX, dir=STATE_PARENT))
+            self.state_dir = Path(tempfile.mkdtemp(prefix=self.site.state_prefix, dir=STATE_PARENT))
         self.state_dir = self.state_dir.resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o755)
@@ -641,12 +725,13 @@ class NetCluster:
             os.chmod(nas / sub, 0o777)
 
     def _setup_network(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{OPERATOR_ADDRESS}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
-        _run(["iptables", "-I", *FORWARD_RULE])
+        site = self.site
+        _run(["ip", "link", "add", site.bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{site.operator_address}/24", "dev", site.bridge])
+        _run(["ip", "link", "set", site.bridge, "up"])
+        _run(["iptables", "-I", *site.forward_rule])
         for h in self.hosts:
-            plug_namespace(h.ns, h.veth, h.address)
+            plug_namespace(h.ns, h.veth, h.address, site.bridge)
 
     def _make_keys(self) -> None:
         ssh = self.state_dir / "ssh"
@@ -667,7 +752,8 @@ class NetCluster:
     def _sshd_config(self, h: Host) -> str:
         d = self.state_dir / "nodes" / h.name
         # XDG_CACHE_HOME: each node's own, as on machines of their own (the nodes share root's home)
-        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path(), "SLURM_CONF": SLURM_CONF,
+        slurm_conf = SLURM_CONF if self.site == FIRST_SITE else self.site.run_root / "slurm" / SLURM_CONF.name
+        env = {"DOCKER_HOST": h.docker_host, "PATH": self.session_path(), "SLURM_CONF": slurm_conf,
                "XDG_CACHE_HOME": str(self.node_cache_dir(h.name))}
         return "\n".join([
             f"ListenAddress {h.address}",
@@ -712,7 +798,7 @@ class NetCluster:
             self._start_dockerd("operator", None)
             self._wait_docker(self.operator_docker_host, "operator")
             return
-        store = operator_store_path()
+        store = self.site.operator_store()
         try:
             self._start_dockerd("operator", None, data=store)
             self._wait_docker(self.operator_docker_host, "operator")
@@ -725,9 +811,9 @@ class NetCluster:
             self._wait_docker(self.operator_docker_host, "operator")
 
     def _start_dockerd(self, name: str, h: Host | None, data: Path | None = None) -> str:
-        run_dir = RUN_ROOT / name
+        run_dir = self.site.run_root / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        data = data or DATA_ROOT / name
+        data = data or self.site.data_root / name
         data.mkdir(parents=True, exist_ok=True)
         sock = run_dir / "docker.sock"
         if Path("/run/containerd/containerd.sock").exists():
@@ -746,7 +832,7 @@ class NetCluster:
         if _dockerd_major() < 23:
             config["deprecated-key-path"] = str(data / "key.json")
         (run_dir / "daemon.json").write_text(json.dumps(config))
-        argv += ["--config-file", str(run_dir / "daemon.json"), *cgroup_parent_args()]
+        argv += ["--config-file", str(run_dir / "daemon.json"), *cgroup_parent_args(self.site.cgroup)]
         if h is not None:
             # not `ip netns exec`: it remounts /sys and dockerd then finds no devices cgroup
             argv = ["nsenter", f"--net={_ns_path(h.ns)}", *argv]
@@ -795,8 +881,8 @@ class NetCluster:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "bridge": BRIDGE, "subnet": SUBNET_PREFIX + "0/24",
-            "operator_address": OPERATOR_ADDRESS,
+            "site": self.site.index, "bridge": self.site.bridge, "subnet": self.site.subnet_prefix + "0/24",
+            "operator_address": self.site.operator_address,
             "operator_docker_host": self.operator_docker_host,
             "base_image": self.base_image,
             "hosts": [h.to_json() for h in self.hosts],
@@ -811,7 +897,7 @@ class NetCluster:
     def from_state(cls, state_dir: str | os.PathLike) -> "NetCluster":
         """The cluster described by ``state_dir/cluster.json`` (made by ``up``)."""
         desc = json.loads((Path(state_dir) / "cluster.json").read_text())
-        return cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"])
+        return cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"], site=Site(desc.get("site", 0)))
 
     # ---- helpers for tests and benchmarks
 
@@ -929,38 +1015,40 @@ def _no_root_qdisc(stderr: str) -> bool:
     return "Cannot delete qdisc with handle of zero" in stderr or "No such file or directory" in stderr
 
 
-def _our_namespaces() -> list[str]:
+def _our_namespaces(site: Site = FIRST_SITE) -> list[str]:
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(NS_PREFIX) and n[len(NS_PREFIX):].isdigit()]
+    prefix = site.ns_prefix
+    return [n for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()]
 
 
-def teardown_daemons(procs: Sequence[subprocess.Popen] = ()) -> None:
-    """Stop every dockerd of ours (each stops its containers and its containerd)."""
-    pids = [p for p in (_read_pid(d / "dockerd.pid") for d in RUN_ROOT.glob("*"))
-            if p and _pid_alive(p)] if RUN_ROOT.exists() else []
+def teardown_daemons(procs: Sequence[subprocess.Popen] = (), site: Site = FIRST_SITE) -> None:
+    """Stop every dockerd of the site's (each stops its containers and its containerd)."""
+    root = site.run_root
+    pids = [p for p in (_read_pid(d / "dockerd.pid") for d in root.glob("*"))
+            if p and _pid_alive(p)] if root.exists() else []
     pids += [p.pid for p in procs if p.poll() is None and "dockerd" in " ".join(p.args)]
     _kill_and_wait(pids, grace=15)
 
 
-def cgroup_parent_args() -> list[str]:
+def cgroup_parent_args(name: str = CGROUP) -> list[str]:
     """``--cgroup-parent`` for a dockerd, to our weighted cgroup: made on cgroup v1 (dockerd's
     cgroupfs driver there), none elsewhere (the containers then go where dockerd puts them)."""
     if not (CGROUP_V1_CPU / "cpu.shares").exists():
         return []
-    group = CGROUP_V1_CPU / CGROUP
+    group = CGROUP_V1_CPU / name
     try:
         group.mkdir(exist_ok=True)
         (group / "cpu.shares").write_text(str(CGROUP_SHARES))
     except OSError as e:
         _log(f"containers keep dockerd's own cgroup: {group}: {e}")
         return []
-    return ["--cgroup-parent", f"/{CGROUP}"]
+    return ["--cgroup-parent", f"/{name}"]
 
 
-def _remove_cgroups() -> None:
+def _remove_cgroups(name: str = CGROUP) -> None:
     """Our cgroup in every v1 hierarchy, once no container is left in it (dockerd makes it in each)."""
-    for group in Path("/sys/fs/cgroup").glob(f"*/{CGROUP}"):
+    for group in Path("/sys/fs/cgroup").glob(f"*/{name}"):
         for sub in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
             with contextlib.suppress(OSError):
                 sub.rmdir()
@@ -969,16 +1057,18 @@ def _remove_cgroups() -> None:
 
 
 def teardown(state_dir: Path | None, *, remove_state: bool,
-             procs: Sequence[subprocess.Popen] = ()) -> None:
-    """Remove every trace of a cluster: by name and fixed path, so it also works after a crash."""
+             procs: Sequence[subprocess.Popen] = (), site: Site = FIRST_SITE) -> None:
+    """Remove every trace of a cluster on ``site``: by name and fixed path, so it also works after a
+    crash; another site's cluster is left alone."""
     t = _Timings()
-    namespaces = _our_namespaces()
+    namespaces = _our_namespaces(site)
     # 1. daemons: dockerd first (it stops its containers and its containerd), then the rest
     with t.step("down: stop dockerds"):
-        teardown_daemons(procs)
-    stores = list(CACHE_DIR.glob(OPERATOR_STORE_PREFIX + "*"))
-    pids = set(_processes_referencing([RUN_ROOT, DATA_ROOT, *stores]))
-    pids.update(_marked_processes())  # the Slurm daemons and their jobs' step daemons
+        teardown_daemons(procs, site)
+    stores = site.stores()
+    pids = set(_processes_referencing([site.run_root, site.data_root, *stores]))
+    if site == FIRST_SITE:
+        pids.update(_marked_processes())  # the Slurm daemons and their jobs' step daemons (parts: site 0)
     for ns in namespaces:
         r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         pids.update(int(p) for p in r.stdout.split() if p.isdigit())
@@ -990,28 +1080,28 @@ def teardown(state_dir: Path | None, *, remove_state: bool,
     _reap()
     # 2. mounts and daemon state; a test's own mounts on the NAS (a full volume), this cluster's
     # and those a crashed run left on its state dir
-    for root in (RUN_ROOT, DATA_ROOT, *stores, *([state_dir] if state_dir is not None else []),
-                 *Path(STATE_PARENT).glob(STATE_PREFIX + "*")):
+    for root in (site.run_root, site.data_root, *stores, *([state_dir] if state_dir is not None else []),
+                 *Path(STATE_PARENT).glob(site.state_prefix + "*")):
         if root.exists():
             _unmount_under(root)
-    _remove_cgroups()
+    _remove_cgroups(site.cgroup)
     # 3. network
     for ns in namespaces:
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
     r = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
     for line in r.stdout.splitlines():
         dev = line.split(":")[1].strip().split("@")[0]
-        if dev == BRIDGE or (dev.startswith(VETH_PREFIX) and dev[len(VETH_PREFIX):].isdigit()):
+        if dev == site.bridge or (dev.startswith(site.veth_prefix) and dev[len(site.veth_prefix):].isdigit()):
             subprocess.run(["ip", "link", "delete", dev], capture_output=True)
-    while subprocess.run(["iptables", "-C", *FORWARD_RULE], capture_output=True).returncode == 0:
-        subprocess.run(["iptables", "-D", *FORWARD_RULE], capture_output=True)
+    while subprocess.run(["iptables", "-C", *site.forward_rule], capture_output=True).returncode == 0:
+        subprocess.run(["iptables", "-D", *site.forward_rule], capture_output=True)
     # 4. files
-    if state_dir is None and CURRENT.exists():
+    if state_dir is None and site.current.exists():
         with contextlib.suppress(Exception):
-            recorded = json.loads(CURRENT.read_text())
+            recorded = json.loads(site.current.read_text())
             if recorded.get("owned"):
                 state_dir, remove_state = Path(recorded["state_dir"]), True
-    for root in (DATA_ROOT, RUN_ROOT):
+    for root in (site.data_root, site.run_root):
         shutil.rmtree(root, ignore_errors=True)
     if state_dir is not None and Path(state_dir).exists():
         if remove_state:
@@ -1025,14 +1115,15 @@ def teardown(state_dir: Path | None, *, remove_state: bool,
                     target.unlink()
 
 
-def cleanup_leftovers() -> None:
-    """Remove what a crashed earlier run left behind (same names, same fixed paths)."""
-    if (_our_namespaces() or RUN_ROOT.exists() or DATA_ROOT.exists() or _marked_processes()
-            or subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0
-            or subprocess.run(["iptables", "-C", *FORWARD_RULE],
+def cleanup_leftovers(site: Site = FIRST_SITE) -> None:
+    """Remove what a crashed earlier run left behind on ``site`` (same names, same fixed paths)."""
+    if (_our_namespaces(site) or site.run_root.exists() or site.data_root.exists()
+            or (site == FIRST_SITE and _marked_processes())
+            or subprocess.run(["ip", "link", "show", site.bridge], capture_output=True).returncode == 0
+            or subprocess.run(["iptables", "-C", *site.forward_rule],
                               capture_output=True).returncode == 0):
-        _log("cleaning up leftovers of an earlier run")
-        teardown(None, remove_state=False)
+        _log(f"cleaning up leftovers of an earlier run (site {site.index})")
+        teardown(None, remove_state=False, site=site)
 
 
 # --------------------------------------------------------------------------- command line
@@ -1046,16 +1137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     up_p.add_argument("--state", required=True, help="state directory (created if missing)")
     up_p.add_argument("--fresh-operator", action="store_true",
                       help="start the operator daemon empty and load the base image tar into it")
+    up_p.add_argument("--site", type=int, default=0,
+                      help="where on this machine: 0 (the default names), or another number for a cluster beside it")
     down_p = sub.add_parser("down", help="remove the cluster described in STATE")
     down_p.add_argument("--state", required=True)
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
             cluster = NetCluster(nodes=args.nodes, state_dir=args.state,
-                                 keep_operator_store=not args.fresh_operator).up()
+                                 keep_operator_store=not args.fresh_operator, site=Site(args.site)).up()
             print(json.dumps(cluster.describe(), indent=2))
         else:
-            teardown(Path(args.state).resolve(), remove_state=False)
+            described = Path(args.state) / "cluster.json"
+            site = Site(json.loads(described.read_text()).get("site", 0)) if described.exists() else FIRST_SITE
+            teardown(Path(args.state).resolve(), remove_state=False, site=site)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

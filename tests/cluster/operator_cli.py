@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _operator_env(cluster, hosts: Path) -> dict[str, str]:
-    return {**os.environ, "DOCKER_HOST": cluster.operator_docker_host,
+    return {**os.environ, "DOCKER_HOST": cluster.operator_docker_host, "DDP_DEPLOY_IMAGE_CACHE": cluster.operator_cache_dir,
             "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
 
 

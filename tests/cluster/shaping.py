@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .netcluster import BRIDGE, NODE_INTERFACE, OPERATOR_ADDRESS, ClusterError, NetCluster
+from .netcluster import BRIDGE, NODE_INTERFACE, ClusterError, NetCluster
 
 OPERATOR = "operator"
 """The name ``measure_mbit`` gives the root namespace's end."""
@@ -63,13 +63,13 @@ def unshape_link(ns: str, veth: str) -> None:
     _tc(["qdisc", "del", "dev", veth, "root"], allow_missing=True)
 
 
-def shape_operator_uplink(rate_mbit: float) -> None:
+def shape_operator_uplink(rate_mbit: float, bridge: str = BRIDGE) -> None:
     """Hold everything the operator sends to the nodes, together, to ``rate_mbit``."""
-    _tc(["qdisc", "replace", "dev", BRIDGE, *tbf(rate_mbit)])
+    _tc(["qdisc", "replace", "dev", bridge, *tbf(rate_mbit)])
 
 
-def unshape_operator_uplink() -> None:
-    _tc(["qdisc", "del", "dev", BRIDGE, "root"], allow_missing=True)
+def unshape_operator_uplink(bridge: str = BRIDGE) -> None:
+    _tc(["qdisc", "del", "dev", bridge, "root"], allow_missing=True)
 
 
 def shape_node_link(cluster: NetCluster, name: str, rate_mbit: float) -> None:
@@ -85,7 +85,7 @@ def unshape_node_link(cluster: NetCluster, name: str) -> None:
 
 def qdiscs(cluster: NetCluster) -> dict[str, str]:
     """``tc qdisc show`` of every shaped device, by a name saying which end it is."""
-    shown = {f"operator ({BRIDGE})": _tc(["qdisc", "show", "dev", BRIDGE])}
+    shown = {f"operator ({cluster.bridge})": _tc(["qdisc", "show", "dev", cluster.bridge])}
     for h in cluster.hosts:
         shown[f"{h.name} sends ({NODE_INTERFACE})"] = _tc(["-n", h.ns, "qdisc", "show", "dev", NODE_INTERFACE])
         shown[f"{h.name} receives ({h.veth})"] = _tc(["qdisc", "show", "dev", h.veth])
@@ -100,12 +100,12 @@ def shaped(cluster: NetCluster, operator_mbit: float, node_mbit: float,
     bridge, e.g. a registry); plain links again afterwards."""
     links = [(h.ns, h.veth) for h in cluster.hosts] + list(others)
     try:
-        shape_operator_uplink(operator_mbit)
+        shape_operator_uplink(operator_mbit, cluster.bridge)
         for ns, veth in links:
             shape_link(ns, veth, node_mbit)
         yield
     finally:
-        unshape_operator_uplink()
+        unshape_operator_uplink(cluster.bridge)
         for ns, veth in links:
             unshape_link(ns, veth)
 
@@ -114,9 +114,9 @@ def _counter(device: str, which: str) -> int:
     return int(Path(f"/sys/class/net/{device}/statistics/{which}").read_text())
 
 
-def operator_tx_bytes() -> int:
+def operator_tx_bytes(bridge: str = BRIDGE) -> int:
     """Bytes the operator has sent to the nodes through its uplink (the bridge device)."""
-    return _counter(BRIDGE, "tx_bytes")
+    return _counter(bridge, "tx_bytes")
 
 
 def node_rx_bytes(cluster: NetCluster, name: str) -> int:
@@ -166,7 +166,7 @@ s.recv(1)
 
 
 def _address(cluster: NetCluster, end: str) -> str:
-    return OPERATOR_ADDRESS if end == OPERATOR else cluster.host(end).address
+    return cluster.operator_address if end == OPERATOR else cluster.host(end).address
 
 
 def _in(cluster: NetCluster, end: str, argv: list[str]) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -112,8 +113,8 @@ def test_every_nodes_containers_share_one_cgroup_weighing_one_process_a_node(clu
     r = cluster.ssh("node1", ["docker", "run", "--rm", "ddp-probe:cat", "/usr/bin/cat", "/proc/self/cgroup"])
     assert r.returncode == 0, r.stderr
     cpu = next(line for line in r.stdout.splitlines() if ":cpu," in line or line.split(":")[1] == "cpu")
-    assert cpu.split(":")[2].startswith(f"/{netcluster.CGROUP}/"), cpu
-    shares = (netcluster.CGROUP_V1_CPU / netcluster.CGROUP / "cpu.shares").read_text()
+    assert cpu.split(":")[2].startswith(f"/{cluster.site.cgroup}/"), cpu
+    shares = (netcluster.CGROUP_V1_CPU / cluster.site.cgroup / "cpu.shares").read_text()
     assert int(shares) == netcluster.CGROUP_SHARES
 
 
@@ -268,24 +269,26 @@ def _cmdline(pid: int) -> str:
 def test_down_removes_every_trace_and_up_builds_the_cluster_again(cluster, containerd_node, image_registry, slurm):
     """Runs last in this file: the other test files get the rebuilt cluster, and the parts built on
     it (the containerd node, the registry, Slurm) are started again for them."""
-    state_dir = cluster.state_dir
+    state_dir, site = cluster.state_dir, cluster.site
+    others = re.compile(r"ddp[1-9][0-9]*[nv][0-9]+$|ddpbr[1-9]|ddpcluster[1-9]|operator[1-9][0-9]*-docker-")  # sites beside it
     cluster.down()
     try:  # what down left, read before up, asserted after it: a failure here costs no other test its cluster
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         mounts = open("/proc/self/mounts").read()
         left = {
             "links": [ln.split(":")[1].strip() for ln in links.splitlines()
-                      if netcluster.BRIDGE in ln or "ddpv" in ln],
-            "namespaces": subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                         text=True).stdout.split(),
-            "forward rule": subprocess.run(["iptables", "-C", *netcluster.FORWARD_RULE],
+                      if site.bridge in ln or site.veth_prefix in ln],
+            "namespaces": [n for n in (line.split()[0] for line in subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.strip())
+                if not others.match(n)],
+            "forward rule": subprocess.run(["iptables", "-C", *site.forward_rule],
                                            capture_output=True).returncode == 0,
             "processes": [_cmdline(p) for p in netcluster._processes_referencing(
-                [netcluster.RUN_ROOT, netcluster.DATA_ROOT, netcluster.operator_store_path()])],
+                [site.run_root, site.data_root, site.operator_store()])],
             "mounts": [ln for ln in mounts.splitlines()
-                       if "ddpcluster" in ln or "operator-docker-" in ln],
-            "paths": [str(p) for p in (state_dir, netcluster.RUN_ROOT) if p.exists()],
-            "cgroups": [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{netcluster.CGROUP}")],
+                       if ("ddpcluster" in ln or "operator-docker-" in ln) and not others.search(ln)],
+            "paths": [str(p) for p in (state_dir, site.run_root) if p.exists()],
+            "cgroups": [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{site.cgroup}")],
         }
     finally:
         cluster.up()
