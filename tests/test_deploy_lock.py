@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -389,6 +390,30 @@ def _seen(hosts: Path) -> lock.Seen:
     inv = load(hosts)
     with Remote(inv) as remote:
         return lock.survey(inv, remote).locks["here"]
+
+
+def test_a_lock_being_taken_is_named_by_the_owner_it_writes_a_moment_later_and_one_never_completed_as_such(
+        tmp_path, fleet_lock_path, this_machine):
+    """Its taker makes the directory, then writes the owner file: one who looks in between waits a
+    moment for it (a refusal then names who holds the lock), and says so where none comes."""
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    fleet_lock_path.mkdir()
+
+    def write_owner() -> None:
+        _lock_by(tmp_path / "whole")
+        (tmp_path / "whole" / "owner").rename(fleet_lock_path / "owner")
+    writer = threading.Timer(0.5, write_owner)
+    writer.start()
+    try:
+        seen = _seen(hosts)
+    finally:
+        writer.join()
+    assert seen.owner is not None and seen.owner.user == "alice", seen
+    (fleet_lock_path / "owner").unlink()
+    started = time.monotonic()
+    seen = _seen(hosts)
+    assert seen.owner is None and seen.holder().startswith("a ddp-deploy that has written no owner file (yet)")
+    assert time.monotonic() - started < 10  # it waited a moment, not for ever
 
 
 def test_this_machine_s_id_is_systemd_s_else_d_bus_s():

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _operator_env(cluster, hosts: Path) -> dict[str, str]:
-    return {**os.environ, "DOCKER_HOST": cluster.operator_docker_host, "DDP_DEPLOY_IMAGE_CACHE": cluster.operator_cache_dir,
+    # the cluster's own image cache, unless the test chose one
+    return {"DDP_DEPLOY_IMAGE_CACHE": cluster.operator_cache_dir, **os.environ, "DOCKER_HOST": cluster.operator_docker_host,
             "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
 
 
