@@ -12,16 +12,18 @@ OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
 
-.PHONY: install install-oldest operator-wheels gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-serial test-fast test-area clean
+.PHONY: install install-oldest operator-wheels tools gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-serial test-fast test-area clean
 
 # $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
 define venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
 	$(1)/bin/pip install -q $(2)
-	$(1)/bin/pip install -q -e '.[dev]'
+	flock .editable-install.lock $(1)/bin/pip install -q -e '.[dev]'
 	touch $(1)/.installed
 endef
+# (flock: the venvs may be made side by side, `make -j`, and each editable install writes this
+# package's egg-info in the source tree.)
 
 $(VENV)/.installed: pyproject.toml
 	$(call venv,$(VENV),$(TORCH_PINS))
@@ -42,6 +44,10 @@ $(OPERATOR_WHEELS)/.done: pyproject.toml $(VENV)/.installed
 	touch $@
 
 operator-wheels: $(OPERATOR_WHEELS)/.done
+
+## What the tests need, the two venvs made side by side (unpacking and compiling torch takes a core each).
+tools:
+	$(MAKE) -j3 install install-oldest operator-wheels
 
 ## The main job on the shipped hosts.yaml (this machine alone): check, deploy, launch, wait, status.
 run: install
@@ -88,11 +94,11 @@ image:
 
 ## Every test, in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
 ## order, every other test in the other, reniced. CI runs this.
-test: install install-oldest operator-wheels
+test: tools
 	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 3 $(PYTEST_ARGS)
 
 ## The same tests in one process, one after the other.
-test-serial: install install-oldest operator-wheels
+test-serial: tools
 	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 test-fast: install
