@@ -221,7 +221,7 @@ def test_broken_checkpoints_do_not_count_towards_keep_last_when_a_save_prunes(tm
 
 @pytest.mark.e2e
 def test_a_relaunch_resumes_past_a_broken_newest_checkpoint_and_finishes(torch_python, tmp_path):
-    flags = [*SMALL, "--synthetic-size", "512", "--ckpt-every", "4"]  # 1 process: 16 steps an epoch
+    flags = [*SMALL, "--synthetic-size", "256", "--ckpt-every", "4"]  # 1 process: 16 steps an epoch
     first = run_torchrun(torch_python.python, tmp_path, *flags, "--epochs", "1", nproc=1)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = tmp_path / "ckpt"

@@ -49,7 +49,7 @@ def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_fi
     assert train[-1]["loss"] < train[0]["loss"]
     assert printed(proc.stdout) == records  # rank 0 alone prints, one line per record
     assert (ckpt / "final_model.pt").exists()
-    assert (tmp_path / "data" / "synthetic" / "synthetic-1024.pt").exists()
+    assert (tmp_path / "data" / "synthetic" / "synthetic-512.pt").exists()
     # where the time went before the first step, said once by the node's first process
     ready = [line.removeprefix("[rank0]: ") for line in proc.stderr.splitlines() if "trainer: ready to train " in line]
     assert len(ready) == 1, proc.stderr[-3000:]
@@ -73,13 +73,13 @@ def test_test_made_mnist_files_train_through_torchvision(torch_python, tmp_path)
 # against 0.1 s for the resnet in bf16): fp16's own path (autocast, the GradScaler) runs on the lenet.
 @pytest.mark.parametrize("amp, model", [("bf16", "resnet"), ("fp16", "lenet")], ids=["bf16", "fp16"])
 def test_mixed_precision_runs_on_cpu(torch_python, tmp_path, amp, model):
-    # 512 samples: bf16 is emulated on a CPU without its instructions (2.2 s a resnet step here)
-    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--synthetic-size", "512", "--epochs", "1",
+    # 256 samples: bf16 is emulated on a CPU without its instructions (2.2 s a resnet step of 32 here)
+    proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--synthetic-size", "256", "--epochs", "1",
                         "--amp", amp, "--model", model, "--log-every", "1")
     assert_ok(proc)
     records = metrics(tmp_path / "ckpt")
     losses = [r["loss"] for r in records if r["kind"] == "train"]
-    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses)  # 512 samples, 2 ranks x 32
+    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses)  # 256 samples, 2 ranks x 16
     assert math.isfinite(next(r for r in records if r["kind"] == "eval")["eval_loss"])
 
 
@@ -90,7 +90,7 @@ def test_distributed_evaluation_equals_single_process_evaluation(torch_python, t
     model = build_model("convnet", 1, 28, 10)
     model.load_state_dict(final_weights(tmp_path / "ckpt"))
     model.eval()
-    _, test = data.load("synthetic", str(tmp_path / "data"), 1024)
+    _, test = data.load("synthetic", str(tmp_path / "data"), 512)
     with torch.no_grad():
         out = model(data.Normalizer(data.SPECS["synthetic"], torch.device("cpu"))(test.images))
     assert reported["eval_samples"] == len(test)
