@@ -92,10 +92,10 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-## Every test, in four lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in two,
-## each on a test cluster of its own, in order; every other test in the other two, reniced. CI runs this.
+## Every test, in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
+## order, every other test in the other, reniced. CI runs this.
 test: tools
-	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 4 $(PYTEST_ARGS)
+	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 3 $(PYTEST_ARGS)
 
 ## The same tests in one process, one after the other.
 test-serial: tools

@@ -1,10 +1,9 @@
-"""The lanes of ``make test`` (``pytest -n 4``, pytest-xdist): the tests under tests/cluster/ in two
+"""The lanes of ``make test`` (``pytest -n 3``, pytest-xdist): the tests under tests/cluster/ in two
 workers, each on a cluster of its own (netcluster.Site 0 and 1: names, addresses and paths of its
-own), in collection order, and every other test in the other two (the trainer's, the deploy tool's).
-A cluster test mostly waits (on timeouts, on its nodes), so the other lanes' tests use the cores
-meanwhile. The second cluster lane takes ``SECOND_CLUSTER_TESTS``, the second other lane
-``SECOND_LOCAL_TESTS``; with fewer workers the second lanes join the first ones (``-n 2``: the
-cluster's tests in one worker on one cluster, the rest in the other).
+own), in collection order, and every other test in the third. A cluster test mostly waits (on
+timeouts, on its nodes), so the other lanes' tests use the cores meanwhile. The second cluster lane
+takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one lane again, on one
+cluster.
 
 xdist's own ``--dist loadgroup`` would do this with marks, but it names a group by rewriting the
 test's node id, which pytest 9.2 no longer reads: here the scheduler groups by path instead.
@@ -32,34 +31,14 @@ and use none of the parts built on the first cluster (Slurm, the registry, the c
 
 
 LOCAL_NICE = 5
-"""The other lanes' niceness, under ``-n``: a weight of 335 to each of its processes against 1024 for
+"""The other lane's niceness, under ``-n``: a weight of 335 to each of its processes against 1024 for
 a container's cgroup of cluster processes (Linux's CFS)."""
 
 
-SECOND_LOCAL_TESTS = ("tests/test_trainer_", "tests/test_examples.py", "tests/test_benchmarks.py",
-                      "tests/test_gpu_check.py")
-"""Under ``-n 4``, the other tests are two lanes: the trainer's (these) and the rest (the deploy
-tool's), about equal in time, so that the end of the run does not wait on one worker's tests while
-a core is idle."""
-
-
 def lane(nodeid: str) -> str:
-    """The test's lane when every lane has a worker: cluster, cluster2, local or local2."""
     if nodeid.startswith(SECOND_CLUSTER_TESTS):
         return "cluster2"
-    if nodeid.startswith(CLUSTER_TESTS):
-        return "cluster"
-    return "local2" if nodeid.startswith(SECOND_LOCAL_TESTS) else "local"
-
-
-def scope(nodeid: str, workers: int) -> str:
-    """Its lane with ``workers`` workers: the second lanes join the first ones where too few."""
-    name = lane(nodeid)
-    if name == "local2" and workers < 4:
-        return "local"
-    if name == "cluster2" and workers < 3:
-        return "cluster"
-    return name
+    return "cluster" if nodeid.startswith(CLUSTER_TESTS) else "local"
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site
@@ -67,17 +46,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     config = item.config
     if not hasattr(config, "workerinput"):
         return
-    name = scope(item.nodeid, config.workerinput.get("workercount", 0))
-    if name.startswith("local") and not getattr(config, "_lanes_niced", False):
+    if lane(item.nodeid) == "local" and not getattr(config, "_lanes_niced", False):
         config._lanes_niced = True
         os.nice(LOCAL_NICE)
-    if name.startswith("cluster") and not hasattr(config, "_lanes_site"):
-        config._lanes_site = 1 if name == "cluster2" else 0
+    if lane(item.nodeid) != "local" and not hasattr(config, "_lanes_site"):
+        second = lane(item.nodeid) == "cluster2" and config.workerinput.get("workercount", 0) >= 3
+        config._lanes_site = 1 if second else 0
 
 
 def cluster_site(config: pytest.Config) -> int:
     """Which site (tests/cluster/netcluster.Site) this process's cluster is on: 1 in the second
-    cluster lane (``-n 3`` or more), else 0."""
+    cluster lane of ``-n 3`` or more, else 0."""
     return getattr(config, "_lanes_site", 0)
 
 
@@ -87,6 +66,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return scope(nodeid, self.numnodes)
+            name = lane(nodeid)
+            return "cluster" if name == "cluster2" and self.numnodes < 3 else name  # one cluster lane
 
     return Lanes(config, log)

@@ -1,6 +1,5 @@
-"""tests/lanes.py: under ``pytest -n 4`` the cluster's tests run in two workers, each lane in order
-and on a cluster site of its own, and the others in the other two workers, reniced; with fewer
-workers the second lanes join the first."""
+"""tests/lanes.py: under ``pytest -n 3`` the cluster's tests run in two workers, each lane in order
+and on a cluster site of its own, and the others in the third worker, reniced."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import lanes
 
@@ -37,7 +34,6 @@ def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
     second = tmp_path / lanes.SECOND_CLUSTER_TESTS[0]
     second.write_text(TESTS.format(n=6, kind="second", seen=str(seen)))
     (tmp_path / "tests" / "test_l.py").write_text(TESTS.format(n=6, kind="local", seen=str(seen)))
-    (tmp_path / "tests" / "test_trainer_l.py").write_text(TESTS.format(n=6, kind="local2", seen=str(seen)))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "lanes", "-p", "no:cacheprovider", "-n", str(workers),
@@ -46,35 +42,28 @@ def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
     return [json.loads(line) for line in seen.read_text().splitlines()]
 
 
-KINDS = ("cluster", "second", "local", "local2")
-
-
 def _by_kind(runs: list[list], field: int) -> dict[str, set]:
-    return {kind: {r[field] for r in runs if r[0] == kind} for kind in KINDS}
+    return {kind: {r[field] for r in runs if r[0] == kind} for kind in ("cluster", "second", "local")}
 
 
-def test_each_lane_runs_in_a_worker_of_its_own_each_cluster_lane_in_order_on_its_own_site_the_others_reniced(
+def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_and_every_other_test_in_the_third(
         tmp_path):
-    runs = _run_lanes(tmp_path, 4)
+    runs = _run_lanes(tmp_path, 3)
     workers = _by_kind(runs, 2)
     assert all(len(w) == 1 for w in workers.values()), workers
-    assert len(set.union(*workers.values())) == 4, workers
+    assert len(set.union(*workers.values())) == 3, workers
     for kind in ("cluster", "second"):
         assert [r[1] for r in runs if r[0] == kind] == list(range(6))
-    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {1}, "local": {0}, "local2": {0}}  # two clusters
-    # the other lanes yield the cores to the clusters': their tests, and what they start, run reniced
-    base, niced = os.nice(0), min(os.nice(0) + lanes.LOCAL_NICE, 19)
-    assert _by_kind(runs, 3) == {"cluster": {base}, "second": {base}, "local": {niced}, "local2": {niced}}
+    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {1}, "local": {0}}  # two clusters side by side
+    # the other lane yields the cores to the clusters': its tests, and what they start, run reniced
+    base = os.nice(0)
+    assert _by_kind(runs, 3) == {"cluster": {base}, "second": {base}, "local": {min(base + lanes.LOCAL_NICE, 19)}}
 
 
-@pytest.mark.parametrize("workers, together", [
-    (3, [{"cluster"}, {"second"}, {"local", "local2"}]),
-    (2, [{"cluster", "second"}, {"local", "local2"}]),
-])
-def test_with_fewer_workers_the_second_lanes_join_the_first(tmp_path, workers, together):
-    """``-n 3``: the other tests in one worker; ``-n 2``: the cluster's tests too, on one cluster."""
-    runs = _run_lanes(tmp_path, workers)
-    by_worker = _by_kind(runs, 2)
-    assert sorted(({k for k in KINDS if w in by_worker[k]} for w in set.union(*by_worker.values())),
-                  key=sorted) == sorted(together, key=sorted)
-    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {int(workers >= 3)}, "local": {0}, "local2": {0}}
+def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_path):
+    """The cluster's tests are one lane again, in one worker, on one cluster (Slurm's site)."""
+    runs = _run_lanes(tmp_path, 2)
+    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {0}, "local": {0}}
+    workers = _by_kind(runs, 2)
+    assert workers["cluster"] == workers["second"] and len(workers["cluster"]) == 1
+    assert workers["local"].isdisjoint(workers["cluster"])
