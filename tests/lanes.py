@@ -1,6 +1,7 @@
-"""The lanes of ``make test`` (``pytest -n 3``, pytest-xdist): the tests under tests/cluster/ in two
-workers, each on a cluster of its own (netcluster.Site 0 and 1: names, addresses and paths of its
-own), in collection order, and every other test in the third. A cluster test mostly waits (on
+"""The lanes of ``make test`` (``pytest -n 2``, pytest-xdist; ``-n 3`` on request): the tests under
+tests/cluster/ in one worker, or with ``-n 3`` in two workers, each on a cluster of its own
+(netcluster.Site 0 and 1: names, addresses and paths of its own), in collection order, and every
+other test in the last worker. A cluster test mostly waits (on
 timeouts, on its nodes), so the other lanes' tests use the cores meanwhile. The second cluster lane
 takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one lane again, on one
 cluster.
