@@ -42,17 +42,23 @@ def lane(nodeid: str) -> str:
     return "cluster" if nodeid.startswith(CLUSTER_TESTS) else "local"
 
 
+def scope(nodeid: str, workers: int) -> str:
+    """Its lane with ``workers`` workers: the second cluster lane joins the first where too few."""
+    name = lane(nodeid)
+    return "cluster" if name == "cluster2" and workers < 3 else name
+
+
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site
 def pytest_runtest_setup(item: pytest.Item) -> None:
     config = item.config
     if not hasattr(config, "workerinput"):
         return
-    if lane(item.nodeid) == "local" and not getattr(config, "_lanes_niced", False):
+    name = scope(item.nodeid, config.workerinput.get("workercount", 0))
+    if name == "local" and not getattr(config, "_lanes_niced", False):
         config._lanes_niced = True
         os.nice(LOCAL_NICE)
-    if lane(item.nodeid) != "local" and not hasattr(config, "_lanes_site"):
-        second = lane(item.nodeid) == "cluster2" and config.workerinput.get("workercount", 0) >= 3
-        config._lanes_site = 1 if second else 0
+    if name != "local" and not hasattr(config, "_lanes_site"):
+        config._lanes_site = 1 if name == "cluster2" else 0
 
 
 def cluster_site(config: pytest.Config) -> int:
@@ -67,7 +73,6 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            name = lane(nodeid)
-            return "cluster" if name == "cluster2" and self.numnodes < 3 else name  # one cluster lane
+            return scope(nodeid, self.numnodes)
 
     return Lanes(config, log)
