@@ -6,6 +6,11 @@ limit is its kind's (``LIMITS``) unless it says otherwise with ``@pytest.mark.bu
 the suite's is ``$DDP_TEST_BUDGET_S`` (default ``SUITE_LIMIT_S``: CI's 30 minutes less its installs).
 ``$DDP_TEST_TIMES=FILE`` also writes every test's seconds there as JSON (docs/testing.md).
 
+Each test's CPU is measured too, where it ran: its worker process and every child it waited for
+(``getrusage``), and for a cluster test the cgroup its site's containers run in (the nodes' launchers,
+zygotes and workers; not the shared dockerd). Listed as the tests that took most CPU, and in
+``$DDP_TEST_TIMES`` as ``cpu_s``: where less work would shorten a run whose cores are busy.
+
 The report also says how busy the machine's cores were over the run (``/proc/stat``, every
 process of the machine: the cluster's containers too): near all of them, and only less CPU work
 makes the suite faster; far from it, the run mostly waits, and running more side by side would.
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +43,58 @@ def busy_core_seconds() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user's
 
 
+def process_cpu_seconds() -> float:
+    """This process's CPU, and that of every child it has waited for (theirs include their own)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def cgroup_cpu_seconds(name: str) -> float:
+    """CPU that the processes of cgroup ``name`` have used (v1 cpuacct, or v2's cpu.stat), 0 where
+    it does not exist (yet, or any more)."""
+    try:
+        return int(Path(f"/sys/fs/cgroup/cpuacct/{name}/cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        pass
+    try:
+        stat = dict(line.split() for line in Path(f"/sys/fs/cgroup/{name}/cpu.stat").read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+    except (OSError, ValueError, KeyError):
+        return 0.0
+
+
+def _cluster_cgroup(item: pytest.Item) -> str | None:
+    """The cgroup of the cluster this test drives, or None for a test of the other lane."""
+    import lanes
+
+    site = lanes.site_of(item)
+    if site is None:
+        return None
+    from cluster.netcluster import Site
+
+    return Site(site).cgroup
+
+
+class CpuPerTest:
+    """Where a test runs: its CPU from before its setup to the end of its teardown, in its reports."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
+        group = _cluster_cgroup(item)
+        item._budget_cpu_start = group, process_cpu_seconds(), group and cgroup_cpu_seconds(group)
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):
+        if call.when == "teardown" and hasattr(item, "_budget_cpu_start"):
+            group, own, grouped = item._budget_cpu_start
+            used = process_cpu_seconds() - own
+            if group is not None:  # a cgroup made in this test counts from 0; one removed loses its count
+                used += max(0.0, cgroup_cpu_seconds(group) - grouped)
+            item.user_properties.append(("budget_cpu", round(used, 2)))
+        yield
+
+
 def _kind(item: pytest.Item) -> str:
     return next((k for k in ("cluster", "e2e") if item.get_closest_marker(k)), "unit")
 
@@ -52,12 +111,15 @@ class Budget:
         self.kinds: dict[str, str] = {}
         self.limits: dict[str, float] = {}
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration  # setup, call and teardown together
         said = dict(report.user_properties)  # set where the test ran: here, or in an xdist worker
         if "budget_kind" in said:
             self.kinds[report.nodeid], self.limits[report.nodeid] = said["budget_kind"], said["budget_limit"]
+        if "budget_cpu" in said:
+            self.cpu[report.nodeid] = said["budget_cpu"]
 
     def lines(self, wall: float, suite_limit: float, busy: float | None = None,
               cores: int | None = None) -> list[str]:
@@ -74,6 +136,9 @@ class Budget:
         out.append(f"slowest {SLOWEST}:")
         slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]
         out += [f"  {s:7.1f} s  {nodeid}" for nodeid, s in slowest]
+        if self.cpu:
+            out.append(f"most CPU {SLOWEST} (of {sum(self.cpu.values()) / 60:.1f} core-min measured in tests):")
+            out += [f"  {s:7.1f} core-s  {nodeid}" for nodeid, s in sorted(self.cpu.items(), key=lambda kv: -kv[1])[:SLOWEST]]
         over = [(nodeid, s, self.limits[nodeid]) for nodeid, s in self.seconds.items()
                 if nodeid in self.limits and s > self.limits[nodeid]]
         if over:
@@ -100,8 +165,9 @@ class Budget:
         target = os.environ.get("DDP_TEST_TIMES")
         if target:
             with open(target, "w") as fh:
-                json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores, "tests": {n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit")}
-                                                               for n, s in self.seconds.items()}}, fh, indent=1)
+                json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores, "tests": {
+                    n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n)}
+                    for n, s in self.seconds.items()}}, fh, indent=1)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -113,5 +179,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "budget(seconds): this test's own time limit in the budget report")
+    config.pluginmanager.register(CpuPerTest(), "ddp-budget-cpu")  # where tests run: here, or each worker
     if not hasattr(config, "workerinput"):  # the controller alone reports, where tests run in workers
         config.pluginmanager.register(Budget(), "ddp-budget")

@@ -48,17 +48,25 @@ def scope(nodeid: str, workers: int) -> str:
     return "cluster" if name == "cluster2" and workers < 3 else name
 
 
+def site_of(item: pytest.Item) -> int | None:
+    """The site (tests/cluster/netcluster.Site) of the cluster this test drives, None for a test of
+    the other lane; without ``-n`` every cluster test is on site 0."""
+    workers = getattr(item.config, "workerinput", {}).get("workercount", 0)
+    name = scope(item.nodeid, workers)
+    return None if name == "local" else 1 if name == "cluster2" else 0
+
+
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site
 def pytest_runtest_setup(item: pytest.Item) -> None:
     config = item.config
     if not hasattr(config, "workerinput"):
         return
-    name = scope(item.nodeid, config.workerinput.get("workercount", 0))
-    if name == "local" and not getattr(config, "_lanes_niced", False):
+    site = site_of(item)
+    if site is None and not getattr(config, "_lanes_niced", False):
         config._lanes_niced = True
         os.nice(LOCAL_NICE)
-    if name != "local" and not hasattr(config, "_lanes_site"):
-        config._lanes_site = 1 if name == "cluster2" else 0
+    if site is not None and not hasattr(config, "_lanes_site"):
+        config._lanes_site = site
 
 
 def cluster_site(config: pytest.Config) -> int:

@@ -14,6 +14,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 INNER = '''
+import subprocess
+import sys
 import time
 import pytest
 
@@ -27,6 +29,9 @@ def test_quick():
 @pytest.mark.e2e
 def test_an_e2e_within_its_kinds_limit():
     pass
+
+def test_work_in_a_child():
+    subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time() + 0.5\\nwhile time.process_time() < t: pass"], check=True)
 '''
 
 
@@ -51,8 +56,18 @@ def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_noth
     assert report.index("test_slow_beyond_its_own_limit") < report.index("test_quick")  # slowest first
     assert times["tests"]["test_inner.py::test_slow_beyond_its_own_limit"]["s"] >= 0.3
     assert times["tests"]["test_inner.py::test_an_e2e_within_its_kinds_limit"]["kind"] == "e2e"
-    assert set(times["tests"]) == {f"test_inner.py::{t}" for t in
-                                   ("test_slow_beyond_its_own_limit", "test_quick", "test_an_e2e_within_its_kinds_limit")}
+    assert set(times["tests"]) == {f"test_inner.py::{t}" for t in ("test_slow_beyond_its_own_limit", "test_quick",
+                                                                     "test_an_e2e_within_its_kinds_limit", "test_work_in_a_child")}
+
+
+@pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
+def test_each_tests_cpu_counts_its_childrens_work_and_the_report_names_the_most_costly(tmp_path, lanes):
+    proc, times = _run(tmp_path, "600", *lanes)
+    cpu = {name.split("::")[1]: t["cpu_s"] for name, t in times["tests"].items()}
+    assert cpu["test_work_in_a_child"] >= 0.5  # the child's half second, and its interpreter's start
+    assert cpu["test_slow_beyond_its_own_limit"] < 0.25  # it sleeps: its 0.3 s are not CPU
+    report = proc.stdout[proc.stdout.index("most CPU"):]
+    assert report.splitlines()[1].endswith("core-s  test_inner.py::test_work_in_a_child")
 
 
 def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):
