@@ -133,6 +133,22 @@ def test_a_rank_that_crashed_is_named_by_torchrun_s_summary_without_the_words_of
     assert first == Failure("node1", 1, "3", "2026-11-25_16:18:02", None)  # rank 0's "Connection reset" is not its
 
 
+def test_a_traceback_s_last_line_is_the_rank_s_own_whatever_torchrun_or_another_rank_wrote_in_between():
+    """Under load torchrun's agent logs (it is stopping the others) while a rank's traceback is
+    still being written, and another rank prints meanwhile: the exception is the rank's own line."""
+    traceback = _raised(4, "Connection closed by peer [198.18.0.12]:4444").splitlines(keepends=True)
+    log = ("[rank4]: epoch 1\n[rank5]: epoch 1\n" + traceback[0] +
+           "W1129 03:19:20.961000 6 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 13 "
+           "closing signal SIGTERM\n" + traceback[1] + "[rank5]: still here\n" + traceback[2])
+    assert program_error(log) == ("RuntimeError: Connection closed by peer [198.18.0.12]:4444", 4)
+    left = "[rank2]: epoch 1\n[rank3]: epoch 1\n" + _raised(2, "Connection reset by peer") + _summary(
+        "2026-11-29_03:19:22", 2, 1)
+    stopped = "Failures:\n[1]:\n  time      : 2026-11-29_03:19:21\n  rank      : 5 (local_rank: 1)\n  exitcode  : -15\n"
+    summary = _summary("2026-11-29_03:19:21", 4, 1).replace("Root Cause", stopped + "Root Cause")
+    first = first_failure({"node3": log + summary, "node2": left})
+    assert isinstance(first, LeftEarly) and (first.node, first.rank, first.lost_by) == ("node2", 3, "node3 rank 4")
+
+
 def test_a_lost_connection_with_every_rank_accounted_for_blames_no_one_else():
     log = "[rank0]: epoch 1\n" + _raised(0, "Connection closed by peer [10.0.0.2]:4444") + _summary(
         "2026-11-23_06:51:21", 0, 1)

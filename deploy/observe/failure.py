@@ -96,7 +96,7 @@ def _root_cause(log: str) -> dict[str, str] | None:
 def program_error(log: str, only: int | None = None) -> tuple[str | None, int | None]:
     """The program's first error line in ``log`` (before torchrun's failure summary), and the
     rank whose prefix it carried, if any; ``only``: of that rank's lines alone."""
-    in_traceback = False
+    in_traceback, traceback_rank = False, None
     for raw in log.splitlines():
         if ROOT_CAUSE in raw or "ChildFailedError" in raw:
             break
@@ -104,10 +104,13 @@ def program_error(log: str, only: int | None = None) -> tuple[str | None, int | 
         if only is not None and rank != only:
             continue
         if line.startswith("Traceback (most recent call last)"):
-            in_traceback = True
+            in_traceback, traceback_rank = True, rank
             continue
         if in_traceback:
-            if line.strip() and not line.startswith((" ", "\t")) and not line.startswith("The above exception"):
+            # torchrun's agent and the other ranks write to the same log meanwhile: neither ends this traceback
+            interleaved = _TORCHRUN_LINE.match(line) or (traceback_rank is not None and rank != traceback_rank)
+            if (line.strip() and not interleaved and not line.startswith((" ", "\t"))
+                    and not line.startswith("The above exception")):
                 return line.strip(), rank
             continue
         if _ERROR_LINE.search(line) and not _TORCHRUN_LINE.match(line):

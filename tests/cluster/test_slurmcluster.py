@@ -99,9 +99,13 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
                                   "--wrap", "srun sleep 600"], check=True)
     wait_until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", _submitted(r.stdout)]
                                  ).stdout.strip() == "RUNNING", 30, "the job to run")
+
+    def names() -> set[str]:
+        return {comm for p in slurmcluster.marked_processes() if (comm := _comm(p))}
+    # RUNNING comes before the step's srun has its `sleep` started on the nodes
+    wait_until(lambda: {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= names(), 30,
+               "the daemons, the step daemons and the job's sleep", interval=0.2)
     before = slurmcluster.marked_processes()  # daemons, step daemons, the job's processes
-    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in before}
-    assert {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= names
     # a later session's start, while the processes of this one are still there (as after kill -9)
     later = slurmcluster.SlurmCluster(cluster)
     try:
@@ -114,3 +118,10 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
     finally:
         later.stop()
         slurm.start()  # the session's own, for the tests after this one
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # ended since it was listed
+        return None
