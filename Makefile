@@ -11,6 +11,7 @@ OLDEST_VENV ?= .venv-torch-oldest
 OLDEST_TORCH_PINS ?= torch==2.5.1 torchvision==0.20.1
 DEPLOY := $(VENV)/bin/ddp-deploy --hosts $(HOSTS)
 PYTEST_ARGS ?=
+LANES ?= 3
 
 .PHONY: install install-oldest operator-wheels tools gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-serial test-fast test-area clean
 
@@ -92,11 +93,11 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-## Every test, in two lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in one, in
-## order, every other test in the other, reniced. CI runs this. (PYTEST_ARGS=-n3 puts the waiting
-## cluster tests on a second cluster of their own: about 10 min less, but timing tests flake, docs/testing.md.)
+## Every test, in three lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in two,
+## each on a cluster of its own, in order, every other test in the third, reniced. CI runs this.
+## LANES=2: the cluster tests in one lane on one cluster (docs/testing.md).
 test: tools
-	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n 2 $(PYTEST_ARGS)
+	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n $(LANES) $(PYTEST_ARGS)
 
 ## The same tests in one process, one after the other.
 test-serial: tools
