@@ -1,26 +1,30 @@
-"""The lanes of ``make test`` (``pytest -n 2``, pytest-xdist; ``-n 3`` on request): the tests under
-tests/cluster/ in one worker, or with ``-n 3`` in two workers, each on a cluster of its own
-(netcluster.Site 0 and 1: names, addresses and paths of its own), in collection order, and every
-other test in the last worker. A cluster test mostly waits (on
-timeouts, on its nodes), so the other lanes' tests use the cores meanwhile. The second cluster lane
-takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one lane again, on one
-cluster.
+"""The lanes of ``make test`` (``pytest -n 3``, pytest-xdist; ``-n 2`` on request): the tests under
+tests/cluster/ in two workers, each on a cluster of its own (netcluster.Site 0 and 1: names,
+addresses and paths of its own), in collection order; every other test goes, one at a time, to
+whichever worker has run out of work: the third from the start, each cluster worker once its
+lane is done. A cluster test mostly waits (on timeouts, on its nodes), so the other tests use the
+cores meanwhile, and the run ends when the last test does, not when the longest lane would. The
+second cluster lane takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one
+lane again, on one cluster.
 
 xdist's own ``--dist loadgroup`` would do this with marks, but it names a group by rewriting the
 test's node id, which pytest 9.2 no longer reads: here the scheduler groups by path instead.
 Without ``-n`` nothing changes.
 
-The other lane runs at a lower priority (``LOCAL_NICE``), set in its worker before its first test
-and inherited by every process it starts. A cluster job's processes, each node's in a container's
-cgroup, weigh no more to the kernel than a single process of the other lane would at the same
-priority: under that lane's training the cluster lane ran 45% slower than alone in a clean-clone
-run. Reniced, the other lane uses what the cluster lane leaves, and still all of the cores while a
-cluster test waits.
+The other tests run at a lower priority (``LOCAL_NICE``), set in a worker before its first such
+test and inherited by every process it starts. A cluster job's processes, each node's in a
+container's cgroup, weigh no more to the kernel than a single process of the other tests would at
+the same priority: under their training the cluster lane ran 45% slower than alone in a
+clean-clone run. Reniced, the other tests use what the cluster lanes leave, and still all of the
+cores while a cluster test waits.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +36,7 @@ and use none of the parts built on the first cluster (Slurm, the registry, the c
 
 
 LOCAL_NICE = 5
-"""The other lane's niceness, under ``-n``: a weight of 335 to each of its processes against 1024 for
+"""The other tests' niceness, under ``-n``: a weight of 335 to each of its processes against 1024 for
 a container's cgroup of cluster processes (Linux's CFS)."""
 
 
@@ -75,12 +79,35 @@ def cluster_site(config: pytest.Config) -> int:
     return getattr(config, "_lanes_site", 0)
 
 
+def shares_module_fixtures(path: Path) -> bool:
+    """Whether the test module at ``path`` defines a module-scoped fixture: its tests run in one
+    worker, which sets the fixture up once."""
+    try:
+        return MODULE_FIXTURE.search(path.read_text()) is not None
+    except OSError:
+        return False
+
+
+MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["']module["']""")
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: xdist may be absent
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
+        """A cluster lane is one unit of work, and every other test a unit of its own (a module
+        whose tests share a module-scoped fixture: one unit). xdist hands a worker its next unit when
+        it has two tests or fewer left, and orders the units by their number of tests: the cluster
+        lanes go first, each to a worker of its own (a lane of one test is still collected before
+        the others: tests/cluster/ sorts first)."""
+
+        @functools.cache
         def _split_scope(self, nodeid: str) -> str:
-            return scope(nodeid, self.numnodes)
+            name = scope(nodeid, self.numnodes)
+            if name != "local":
+                return name
+            module = nodeid.split("::", 1)[0]
+            return module if shares_module_fixtures(config.rootpath / module) else nodeid
 
     return Lanes(config, log)

@@ -1,5 +1,5 @@
 """tests/lanes.py: under ``pytest -n 3`` the cluster's tests run in two workers, each lane in order
-and on a cluster site of its own, and the others in the third worker, reniced."""
+and on a cluster site of its own, and the others in whichever worker has run out of work, reniced."""
 
 from __future__ import annotations
 
@@ -20,20 +20,23 @@ import lanes
 
 @pytest.mark.parametrize("i", range({n}))
 def test_{kind}(i, request):
-    time.sleep(0.05)
+    time.sleep({pause})
     with open({seen!r}, "a") as fh:
         fh.write(json.dumps([{kind!r}, i, os.environ["PYTEST_XDIST_WORKER"], os.nice(0),
-                             lanes.cluster_site(request.config)]) + "\\n")
+                             lanes.cluster_site(request.config), time.monotonic()]) + "\\n")
 '''
 
 
 def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
     seen = tmp_path / "seen.jsonl"
     (tmp_path / "tests" / "cluster").mkdir(parents=True)
-    (tmp_path / "tests" / "cluster" / "test_c.py").write_text(TESTS.format(n=6, kind="cluster", seen=str(seen)))
+    (tmp_path / "tests" / "cluster" / "test_c.py").write_text(TESTS.format(n=6, kind="cluster", seen=str(seen), pause=0.05))
     second = tmp_path / lanes.SECOND_CLUSTER_TESTS[0]
-    second.write_text(TESTS.format(n=6, kind="second", seen=str(seen)))
-    (tmp_path / "tests" / "test_l.py").write_text(TESTS.format(n=6, kind="local", seen=str(seen)))
+    second.write_text(TESTS.format(n=6, kind="second", seen=str(seen), pause=0.05))
+    # the other tests: more than one worker's share of the time
+    (tmp_path / "tests" / "test_l.py").write_text(TESTS.format(n=24, kind="local", seen=str(seen), pause=0.1))
+    (tmp_path / "tests" / "test_m.py").write_text(TESTS.format(n=8, kind="together", seen=str(seen), pause=0.1)
+                                                  + '\n@pytest.fixture(scope="module")\ndef shared():\n    return 1\n')
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "lanes", "-p", "no:cacheprovider", "-n", str(workers),
@@ -43,27 +46,40 @@ def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
 
 
 def _by_kind(runs: list[list], field: int) -> dict[str, set]:
-    return {kind: {r[field] for r in runs if r[0] == kind} for kind in ("cluster", "second", "local")}
+    return {kind: {r[field] for r in runs if r[0] == kind} for kind in ("cluster", "second", "local", "together")}
 
 
-def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_and_every_other_test_in_the_third(
+def _after_their_lane(runs: list[list], worker: str) -> bool:
+    """A cluster worker ran other tests only once its own lane was done."""
+    lane = [r[5] for r in runs if r[2] == worker and r[0] in ("cluster", "second")]
+    return all(r[5] > max(lane, default=0) for r in runs if r[2] == worker and r[0] in ("local", "together"))
+
+
+def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_and_the_others_where_a_worker_is_free(
         tmp_path):
     runs = _run_lanes(tmp_path, 3)
     workers = _by_kind(runs, 2)
-    assert all(len(w) == 1 for w in workers.values()), workers
-    assert len(set.union(*workers.values())) == 3, workers
+    assert len(workers["cluster"]) == 1 and len(workers["second"]) == 1 and workers["cluster"] != workers["second"]
     for kind in ("cluster", "second"):
         assert [r[1] for r in runs if r[0] == kind] == list(range(6))
-    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {1}, "local": {0}}  # two clusters side by side
-    # the other lane yields the cores to the clusters': its tests, and what they start, run reniced
+    assert sorted(r[1] for r in runs if r[0] == "local") == list(range(24))
+    assert len(workers["together"]) == 1  # a module whose tests share a module-scoped fixture: one worker
+    # the third worker takes the other tests from the start, and a cluster worker joins it once its lane is done
+    third = ({r[2] for r in runs} - workers["cluster"] - workers["second"]).pop()
+    assert third in workers["local"] and len(workers["local"]) >= 2, workers
+    assert all(_after_their_lane(runs, w) for w in workers["cluster"] | workers["second"])
+    assert _by_kind(runs, 4)["cluster"] == {0} and _by_kind(runs, 4)["second"] == {1}  # two clusters side by side
+    # the other tests yield the cores to the clusters': they, and what they start, run reniced
     base = os.nice(0)
-    assert _by_kind(runs, 3) == {"cluster": {base}, "second": {base}, "local": {min(base + lanes.LOCAL_NICE, 19)}}
+    niced = {min(base + lanes.LOCAL_NICE, 19)}
+    assert _by_kind(runs, 3) == {"cluster": {base}, "second": {base}, "local": niced, "together": niced}
 
 
 def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_path):
     """The cluster's tests are one lane again, in one worker, on one cluster (Slurm's site)."""
     runs = _run_lanes(tmp_path, 2)
-    assert _by_kind(runs, 4) == {"cluster": {0}, "second": {0}, "local": {0}}
+    assert _by_kind(runs, 4)["cluster"] == {0} and _by_kind(runs, 4)["second"] == {0}
     workers = _by_kind(runs, 2)
     assert workers["cluster"] == workers["second"] and len(workers["cluster"]) == 1
-    assert workers["local"].isdisjoint(workers["cluster"])
+    assert [r[1] for r in runs if r[0] == "cluster"] == list(range(6))
+    assert _after_their_lane(runs, next(iter(workers["cluster"])))
