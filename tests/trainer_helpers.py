@@ -6,9 +6,11 @@ import json
 import os
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
+from procs import descendants_of
 
 SMALL = ["--synthetic-size", "512", "--batch-size", "16", "--eval-batch-size", "256",
          "--log-every", "4", "--epochs", "2"]
@@ -41,8 +43,36 @@ def torchrun_cmd(python: str, tmp: Path, *flags: str, nproc: int = 2) -> list[st
 
 def run_torchrun(python: str, tmp: Path, *flags: str, nproc: int = 2, timeout: float = 300,
                  forked: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_cmd(python, tmp, *flags, nproc=nproc), env=trainer_env(forked),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """The launcher's run to its end. One that has not ended after ``timeout`` fails the test with
+    its output and where each of its processes was (py-spy), then is killed with them."""
+    cmd = torchrun_cmd(python, tmp, *flags, nproc=nproc)
+    with subprocess.Popen(cmd, env=trainer_env(forked), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=ROOT) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = [proc.pid, *descendants_of(proc.pid)]
+            stacks = "\n".join(_stack(pid) for pid in tree)
+            for pid in reversed(tree):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+            out, err = proc.communicate()
+            raise AssertionError(f"the launcher had not ended after {timeout} s: {cmd}\n--- its output:\n{out[-4000:]}\n"
+                                 f"--- its errors:\n{err[-4000:]}\n--- where its processes were:\n{stacks}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _stack(pid: int) -> str:
+    spy = Path(sys.executable).with_name("py-spy")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            what = fh.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        dump = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        return f"{pid} {what}\n{dump.stdout}{dump.stderr}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{pid}: {exc}"
 
 
 def metrics(ckpt_dir: Path) -> list[dict]:
