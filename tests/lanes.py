@@ -98,9 +98,14 @@ def pytest_xdist_make_scheduler(config, log):
     class Lanes(LoadScopeScheduling):
         """A cluster lane is one unit of work, and every other test a unit of its own (a module
         whose tests share a module-scoped fixture: one unit). xdist hands a worker its next unit when
-        it has two tests or fewer left, and orders the units by their number of tests: the cluster
-        lanes go first, each to a worker of its own (a lane of one test is still collected before
-        the others: tests/cluster/ sorts first)."""
+        it has two tests or fewer left; the cluster lanes go first, each to a worker of its own."""
+
+        def _assign_work_unit(self, node) -> None:
+            for lane_name in ("cluster", "cluster2"):
+                if lane_name in self.workqueue:
+                    self.workqueue.move_to_end(lane_name, last=False)
+                    break
+            super()._assign_work_unit(node)
 
         @functools.cache
         def _split_scope(self, nodeid: str) -> str:

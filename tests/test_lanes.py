@@ -23,7 +23,7 @@ def test_{kind}(i, request):
     time.sleep({pause})
     with open({seen!r}, "a") as fh:
         fh.write(json.dumps([{kind!r}, i, os.environ["PYTEST_XDIST_WORKER"], os.nice(0),
-                             lanes.cluster_site(request.config), time.monotonic()]) + "\\n")
+                             lanes.cluster_site(request.config), time.monotonic(), __file__]) + "\\n")
 '''
 
 
@@ -35,8 +35,10 @@ def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
     second.write_text(TESTS.format(n=6, kind="second", seen=str(seen), pause=0.05))
     # the other tests: more than one worker's share of the time
     (tmp_path / "tests" / "test_l.py").write_text(TESTS.format(n=24, kind="local", seen=str(seen), pause=0.1))
-    (tmp_path / "tests" / "test_m.py").write_text(TESTS.format(n=8, kind="together", seen=str(seen), pause=0.1)
-                                                  + '\n@pytest.fixture(scope="module")\ndef shared():\n    return 1\n')
+    # modules whose tests share a module-scoped fixture, each with more tests than a cluster lane
+    for name in ("test_m.py", "test_n.py"):
+        (tmp_path / "tests" / name).write_text(TESTS.format(n=8, kind="together", seen=str(seen), pause=0.1)
+                                               + '\n@pytest.fixture(scope="module")\ndef shared():\n    return 1\n')
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "lanes", "-p", "no:cacheprovider", "-n", str(workers),
@@ -63,7 +65,8 @@ def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_
     for kind in ("cluster", "second"):
         assert [r[1] for r in runs if r[0] == kind] == list(range(6))
     assert sorted(r[1] for r in runs if r[0] == "local") == list(range(24))
-    assert len(workers["together"]) == 1  # a module whose tests share a module-scoped fixture: one worker
+    for module in ("test_m.py", "test_n.py"):  # a module whose tests share a module-scoped fixture: one worker
+        assert len({r[2] for r in runs if r[6].endswith(module)}) == 1
     # the third worker takes the other tests from the start, and a cluster worker joins it once its lane is done
     third = ({r[2] for r in runs} - workers["cluster"] - workers["second"]).pop()
     assert third in workers["local"] and len(workers["local"]) >= 2, workers
