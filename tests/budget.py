@@ -6,9 +6,11 @@ limit is its kind's (``LIMITS``) unless it says otherwise with ``@pytest.mark.bu
 the suite's is ``$DDP_TEST_BUDGET_S`` (default ``SUITE_LIMIT_S``: CI's 30 minutes less its installs).
 ``$DDP_TEST_TIMES=FILE`` also writes every test's seconds there as JSON (docs/testing.md).
 
-Each test's CPU is measured too, where it ran: its worker process and every child it waited for
-(``getrusage``), and for a cluster test the cgroup its site's containers run in (the nodes' launchers,
-zygotes and workers; not the shared dockerd). Listed as the tests that took most CPU, and in
+Each test's CPU is measured too, where it ran: what its worker process and every process it
+started used meanwhile (a cgroup of the worker's own; where none can be made, ``getrusage`` of the
+worker and of the children it waited for, which counts a long-lived child where it is reaped), and
+for a cluster test what its site's containers used (the nodes' launchers, zygotes and workers; not
+the shared dockerd). Listed as the tests that took most CPU, and in
 ``$DDP_TEST_TIMES`` as ``cpu_s``: where less work would shorten a run whose cores are busy.
 
 The report also says how busy the machine's cores were over the run (``/proc/stat``, every
@@ -44,9 +46,39 @@ def busy_core_seconds() -> float | None:
 
 
 def process_cpu_seconds() -> float:
-    """This process's CPU, and that of every child it has waited for (theirs include their own)."""
+    """This process's CPU, and that of every child it has waited for (theirs include their own):
+    where no cgroup of its own can be made, which counts a long-lived child when it is reaped."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+OWN_GROUP_PREFIX = "ddptests-"
+
+
+def own_cgroup() -> str | None:
+    """A cpuacct cgroup (v1, as root) for this process alone, and for every process it starts until
+    something moves it (a cluster node's container: its site's cgroup). None where none can be made."""
+    for stale in CPUACCT.glob(OWN_GROUP_PREFIX + "*"):  # those of earlier runs, once empty
+        try:
+            stale.rmdir()
+        except OSError:
+            pass
+    group = CPUACCT / f"{OWN_GROUP_PREFIX}{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group.name
+
+
+def leave_own_cgroup(name: str) -> None:
+    try:
+        (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+        (CPUACCT / name).rmdir()  # fails while a process this one started is still in it; the next run removes it
+    except OSError:
+        pass
 
 
 def cgroup_cpu_seconds(name: str) -> float:
@@ -76,19 +108,30 @@ def _cluster_cgroup(item: pytest.Item) -> str | None:
 
 
 class CpuPerTest:
-    """Where a test runs: its CPU from before its setup to the end of its teardown, in its reports."""
+    """Where a test runs: its CPU from before its setup to the end of its teardown, in its reports:
+    what this process's own cgroup (all it started) and its cluster's used meanwhile."""
+
+    def __init__(self) -> None:
+        self.group = own_cgroup()
+
+    def cpu_seconds(self) -> float:
+        return cgroup_cpu_seconds(self.group) if self.group else process_cpu_seconds()
+
+    def pytest_unconfigure(self) -> None:
+        if self.group:
+            leave_own_cgroup(self.group)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         group = _cluster_cgroup(item)
-        item._budget_cpu_start = group, process_cpu_seconds(), group and cgroup_cpu_seconds(group)
+        item._budget_cpu_start = group, self.cpu_seconds(), group and cgroup_cpu_seconds(group)
         yield
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         if call.when == "teardown" and hasattr(item, "_budget_cpu_start"):
             group, own, grouped = item._budget_cpu_start
-            used = process_cpu_seconds() - own
+            used = self.cpu_seconds() - own
             if group is not None:  # a cgroup made in this test counts from 0; one removed loses its count
                 used += max(0.0, cgroup_cpu_seconds(group) - grouped)
             item.user_properties.append(("budget_cpu", round(used, 2)))

@@ -30,8 +30,20 @@ def test_quick():
 def test_an_e2e_within_its_kinds_limit():
     pass
 
+SPIN = "import time\\nt = time.process_time() + 0.5\\nwhile time.process_time() < t: pass"
+
 def test_work_in_a_child():
-    subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time() + 0.5\\nwhile time.process_time() < t: pass"], check=True)
+    subprocess.run([sys.executable, "-c", SPIN], check=True)
+
+LEFT = []
+
+def test_zz_starts_a_child_it_leaves():
+    LEFT.append(subprocess.Popen([sys.executable, "-c", SPIN + "\\nprint(1, flush=True)"], stdout=subprocess.PIPE))
+    LEFT[0].stdout.readline()  # it has done its work, and is not reaped here
+
+def test_zz_zreaps_a_child_another_test_left():
+    for child in LEFT:
+        child.wait()
 '''
 
 
@@ -56,8 +68,9 @@ def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_noth
     assert report.index("test_slow_beyond_its_own_limit") < report.index("test_quick")  # slowest first
     assert times["tests"]["test_inner.py::test_slow_beyond_its_own_limit"]["s"] >= 0.3
     assert times["tests"]["test_inner.py::test_an_e2e_within_its_kinds_limit"]["kind"] == "e2e"
-    assert set(times["tests"]) == {f"test_inner.py::{t}" for t in ("test_slow_beyond_its_own_limit", "test_quick",
-                                                                     "test_an_e2e_within_its_kinds_limit", "test_work_in_a_child")}
+    assert set(times["tests"]) == {f"test_inner.py::{t}" for t in (
+        "test_slow_beyond_its_own_limit", "test_quick", "test_an_e2e_within_its_kinds_limit", "test_work_in_a_child",
+        "test_zz_starts_a_child_it_leaves", "test_zz_zreaps_a_child_another_test_left")}
 
 
 @pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
@@ -67,7 +80,16 @@ def test_each_tests_cpu_counts_its_childrens_work_and_the_report_names_the_most_
     assert cpu["test_work_in_a_child"] >= 0.5  # the child's half second, and its interpreter's start
     assert cpu["test_slow_beyond_its_own_limit"] < 0.25  # it sleeps: its 0.3 s are not CPU
     report = proc.stdout[proc.stdout.index("most CPU"):]
-    assert report.splitlines()[1].endswith("core-s  test_inner.py::test_work_in_a_child")
+    assert report.splitlines()[1].split("core-s  ")[1] in ("test_inner.py::test_work_in_a_child",
+                                                         "test_inner.py::test_zz_starts_a_child_it_leaves")
+
+
+@pytest.mark.skipif(not os.access("/sys/fs/cgroup/cpuacct", os.W_OK), reason="needs a writable cgroup v1 cpuacct (root)")
+def test_a_child_s_work_counts_in_the_test_it_ran_in_not_the_one_that_reaped_it(tmp_path):
+    _, times = _run(tmp_path, "600")
+    cpu = {name.split("::")[1]: t["cpu_s"] for name, t in times["tests"].items()}
+    assert cpu["test_zz_starts_a_child_it_leaves"] >= 0.5, cpu
+    assert cpu["test_zz_zreaps_a_child_another_test_left"] < 0.2, cpu
 
 
 def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):
