@@ -93,9 +93,9 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-## Every test, in three lanes side by side (pytest-xdist, tests/lanes.py): the cluster tests in two,
-## each on a cluster of its own, in order, every other test in the third, reniced. CI runs this.
-## LANES=2: the cluster tests in one lane on one cluster (docs/testing.md).
+## Every test, in three workers side by side (pytest-xdist, tests/lanes.py): the cluster tests in two
+## lanes, each on a cluster of its own, in order; every other test, reniced, in whichever worker is
+## free. CI runs this. LANES=2: the cluster tests in one lane on one cluster (docs/testing.md).
 test: tools
 	DDP_TORCH_OLDEST_PYTHON=$(abspath $(OLDEST_VENV))/bin/python $(VENV)/bin/python -m pytest -ra -n $(LANES) $(PYTEST_ARGS)
 
