@@ -85,7 +85,7 @@ def cgroup_cpu_seconds(name: str) -> float:
     """CPU that the processes of cgroup ``name`` have used (v1 cpuacct, or v2's cpu.stat), 0 where
     it does not exist (yet, or any more)."""
     try:
-        return int(Path(f"/sys/fs/cgroup/cpuacct/{name}/cpuacct.usage").read_text()) / 1e9
+        return int((CPUACCT / name / "cpuacct.usage").read_text()) / 1e9
     except (OSError, ValueError):
         pass
     try:

@@ -13,6 +13,14 @@ def _stat_fields(pid: int | str) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
+def command_name(pid: int) -> str | None:
+    """Its command name (/proc/PID/comm), or None once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def parent_of(pid: int) -> int | None:
     try:
         return int(_stat_fields(pid)[1])
@@ -61,8 +69,13 @@ def kill_runs_under(directory: Path) -> list[int]:
     """SIGKILLs every process of a run kept under ``directory`` (the host runtime marks each process
     of a run with ``DDP_DEPLOY_RUN=<its run directory>``, deploy/job/runtime.py); their pids."""
     prefix = f"DDP_DEPLOY_RUN={directory}/".encode()
+    return kill(with_environ(lambda env: any(v.startswith(prefix) for v in env)))
+
+
+def kill(pids: list[int]) -> list[int]:
+    """SIGKILLs each of ``pids``, in order; those it reached."""
     killed = []
-    for pid in with_environ(lambda env: any(v.startswith(prefix) for v in env)):
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)

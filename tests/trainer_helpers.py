@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-from procs import descendants_of
+from procs import descendants_of, kill
 
 SMALL = ["--synthetic-size", "512", "--batch-size", "16", "--eval-batch-size", "256",
          "--log-every", "4", "--epochs", "2"]
@@ -53,11 +53,7 @@ def run_torchrun(python: str, tmp: Path, *flags: str, nproc: int = 2, timeout: f
         except subprocess.TimeoutExpired:
             tree = [proc.pid, *descendants_of(proc.pid)]
             stacks = "\n".join(_stack(pid) for pid in tree)
-            for pid in reversed(tree):
-                try:
-                    os.kill(pid, 9)
-                except OSError:
-                    pass
+            kill(tree[::-1])
             out, err = proc.communicate()
             raise AssertionError(f"the launcher had not ended after {timeout} s: {cmd}\n--- its output:\n{out[-4000:]}\n"
                                  f"--- its errors:\n{err[-4000:]}\n--- where its processes were:\n{stacks}") from None

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import command_name
+
 from . import netcluster, slurmcluster
 from .operator_cli import wait_until
 
@@ -101,7 +103,7 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
                                  ).stdout.strip() == "RUNNING", 30, "the job to run")
 
     def names() -> set[str]:
-        return {comm for p in slurmcluster.marked_processes() if (comm := _comm(p))}
+        return {comm for p in slurmcluster.marked_processes() if (comm := command_name(p))}
     # RUNNING comes before the step's srun has its `sleep` started on the nodes
     wait_until(lambda: {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= names(), 30,
                "the daemons, the step daemons and the job's sleep", interval=0.2)
@@ -118,10 +120,3 @@ def test_a_fresh_start_reaps_the_daemons_and_jobs_of_a_run_that_was_killed(clust
     finally:
         later.stop()
         slurm.start()  # the session's own, for the tests after this one
-
-
-def _comm(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:  # ended since it was listed
-        return None
