@@ -16,6 +16,15 @@ the shared dockerd). Listed as the tests that took most CPU, and in
 The report also says how busy the machine's cores were over the run (``/proc/stat``, every
 process of the machine: the cluster's containers too): near all of them, and only less CPU work
 makes the suite faster; far from it, the run mostly waits, and running more side by side would.
+
+And how full the disk got: the most used on the filesystem of ``$DDP_TEST_DISK`` (default
+/var/tmp, where the clusters keep their nodes' image stores and the image chain its spool files)
+beyond what it held at the start, its least free space, and the tests running at that moment; in
+``$DDP_TEST_TIMES``, each test's ``disk_gb``: the most used while it ran beyond its start (with
+whatever ran beside it).
+Every test that ships an image writes gigabytes: this is where two clusters side by side can run
+a machine out of space (``No space left on device`` in a failure is then the machine's, not the
+code's).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +40,7 @@ from pathlib import Path
 import pytest
 
 SUITE_LIMIT_S = 25 * 60
+DISK_PATH, DISK_EVERY_S = "/var/tmp", 0.5
 LIMITS = {"cluster": 120.0, "e2e": 45.0, "unit": 10.0}
 SLOWEST = 15
 
@@ -147,14 +158,85 @@ def _limit(item: pytest.Item) -> float:
     return float(mark.args[0]) if mark else LIMITS[_kind(item)]
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+class DiskPeak:
+    """The most used on one filesystem while the run goes on, sampled by a thread, and which tests
+    were running then."""
+
+    def __init__(self, path: str, every_s: float = DISK_EVERY_S) -> None:
+        self.path, self.every_s = path, every_s
+        self.running: dict[str, list[int]] = {}  # test: [used at its start, most used since]
+        self.grew: dict[str, int] = {}  # test: the most used while it ran, beyond its start
+        self.lock = threading.Lock()  # running changes in pytest's thread, is read in this one's
+        self.start_used = self.peak_used = self._used()[0]
+        self.least_free = self._used()[1]
+        self.at_peak: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddp-budget-disk", daemon=True)
+        self._thread.start()
+
+    def _used(self) -> tuple[int, int]:
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def sample(self) -> None:
+        used, free = self._used()
+        self.least_free = min(self.least_free, free)
+        with self.lock:
+            for seen in self.running.values():
+                seen[1] = max(seen[1], used)
+            if used > self.peak_used:
+                self.peak_used, self.at_peak = used, sorted(self.running)
+
+    def started(self, nodeid: str) -> None:
+        used = self._used()[0]
+        with self.lock:
+            self.running[nodeid] = [used, used]
+
+    def finished(self, nodeid: str) -> None:
+        self.sample()
+        with self.lock:
+            start, most = self.running.pop(nodeid, (0, 0))
+            self.grew[nodeid] = max(self.grew.get(nodeid, 0), most - start)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def line(self) -> str:
+        line = (f"disk ({self.path}'s filesystem): at most {_size(self.peak_used - self.start_used)} more "
+                f"than at the start, {_size(self.least_free)} free at the least")
+        return line + (", while running: " + ", ".join(self.at_peak) if self.at_peak else "")
+
+    def record(self) -> dict:
+        return {"path": self.path, "peak_above_start_gb": round((self.peak_used - self.start_used) / 1e9, 3),
+                "least_free_gb": round(self.least_free / 1e9, 3), "at_peak": self.at_peak}
+
+
 class Budget:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.busy_at_start = busy_core_seconds()
+        self.disk = DiskPeak(os.environ.get("DDP_TEST_DISK") or DISK_PATH,
+                             float(os.environ.get("DDP_TEST_DISK_EVERY_S") or DISK_EVERY_S))
         self.kinds: dict[str, str] = {}
         self.limits: dict[str, float] = {}
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = {}
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:  # here, or forwarded from a worker
+        self.disk.started(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        self.disk.finished(nodeid)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration  # setup, call and teardown together
@@ -187,6 +269,7 @@ class Budget:
         if over:
             out.append(f"over their own limit ({len(over)}):")
             out += [f"  {s:7.1f} s > {limit:.0f} s  {nodeid}" for nodeid, s, limit in sorted(over, key=lambda o: -o[1])]
+        out.append(self.disk.line())
         if wall > suite_limit:
             out.append(f"the suite is over its limit: {wall / 60:.1f} min > {suite_limit / 60:.1f} min "
                        "($DDP_TEST_BUDGET_S); see the slowest tests above")
@@ -195,6 +278,7 @@ class Budget:
         return out
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        self.disk.stop()
         if not self.seconds:
             return
         wall = time.monotonic() - self.started
@@ -208,8 +292,10 @@ class Budget:
         target = os.environ.get("DDP_TEST_TIMES")
         if target:
             with open(target, "w") as fh:
-                json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores, "tests": {
-                    n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n)}
+                json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores,
+                           "disk": self.disk.record(), "tests": {
+                    n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n),
+                        "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3)}
                     for n, s in self.seconds.items()}}, fh, indent=1)
 
 

@@ -5,7 +5,8 @@ whichever worker has run out of work: the third from the start, each cluster wor
 lane is done. A cluster test mostly waits (on timeouts, on its nodes), so the other tests use the
 cores meanwhile, and the run ends when the last test does, not when the longest lane would. The
 second cluster lane takes ``SECOND_CLUSTER_TESTS``; with fewer workers the cluster's tests are one
-lane again, on one cluster.
+lane again, on one cluster, and so they are where the disk cannot hold two clusters at once
+(``disk_for_two_clusters``: the run's header says so).
 
 xdist's own ``--dist loadgroup`` would do this with marks, but it names a group by rewriting the
 test's node id, which pytest 9.2 no longer reads: here the scheduler groups by path instead.
@@ -46,18 +47,72 @@ def lane(nodeid: str) -> str:
     return "cluster" if nodeid.startswith(CLUSTER_TESTS) else "local"
 
 
-def scope(nodeid: str, workers: int) -> str:
-    """Its lane with ``workers`` workers: the second cluster lane joins the first where too few."""
+CLUSTER_DISK_GB = 9.0
+"""What one cluster lane may hold on /var/tmp's filesystem at once, in GB (10^9 bytes): its nodes'
+image stores, the image chain's spool file on each node (the whole stream, 1.2 GB), the operator's
+saved images, a test's own image cache. Measured: bench/RESULTS.md, "Disk"."""
+CACHE_DISK_GB = 7.0
+"""What the clusters' cache (netcluster.CACHE_DIR: the base image, the operators' stores, the
+containerd node's) takes where it is still to be built, in GB."""
+DISK = "/var/tmp"
+
+
+def disk_for_two_clusters(free_bytes: int | None = None) -> tuple[bool, str]:
+    """Whether the disk holds two cluster lanes at once (``$DDP_TEST_CLUSTER_DISK_GB`` overrides
+    CLUSTER_DISK_GB), and why not. Decided once, in xdist's controller, before any cluster is up."""
+    need_one = float(os.environ.get("DDP_TEST_CLUSTER_DISK_GB") or CLUSTER_DISK_GB)
+    if free_bytes is None:
+        st = os.statvfs(DISK)
+        free_bytes = st.f_bavail * st.f_frsize
+    need = 2 * need_one + (0.0 if _cache_built() else CACHE_DISK_GB)
+    if free_bytes / 1e9 >= need:
+        return True, ""
+    return False, (f"the cluster tests run in one lane on one cluster: {DISK}'s filesystem has "
+                   f"{free_bytes / 1e9:.1f} GB free, two clusters side by side need {need:.0f} "
+                   "(tests/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
+
+
+def _cache_built() -> bool:
+    try:
+        from cluster.netcluster import base_image_cache_path
+    except ImportError:  # not this repository's tests (test_lanes' own)
+        return True
+    return base_image_cache_path().exists()
+
+
+def scope(nodeid: str, workers: int, two_clusters: bool = True) -> str:
+    """Its lane with ``workers`` workers: the second cluster lane joins the first where too few, or
+    where the disk holds one cluster only."""
     name = lane(nodeid)
-    return "cluster" if name == "cluster2" and workers < 3 else name
+    return "cluster" if name == "cluster2" and (workers < 3 or not two_clusters) else name
 
 
 def site_of(item: pytest.Item) -> int | None:
     """The site (tests/cluster/netcluster.Site) of the cluster this test drives, None for a test of
     the other lane; without ``-n`` every cluster test is on site 0."""
-    workers = getattr(item.config, "workerinput", {}).get("workercount", 0)
-    name = scope(item.nodeid, workers)
+    given = getattr(item.config, "workerinput", {})
+    name = scope(item.nodeid, given.get("workercount", 0), given.get(TWO_CLUSTERS, True))
     return None if name == "local" else 1 if name == "cluster2" else 0
+
+
+TWO_CLUSTERS = "ddp_two_clusters"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    config._lanes_two_clusters, config._lanes_why_one = disk_for_two_clusters()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """The controller's decision, in each worker's ``workerinput``: every process agrees on it."""
+    node.workerinput[TWO_CLUSTERS] = getattr(node.config, "_lanes_two_clusters", True)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    why = getattr(config, "_lanes_why_one", "")
+    return [why] if why else []
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site
@@ -109,7 +164,7 @@ def pytest_xdist_make_scheduler(config, log):
 
         @functools.cache
         def _split_scope(self, nodeid: str) -> str:
-            name = scope(nodeid, self.numnodes)
+            name = scope(nodeid, self.numnodes, getattr(config, "_lanes_two_clusters", True))
             if name != "local":
                 return name
             module = nodeid.split("::", 1)[0]

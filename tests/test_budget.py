@@ -108,10 +108,59 @@ def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done
     while time.process_time() < spin_until:
         pass
     assert budget.busy_core_seconds() - before >= 0.4  # the machine's count holds this process's work
-    line = budget.Budget().lines(600.0, 1500.0, busy=900.0, cores=2)[1]
+    made = budget.Budget()
+    made.disk.stop()
+    line = made.lines(600.0, 1500.0, busy=900.0, cores=2)[1]
     assert line == "cores busy 75% of the run: 15.0 core-min of 20.0 (2 cores, every process of the machine)"
     proc, times = _run(tmp_path, "600")
     assert "cores busy " in proc.stdout[proc.stdout.index("time budget"):]
     # a number, whatever it is: a run of a second may fall between two of /proc/stat's ticks (the
     # count itself is checked above)
     assert isinstance(times["busy_core_s"], float) and times["busy_core_s"] >= 0 and times["cores"] == os.cpu_count()
+
+
+DISK_INNER = '''
+import os
+import time
+
+def test_fills_the_disk_for_a_second():
+    fd = os.open(os.path.join(os.environ["DDP_TEST_DISK"], "filler"), os.O_CREAT | os.O_WRONLY)
+    os.posix_fallocate(fd, 0, 24 << 20)
+    time.sleep(1.0)  # the sampler's every 0.1 s sees it
+    os.close(fd)
+    os.unlink(os.path.join(os.environ["DDP_TEST_DISK"], "filler"))
+
+def test_quick():
+    pass
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs of its own (root)")
+@pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
+def test_the_report_says_how_full_the_disk_got_and_which_test_was_running_then(tmp_path, lanes):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], check=True)
+    try:
+        (tmp_path / "test_disk.py").write_text(DISK_INNER)
+        times = tmp_path / "times.json"
+        env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_DISK": str(disk), "DDP_TEST_DISK_EVERY_S": "0.1",
+               "DDP_TEST_TIMES": str(times)}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", *lanes,
+                               str(tmp_path / "test_disk.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    recorded = json.loads(times.read_text())
+    said = recorded["disk"]
+    assert 0.024 <= recorded["tests"]["test_disk.py::test_fills_the_disk_for_a_second"]["disk_gb"] <= 0.03
+    if not lanes:  # in two workers, it may run beside the other
+        assert recorded["tests"]["test_disk.py::test_quick"]["disk_gb"] == 0
+    assert said["path"] == str(disk)
+    assert 0.024 <= said["peak_above_start_gb"] <= 0.03  # its 24 MiB (25.2 MB), nothing else writes there
+    assert said["at_peak"] == ["test_disk.py::test_fills_the_disk_for_a_second"]
+    assert 0.006 <= said["least_free_gb"] <= 0.009  # 32 MiB less 24
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("disk ("))
+    assert line == (f"disk ({disk}'s filesystem): at most 25 MB more than at the start, 8 MB free at the least, "
+                    "while running: test_disk.py::test_fills_the_disk_for_a_second")

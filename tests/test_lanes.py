@@ -27,7 +27,7 @@ def test_{kind}(i, request):
 '''
 
 
-def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
+def _run_lanes(tmp_path: Path, workers: int, env: dict | None = None) -> tuple[list[list], str]:
     seen = tmp_path / "seen.jsonl"
     (tmp_path / "tests" / "cluster").mkdir(parents=True)
     (tmp_path / "tests" / "cluster" / "test_c.py").write_text(TESTS.format(n=6, kind="cluster", seen=str(seen), pause=0.05))
@@ -40,11 +40,11 @@ def _run_lanes(tmp_path: Path, workers: int) -> list[list]:
         (tmp_path / "tests" / name).write_text(TESTS.format(n=8, kind="together", seen=str(seen), pause=0.1)
                                                + '\n@pytest.fixture(scope="module")\ndef shared():\n    return 1\n')
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": str(HERE), **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "lanes", "-p", "no:cacheprovider", "-n", str(workers),
                            "tests"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in seen.read_text().splitlines()]
+    return [json.loads(line) for line in seen.read_text().splitlines()], proc.stdout
 
 
 def _by_kind(runs: list[list], field: int) -> dict[str, set]:
@@ -59,7 +59,8 @@ def _after_their_lane(runs: list[list], worker: str) -> bool:
 
 def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_and_the_others_where_a_worker_is_free(
         tmp_path):
-    runs = _run_lanes(tmp_path, 3)
+    runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": "0"})
+    assert "one lane" not in out
     workers = _by_kind(runs, 2)
     assert len(workers["cluster"]) == 1 and len(workers["second"]) == 1 and workers["cluster"] != workers["second"]
     for kind in ("cluster", "second"):
@@ -78,11 +79,34 @@ def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_
     assert _by_kind(runs, 3) == {"cluster": {base}, "second": {base}, "local": niced, "together": niced}
 
 
-def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_path):
-    """The cluster's tests are one lane again, in one worker, on one cluster (Slurm's site)."""
-    runs = _run_lanes(tmp_path, 2)
+def _one_lane_on_the_first_site(runs: list[list]) -> None:
     assert _by_kind(runs, 4)["cluster"] == {0} and _by_kind(runs, 4)["second"] == {0}
     workers = _by_kind(runs, 2)
     assert workers["cluster"] == workers["second"] and len(workers["cluster"]) == 1
     assert [r[1] for r in runs if r[0] == "cluster"] == list(range(6))
     assert _after_their_lane(runs, next(iter(workers["cluster"])))
+
+
+def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_path):
+    """The cluster's tests are one lane again, in one worker, on one cluster (Slurm's site)."""
+    runs, _ = _run_lanes(tmp_path, 2)
+    _one_lane_on_the_first_site(runs)
+
+
+def test_where_the_disk_holds_one_cluster_only_the_cluster_tests_are_one_lane_and_the_run_says_why(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": str(free / 1e9)})  # one fits, two do not
+    _one_lane_on_the_first_site(runs)
+    said = next(line for line in out.splitlines() if "one lane" in line)
+    assert said.startswith("the cluster tests run in one lane on one cluster: /var/tmp's filesystem has ")
+    assert said.endswith("(tests/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
+
+
+def test_two_clusters_need_twice_a_lane_s_disk_and_the_cache_where_it_is_not_built(monkeypatch):
+    monkeypatch.setenv("DDP_TEST_CLUSTER_DISK_GB", "9")
+    monkeypatch.setattr(lanes, "_cache_built", lambda: True)
+    assert lanes.disk_for_two_clusters(int(18e9))[0] and not lanes.disk_for_two_clusters(int(17.9e9))[0]
+    monkeypatch.setattr(lanes, "_cache_built", lambda: False)
+    ok, why = lanes.disk_for_two_clusters(int(24.9e9))
+    assert not ok and "has 24.9 GB free, two clusters side by side need 25 " in why
+    assert lanes.disk_for_two_clusters(int(25e9))[0]
