@@ -21,7 +21,7 @@ And how full the disk got: the most used on the filesystem of ``$DDP_TEST_DISK``
 /var/tmp, where the clusters keep their nodes' image stores and the image chain its spool files)
 beyond what it held at the start, its least free space, and the tests running at that moment; in
 ``$DDP_TEST_TIMES``, each test's ``disk_gb``: the most used while it ran beyond its start (with
-whatever ran beside it).
+whatever ran beside it), and ``start_s``, when it started, in seconds into the run.
 Every test that ships an image writes gigabytes: this is where two clusters side by side can run
 a machine out of space (``No space left on device`` in a failure is then the machine's, not the
 code's).
@@ -231,9 +231,11 @@ class Budget:
         self.limits: dict[str, float] = {}
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = {}
+        self.start: dict[str, float] = {}  # seconds into the run, as the controller heard of it
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:  # here, or forwarded from a worker
         self.disk.started(nodeid)
+        self.start.setdefault(nodeid, time.monotonic() - self.started)
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         self.disk.finished(nodeid)
@@ -295,7 +297,8 @@ class Budget:
                 json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores,
                            "disk": self.disk.record(), "tests": {
                     n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n),
-                        "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3)}
+                        "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3),
+                        "start_s": round(self.start[n], 1) if n in self.start else None}
                     for n, s in self.seconds.items()}}, fh, indent=1)
 
 
