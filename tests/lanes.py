@@ -111,11 +111,10 @@ def pytest_configure_node(node) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which lanes, and why one (the disk free is live_report's first line)."""
     if not hasattr(config, "_lanes_two_clusters"):
         return []
-    st = os.statvfs(DISK)
-    said = [f"disk: {DISK}'s filesystem has {st.f_bavail * st.f_frsize / 1e9:.1f} GB free"]
-    return said + [config._lanes_why_one or "the cluster tests run in two lanes, on two clusters side by side"]
+    return [config._lanes_why_one or "the cluster tests run in two lanes, on two clusters side by side"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster's reads cluster_site

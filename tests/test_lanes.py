@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +61,6 @@ def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_
         tmp_path):
     runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": "0"})
     assert "one lane" not in out and "the cluster tests run in two lanes, on two clusters side by side" in out
-    assert re.search(r"^disk: /var/tmp's filesystem has [0-9.]+ GB free$", out, re.M)
     workers = _by_kind(runs, 2)
     assert len(workers["cluster"]) == 1 and len(workers["second"]) == 1 and workers["cluster"] != workers["second"]
     for kind in ("cluster", "second"):
