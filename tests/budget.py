@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -171,16 +172,16 @@ class DiskPeak:
         self.running: dict[str, list[int]] = {}  # test: [used at its start, most used since]
         self.grew: dict[str, int] = {}  # test: the most used while it ran, beyond its start
         self.lock = threading.Lock()  # running changes in pytest's thread, is read in this one's
-        self.start_used = self.peak_used = self._used()[0]
-        self.least_free = self._used()[1]
+        self.start_used, self.least_free = self._used()
+        self.peak_used = self.start_used
         self.at_peak: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddp-budget-disk", daemon=True)
         self._thread.start()
 
     def _used(self) -> tuple[int, int]:
-        st = os.statvfs(self.path)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize
+        usage = shutil.disk_usage(self.path)
+        return usage.used, usage.free
 
     def sample(self) -> None:
         used, free = self._used()

@@ -25,9 +25,12 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+
+from budget import DISK_PATH as DISK  # where the clusters keep their state (/var/tmp)
 
 CLUSTER_TESTS = "tests/cluster/"
 SECOND_CLUSTER_TESTS = ("tests/cluster/test_faults.py", "tests/cluster/test_stall.py", "tests/cluster/test_refusals.py")
@@ -55,7 +58,6 @@ peaked at 18.0 GB above its start (bench/RESULTS.md, "Disk")."""
 CACHE_DISK_GB = 7.0
 """What the clusters' cache (netcluster.CACHE_DIR: the base image, the operators' stores, the
 containerd node's) takes where it is still to be built, in GB."""
-DISK = "/var/tmp"
 
 
 def disk_for_two_clusters(free_bytes: int | None = None) -> tuple[bool, str]:
@@ -63,8 +65,7 @@ def disk_for_two_clusters(free_bytes: int | None = None) -> tuple[bool, str]:
     CLUSTER_DISK_GB), and why not. Decided once, in xdist's controller, before any cluster is up."""
     need_one = float(os.environ.get("DDP_TEST_CLUSTER_DISK_GB") or CLUSTER_DISK_GB)
     if free_bytes is None:
-        st = os.statvfs(DISK)
-        free_bytes = st.f_bavail * st.f_frsize
+        free_bytes = shutil.disk_usage(DISK).free
     need = 2 * need_one + (0.0 if _cache_built() else CACHE_DISK_GB)
     if free_bytes / 1e9 >= need:
         return True, ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_p
 
 
 def test_where_the_disk_holds_one_cluster_only_the_cluster_tests_are_one_lane_and_the_run_says_why(tmp_path):
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    free = shutil.disk_usage(tmp_path).free
     runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": str(free / 1e9)})  # one fits, two do not
     _one_lane_on_the_first_site(runs)
     said = next(line for line in out.splitlines() if "one lane" in line)
