@@ -15,24 +15,15 @@ LANES ?= 3
 
 .PHONY: install install-oldest operator-wheels tools gpu-check run check deploy sync launch wait status logs stop unlock run-local image test test-serial test-fast test-area clean
 
-# $(call venv,DIR,TORCH PINS): a venv with that torch and this package (editable) with its test tools.
-define venv
-	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install -q --upgrade pip
-	$(1)/bin/pip install -q $(2)
-	flock .editable-install.lock $(1)/bin/pip install -q -e '.[dev]'
-	touch $(1)/.installed
-endef
-# (flock: the venvs may be made side by side, `make -j`, and each editable install writes this
-# package's egg-info in the source tree.)
-
-$(VENV)/.installed: pyproject.toml
-	$(call venv,$(VENV),$(TORCH_PINS))
+# A venv with torch's pins and this package (editable) with its test tools: tools/venv.sh, which
+# copies what it can from a venv kept by the hash of its inputs (DDP_VENV_CACHE= to build afresh).
+$(VENV)/.installed: pyproject.toml tools/venv.sh
+	PYTHON=$(PYTHON) bash tools/venv.sh $(VENV) $(TORCH_PINS)
 
 install: $(VENV)/.installed
 
-$(OLDEST_VENV)/.installed: pyproject.toml
-	$(call venv,$(OLDEST_VENV),$(OLDEST_TORCH_PINS))
+$(OLDEST_VENV)/.installed: pyproject.toml tools/venv.sh
+	PYTHON=$(PYTHON) bash tools/venv.sh $(OLDEST_VENV) $(OLDEST_TORCH_PINS)
 
 install-oldest: $(OLDEST_VENV)/.installed
 

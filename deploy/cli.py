@@ -11,15 +11,17 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from .engines import choose
-from .engines.engine import Engine
 from .errors import DeployError, InputError
-from .inventory import Inventory, load
 from .job import secretenv
 from .text import safe
+
+if TYPE_CHECKING:
+    from .engines.engine import Engine
+    from .inventory import Inventory
 
 log = logging.getLogger("deploy")
 
@@ -79,6 +81,8 @@ class _State:
     @property
     def inv(self) -> Inventory:
         if self._inv is None:
+            from .inventory import load  # pydantic and yaml: only for a verb that reads hosts.yaml
+
             inv = load(self.hosts)
             if self.without:
                 inv = self._without(inv)
@@ -107,6 +111,8 @@ class _State:
     @property
     def engine(self) -> Engine:
         """The engine that runs this inventory's job (deploy/engines/choose.py), bound to this invocation."""
+        from .engines import choose  # the engines, and what they import, only for a verb that runs (not --help)
+
         return choose.for_invocation(self)
 
 

@@ -11,6 +11,7 @@ import os
 
 import ipaddress
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -177,7 +178,9 @@ ScriptPath = Annotated[str, AfterValidator(_script)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+    # defer_build: each model's validator is built when the first inventory is read (_build_models),
+    # not when this module is imported: a command that reads none (--help) does not pay for it.
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
 
 
 class Job(_Model):
@@ -849,6 +852,7 @@ def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None)
         raise InventoryError(dupes)
     if not isinstance(data, dict):
         raise InventoryError([Issue(label, "", 1, "expected a mapping with job, rendezvous, nodes, storage, ...")])
+    _build_models()
     try:
         inv = Inventory.model_validate(data)
     except ValidationError as e:
@@ -857,6 +861,21 @@ def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None)
         raise InventoryError([_issue(label, loc, msg, lines) for loc, msg in e.problems]) from e
     inv._base_dir = base_dir or Path.cwd()
     return inv
+
+
+_BUILDING = threading.Lock()
+
+
+def _build_models() -> None:
+    """Builds every model's validator and serializer that is not built yet, in the order they are
+    defined (a model's parts before it), as importing this module did before defer_build: all at
+    once, here, rather than each at its first use, which may come in several threads at once
+    (``ssh_for`` in the fan-out's): pydantic releases before 2.14 build a model unsafely there
+    (pydantic issue 13419)."""
+    with _BUILDING:
+        for model in _Model.__subclasses__():
+            if not model.__pydantic_complete__:
+                model.model_rebuild()
 
 
 def _too_large(label: str) -> InventoryError:

@@ -74,6 +74,15 @@ def test_the_heartbeat_benchmark_runs():
     assert r.stdout.startswith("beat ") and " us, lenet step " in r.stdout and "beat/step " in r.stdout
 
 
+def test_the_cli_start_benchmark_runs_each_command_and_reports_its_cpu():
+    r = subprocess.run([sys.executable, str(BENCH / "bench_cli_start.py"), "--smoke"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["new"]
+    assert set(got) == {"help", "import", "validate", "status_local"}
+    assert all(0 < row["cpu_s"] <= row["cpu_s_max"] for row in got.values()), got
+
+
 def test_the_flight_recorder_benchmark_runs():
     r = subprocess.run([sys.executable, str(BENCH / "bench_flight.py"), "--smoke"], capture_output=True, text=True,
                        timeout=180)

@@ -258,7 +258,7 @@ def test_a_launch_takes_the_probe_answer_check_kept_for_the_same_image_and_a_reb
         assert len(runs.read_text().split()) == 3
 
 
-def test_a_gpu_node_and_a_host_node_are_probed_every_time_and_the_key_follows_the_command(tmp_path):
+def test_a_gpu_node_is_probed_every_time_and_the_key_follows_the_command(tmp_path):
     inv = _inv(tmp_path, nodes=2, rdzv="n1")
     from deploy.job import plan
 
@@ -274,7 +274,9 @@ def test_a_gpu_node_and_a_host_node_are_probed_every_time_and_the_key_follows_th
     assert plan.probe_argv(gpu, gpu.node("g"), reuse=True) == plan.probe_argv(gpu, gpu.node("g"))
     host = loads(json.dumps({**_raw(tmp_path), "job": {"name": "pf", "runtime": "host"},
                              "train": {"python": sys.executable}}))
-    assert plan.probe_argv(host, host.node("n1"), reuse=True) == plan.probe_argv(host, host.node("n1"))
+    plain = plan.probe_argv(host, host.node("n1"))
+    hosted = plan.probe_argv(host, host.node("n1"), reuse=True)  # the probe keeps it (test_deploy_probe_kept.py)
+    assert hosted[:2] == ("sh", "-c") and hosted[3:5] == ("sh", "reuse") and hosted[6:] == plain
 
 
 def _raw(tmp_path: Path) -> dict:

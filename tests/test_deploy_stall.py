@@ -527,6 +527,51 @@ def test_diagnose_never_writes_its_request_through_a_link_the_job_put_in_its_dir
     assert not (beats / "fr-request").is_symlink() and (beats / "fr-request").read_text().strip()
 
 
+HOLD = """import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+print(libc.ptrace(0x4206, int(sys.argv[1]), None, None), ctypes.get_errno(), flush=True)  # PTRACE_SEIZE
+libc.ptrace(0x4207, int(sys.argv[1]), None, None)  # PTRACE_INTERRUPT: stopped (t), as py-spy suspends it
+time.sleep(float(sys.argv[2]))
+"""
+"""Another tracer of a process (as py-spy is while it dumps it) for a while: ptrace lets one at a time."""
+
+
+def test_diagnose_reads_a_worker_that_another_diagnosis_holds_for_a_moment(tmp_path):
+    # in CI runs the launcher's diagnosis of a stall and an operator's doctor read the same workers at once:
+    # the second py-spy could not suspend them (EPERM) and the stall was kept without that rank's stack;
+    # or the second found one suspended by the first (state t) and said its state was unknown
+    spy = Path(sys.executable).with_name("py-spy")
+    if not os.access(spy, os.X_OK):
+        pytest.skip(f"py-spy is not installed beside {sys.executable} (pip install py-spy)")
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "1"}
+    worker = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    holder = None
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, str(worker.pid), "1.5"], stdout=subprocess.PIPE,
+                                  text=True)
+        assert holder.stdout.readline().split() == ["0", "0"]  # held
+        wait_until(lambda: Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "t", 10,
+                   "the worker stopped by its tracer", interval=0.02)
+        alone = subprocess.run([str(spy), "dump", "--pid", str(worker.pid)], capture_output=True, text=True, timeout=30)
+        assert alone.returncode != 0 and "EPERM" in alone.stdout + alone.stderr  # what a single try finds
+        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), str(spy)], capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        for proc in (holder, worker):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    assert got.returncode == 0, got.stderr
+    (ranked,) = doctor.parse("node1", got.stdout)
+    assert ranked.rank == 1 and ranked.state == "S" and ranked.problem is None, got.stdout
+    assert ranked.frames[-1].name == "<module>" and ranked.frames[-1].short == "<string>", ranked.frames
+
+
 def test_ranks_in_mismatched_collectives_name_the_smaller_group():
     other = _dump(("broadcast", C10D, 2600), ("sync", "/code/train.py", 120))
     ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", other)))

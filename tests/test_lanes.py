@@ -108,6 +108,7 @@ def test_two_clusters_need_twice_a_lane_s_disk_and_the_cache_where_it_is_not_bui
     monkeypatch.setattr(lanes, "_cache_built", lambda: True)
     assert lanes.disk_for_two_clusters(int(18e9))[0] and not lanes.disk_for_two_clusters(int(17.9e9))[0]
     monkeypatch.setattr(lanes, "_cache_built", lambda: False)
-    ok, why = lanes.disk_for_two_clusters(int(24.9e9))
-    assert not ok and "has 24.9 GB free, two clusters side by side need 25 " in why
-    assert lanes.disk_for_two_clusters(int(25e9))[0]
+    need = 18 + lanes.CACHE_DISK_GB
+    ok, why = lanes.disk_for_two_clusters(int((need - 0.1) * 1e9))
+    assert not ok and f"has {need - 0.1:.1f} GB free, two clusters side by side need {need:.0f} " in why
+    assert lanes.disk_for_two_clusters(int(need * 1e9))[0]

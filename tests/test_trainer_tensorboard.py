@@ -112,6 +112,18 @@ def test_without_a_run_id_the_records_are_unchanged_and_the_directory_is_named_a
     assert scalars(run_dir) == {"loss/train": [(4, 2.5)], "accuracy/train": [(4, 0.25)]}
 
 
+def test_a_torn_last_line_left_by_a_killed_rank_0_stays_alone_and_the_next_record_is_whole(tmp_path, monkeypatch):
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    (tmp_path / "metrics.jsonl").write_text('{"time": 1.0, "kind": "train", "step": 3}\n{"time": 2.0, "kind": "tr')
+    writer = MetricsWriter(main_env(), str(tmp_path))
+    writer.write({"kind": "resumed", "step": 0})
+    writer.write({"kind": "train", "step": 1})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"time": 2.0, "kind": "tr'
+    assert [json.loads(line)["kind"] for line in lines[2:]] == ["resumed", "train"]
+
+
 def test_a_run_id_that_is_not_a_plain_name_stays_inside_the_tensorboard_directory(tmp_path, monkeypatch):
     monkeypatch.setenv(RUN_ID_ENV, "../../x y")
     writer = MetricsWriter(main_env(), str(tmp_path))

@@ -215,10 +215,11 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
 # started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none); or,
 # forked by the launcher's zygote (trainer/zygote.py), whose environment is the launcher's, it is
 # named in $1/workers/LOCAL_RANK and its environment holds DDP_HEARTBEAT_DIR=$1.
-# Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped), then, unless
-# it is stopped (py-spy would wait on it), "stack PID JSON", py-spy's dump of its threads on one
-# line (or its error). Then "workers N". Last, where the workers keep torch's flight recorder
-# (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
+# Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped; read again
+# for up to 3 s while another tracer holds the worker, t), then, unless it is stopped (py-spy
+# would wait on it), "stack PID JSON", py-spy's dump of its threads on one line (or its error;
+# asked again for up to 3 s while another tracer holds the worker). Then "workers N". Last, where
+# the workers keep torch's flight recorder (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
 # this request within 2 s: the newest collective it is in or did. The job's own values are printed
 # only as digits, lowercase names or py-spy's JSON.
 DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""
@@ -229,12 +230,26 @@ if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
 fi
 seen=" "
 worker() {  # PID RANK LOCAL_RANK
-  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null)
+  tries=0
+  while :; do
+    state=$(sed -n 's/^State:[[:space:]]*\([A-Za-z]\).*/\1/p' "/proc/$1/status" 2>/dev/null)
+    # t: another tracer holds it for a moment (a diagnosis beside this one): its own state after
+    if [ "$state" != t ] || [ $tries -ge 30 ]; then break; fi
+    tries=$((tries + 1)); sleep 0.1
+  done
   found=$((found + 1)); seen="$seen$1 "
   echo "rank $1 ${2:-?} $3 ${state:-?}"
   [ -f "$dir/fr-$3" ] && fr="$fr $1:$3"
   [ "$state" = T ] && return
-  echo "stack $1 $(timeout 20 "$spy" dump --pid "$1" --json 2>&1 | tr '\n' ' ')"
+  tries=0
+  while :; do
+    dump=$(timeout 20 "$spy" dump --pid "$1" --json 2>&1 | tr '\n' ' ')
+    # another tracer holds it for a moment (a diagnosis beside this one: the launcher's on a stall,
+    # an operator's doctor or status): it may be suspended by one at a time
+    case $dump in *"Failed to suspend process"*) ;; *) break ;; esac
+    tries=$((tries + 1)); [ $tries -lt 15 ] || break; sleep 0.2
+  done
+  echo "stack $1 $dump"
 }
 dir=$1
 for p in /proc/[0-9]*; do

@@ -149,6 +149,8 @@ class MetricsWriter:
     def __init__(self, env: DistEnv, directory: str) -> None:
         self.enabled = env.is_main
         self.path = Path(directory) / "metrics.jsonl"
+        self._whole = False
+        """Whether the file is known to end with a whole line (checked before this process's first append)."""
         self.run = os.environ.get(RUN_ID_ENV) or None
         self.tensorboard = TensorBoardScalars(Path(directory) / TENSORBOARD_DIR / tensorboard_name(self.run, time.time()))
         if self.enabled:
@@ -169,10 +171,25 @@ class MetricsWriter:
         sys.stdout.flush()
         try:
             with open(self.path, "a") as handle:
-                handle.write(line + "\n")
+                # a rank 0 killed while it appended (SIGKILL ends a write between pages) left a torn
+                # line: this record starts a line of its own, so that only the torn one is lost
+                head = "" if self._whole or self._ends_whole() else "\n"
+                handle.write(head + line + "\n")
+                self._whole = True
         except OSError as exc:  # rank 0 alone must not die here while the others wait in a collective
             log.warning("metrics line not appended to %s: %s", self.path, exc.strerror or exc)
         self.tensorboard.add(record)
+
+    def _ends_whole(self) -> bool:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                if handle.tell() == 0:
+                    return True
+                handle.seek(-1, os.SEEK_END)
+                return handle.read(1) == b"\n"
+        except OSError:
+            return True  # absent (or unreadable: the append says why)
 
     def close(self) -> None:
         """Flushes and closes the TensorBoard files (the end of training, a stop or a failure)."""

@@ -17,16 +17,25 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
 import os
 import platform
+import re
 import sys
+import time
 import traceback
 import warnings
 
 INFINIBAND = "/dev/infiniband"
+PREFIX = "PROBE "
+"""The answer's line: ``PROBE {json}``."""
+KEPT_PREFIX = "PROBE_KEPT"
+"""The line before a kept answer: ``PROBE_KEPT <when it was probed, epoch seconds>``."""
+KEEP_DAYS = 7
+"""Kept answers older than this are removed (by the next probe that keeps one)."""
 
 
 def probe(gpus: int, procs: int) -> dict:
@@ -151,6 +160,58 @@ def _is_main_guard(node) -> bool:
     return "__main__" in ast.dump(node.test)
 
 
+def installation() -> str:
+    """What a CPU node's answer depends on beyond the probe's command line: the interpreter, and
+    every place on ``sys.path`` (where torch and the program's imports are found), each by its
+    inode, size and modification time, and torch's own package files. Installing, removing or
+    upgrading a package changes its directory's; a new interpreter at the same path, its file's.
+    Standard library only: torch is not imported."""
+    h = hashlib.sha256()
+
+    def add(path: str) -> None:
+        try:
+            st = os.stat(path)
+            h.update(f"{path}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\n".encode(errors="replace"))
+        except OSError:
+            h.update(f"{path}\0-\n".encode(errors="replace"))
+
+    add(os.path.realpath(sys.executable))
+    for entry in sys.path:
+        add(os.path.abspath(entry or "."))
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        package = os.path.dirname(spec.origin)
+        for name in ("", "__init__.py", "version.py", "lib"):
+            add(os.path.join(package, name))
+    return h.hexdigest()[:32]
+
+
+def _kept_path(key: str) -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ddp-deploy", "probe", f"{key}-{installation()}")
+
+
+def _keep(path: str, line: str) -> None:
+    """A good answer kept at ``path``; answers older than KEEP_DAYS removed. Never fails the probe."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        old = time.time() - KEEP_DAYS * 86400
+        for name in os.listdir(folder):
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(folder, name)).st_mtime < old:
+                    os.unlink(os.path.join(folder, name))
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(line + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=0, help="GPUs this node's processes use (0: a CPU node)")
@@ -158,10 +219,33 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--import", dest="module", help="the job's module (python -m MODULE): it must import")
     which.add_argument("--script", help="the job's script: it must exist and import")
+    parser.add_argument("--kept", nargs=2, metavar=("MODE", "KEY"),
+                        help="on a CPU node (--gpus 0): keep a good answer (torch imported, the program's imports "
+                             "found) under KEY, the operator's hash of this command, and this installation "
+                             "(installation()); MODE reuse also prints one kept before instead of probing, after a "
+                             f"line {KEPT_PREFIX} <when>; keep always probes")
     args = parser.parse_args(argv)
+    kept = None
+    if args.kept and args.gpus == 0:
+        mode, key = args.kept
+        if mode not in ("reuse", "keep"):
+            parser.error(f"--kept: MODE is reuse or keep, not {mode!r}")
+        if not re.fullmatch(r"[0-9a-f]{8,64}", key):
+            parser.error(f"--kept: not a key (hex digits): {key!r}")
+        kept = _kept_path(key)  # before the program's directory goes first on sys.path
+        if mode == "reuse":
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                with open(kept) as f:
+                    line = f.read().strip()
+                if line.startswith(PREFIX + "{"):
+                    print(f"{KEPT_PREFIX} {int(os.stat(kept).st_mtime)}\n{line}", flush=True)
+                    return 0
     report = probe(args.gpus, args.procs)
     report.update(program(args.module, args.script))
-    print("PROBE " + json.dumps(report), flush=True)
+    line = PREFIX + json.dumps(report)
+    print(line, flush=True)
+    if kept is not None and report["error"] is None and report["program_error"] is None:
+        _keep(kept, line)
     return 0
 
 

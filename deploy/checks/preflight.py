@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from trainer import probe
 from trainer.compat import TORCH_SUPPORTED
 
 from ..images import build as builder
@@ -402,8 +403,7 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
     return out
 
 
-PROBE_PREFIX = "PROBE "
-PROBE_KEPT = "PROBE_KEPT"
+PROBE_PREFIX, PROBE_KEPT = probe.PREFIX, probe.KEPT_PREFIX  # what trainer.probe prints (probe_kept.sh too)
 PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names", "nccl", "cuda_error")
 
 
@@ -463,16 +463,18 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
         detail += f", {report['devices']} GPU(s) ({', '.join(names)}), NCCL {report['nccl']}"
     if report.get("infiniband"):
         detail += f", InfiniBand {' '.join(report['infiniband'])}"
-    return Check(r.node, "torch", True, f"{detail} in {where}{_kept(r.stdout)}")
+    return Check(r.node, "torch", True, f"{detail} in {where}{_kept(r.stdout, inv.job.runtime)}")
 
 
-def _kept(stdout: str) -> str:
-    """How a kept answer (deploy/node/probe_kept.sh) is said: when it was probed, by the node's clock."""
+def _kept(stdout: str, runtime: str = "docker") -> str:
+    """How a kept answer (deploy/node/probe_kept.sh, trainer/probe.py) is said: when it was probed,
+    by the node's clock."""
+    what = "image" if runtime == "docker" else "interpreter's installation"
     for line in stdout.splitlines():
         word = line.split(" ", 1)
         if word[0] == PROBE_KEPT and len(word) == 2 and word[1].strip().isdigit() and len(word[1].strip()) < 12:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(word[1])))
-            return f" (the answer the node kept for this image and probe command, probed {when})"
+            return f" (the answer the node kept for this {what} and probe command, probed {when})"
     return ""
 
 

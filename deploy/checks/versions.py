@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-
 from trainer.compat import TORCH_SUPPORTED
 
 
 def torch_supported(version: str) -> bool:
     """Whether a torch version string (``torch.__version__``) is inside :data:`TORCH_SUPPORTED`."""
+    # Imported here: only the preflight checks compare versions, and packaging takes a few
+    # hundredths of a second to import, which every other verb would pay.
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
     try:
         v = Version(version)
     except InvalidVersion:

@@ -9,9 +9,6 @@ import threading
 from dataclasses import asdict
 
 import click
-from rich.console import Console
-from rich.live import Live
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ..checks import netcheck
 from ..job import phases
@@ -39,6 +36,9 @@ def say(text: str) -> None:
 @contextlib.contextmanager
 def shipping():
     """A shipment's progress on stderr, one line per node that gets the image: its stage, bytes, rate."""
+    from rich.console import Console  # rich's live displays: imported by the verbs that show one
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
     columns = (TextColumn("{task.fields[node]:<12} {task.fields[stage]:<10}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
@@ -96,6 +96,8 @@ def follow(inv, remote, timeout, redact):
     redrawn in place on a terminal, plain lines otherwise (CI logs, pipes)."""
     with contextlib.ExitStack() as screen:
         if out.is_terminal:
+            from rich.live import Live
+
             live = screen.enter_context(Live(console=out, refresh_per_second=2, transient=True))
             show = lambda states: live.update(status_table(inv, states))  # noqa: E731
         else:

@@ -33,14 +33,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
-from rich.live import Live
 from rich.text import Text
 
 from ..errors import RuntimeFailure
 from ..inventory import Inventory
 from ..nodes.remote import Remote, command_line, run_here
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 LOG_ENV = "DDP_DEPLOY_BUILD_LOG"
 """The whole output of the last build (default: build.log beside the debug log)."""
@@ -409,6 +412,8 @@ class TerminalView:
 
     def __enter__(self) -> "TerminalView":
         if self.console.is_terminal:
+            from rich.live import Live  # a live display: only on a terminal, only while building
+
             self.live = Live(console=self.console, transient=True, refresh_per_second=8,
                              get_renderable=self._render)
             self.live.start()

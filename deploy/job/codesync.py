@@ -26,14 +26,16 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import pathspec
+from typing import TYPE_CHECKING
 
 from ..errors import InputError, RemoteFailure
 from ..inventory import Inventory
 from ..node import HERE
 from ..nodes.remote import Remote, Result
 from .runtime import CodeDir, runtime
+
+if TYPE_CHECKING:
+    import pathspec
 
 STORE_SUBDIR = ".ddp-deploy/code"
 """Under storage.checkpoints.host: the shared volume every node mounts."""
@@ -89,10 +91,14 @@ class _Ignore:
     and then hosts.yaml's patterns: the last pattern that matches decides, as in git."""
 
     def __init__(self, extra: Sequence[str]) -> None:
+        import pathspec  # here: only a job with train.code reads ignore files
+
         self._gitignores: list[tuple[str, pathspec.GitIgnoreSpec]] = []
         self._extra = pathspec.GitIgnoreSpec.from_lines(extra)
 
     def add_dir(self, root: Path, rel: str) -> None:
+        import pathspec
+
         gitignore = root / rel / ".gitignore"
         if gitignore.is_file():
             self._gitignores.append((rel, pathspec.GitIgnoreSpec.from_lines(gitignore.read_text(errors="replace").splitlines())))

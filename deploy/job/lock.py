@@ -72,7 +72,7 @@ TAKE = _HELD + r"""umask 022
 lock=$1; owner=$(cat)
 for _ in 1 2 3; do
   if err=$(mkdir -m 755 "$lock" 2>&1); then
-    printf '%s\n' "$owner" > "$lock/owner.tmp" && touch "$lock/heartbeat" && mv "$lock/owner.tmp" "$lock/owner" || exit 1
+    printf '%s\n' "$owner" > "$lock/owner.tmp" && : > "$lock/heartbeat" && mv "$lock/owner.tmp" "$lock/owner" || exit 1
     echo taken; exit 0
   fi
   held "$lock" && exit 0

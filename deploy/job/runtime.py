@@ -36,6 +36,9 @@ KILL_RUN = node_program("kill_run.sh")
 # reuse|keep, the probe command's key, the image's name, then the probe's argv: a CPU node's good
 # probe answer kept for the next launch in the same image with the same command.
 PROBE_KEPT = node_program("probe_kept.sh")
+# reuse|keep, the probe command's key, then the probe's argv: a host CPU node's good probe answer
+# kept by trainer.probe for the next launch with the same command and installation.
+HOST_PROBE_KEPT = node_program("probe_kept_host.sh")
 
 # Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
 # torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
@@ -415,7 +418,7 @@ class Runtime:
     def kept_probe_argv(self, node: Node, probe: tuple[str, ...], reuse: bool) -> tuple[str, ...]:
         """``probe`` (:meth:`probe_argv`), with its good answer kept on the node where the answer
         can only change with what the command names; ``reuse``: a kept answer serves (launch).
-        Here: probed every time (a host's interpreter can change under the same path)."""
+        Here: probed every time."""
         return probe
 
     def status_argv(self, node: Node) -> tuple[str, ...]:
@@ -594,6 +597,17 @@ class HostRuntime(Runtime):
 
     def probe_argv(self, node, env, program=()):
         return self._command(node, env, probe_args(node, program))
+
+    def kept_probe_argv(self, node, probe, reuse):
+        """A CPU node's answer is a function of the probe's command (the interpreter, the code
+        snapshot, the environment and the flags: hashed here) and of the interpreter's installation,
+        which the probe itself names on the node before it imports anything (trainer.probe's
+        ``installation()``: a package installed, removed or upgraded is another answer); a GPU
+        node's devices are probed every time."""
+        if node.devices:
+            return probe
+        key = hashlib.sha256("\0".join(probe).encode()).hexdigest()[:32]
+        return ("sh", "-c", HOST_PROBE_KEPT, "sh", "reuse" if reuse else "keep", key, *probe)
 
     def status_argv(self, node):
         return ("sh", "-c", HOST_STATUS, "sh", self.run_dir(node), heartbeat_dir(self.inv, node))

@@ -15,11 +15,14 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.masking import MASK, Mask
 
 from ..errors import InputError
-from ..inventory import Inventory
+
+if TYPE_CHECKING:
+    from ..inventory import Inventory
 
 MIN_LENGTH = 6
 """Shorter values cannot be redacted from output without hiding ordinary text."""

@@ -29,7 +29,9 @@ class Remote:
     def __init__(self, inv: Inventory, *, max_workers: int = 32) -> None:
         self.inv = inv
         self.max_workers = max_workers
-        self._transports: dict[str, Transport] = {"local": LocalTransport(), "ssh": SshTransport(inv)}
+        self._transports: dict[str, Transport] = {"local": LocalTransport()}
+        if "ssh" in _connections(inv):  # only then: SSH's libraries take a tenth of a second to import
+            self._transports["ssh"] = SshTransport(inv)
 
     def __enter__(self) -> "Remote":
         return self
@@ -105,3 +107,11 @@ class Remote:
 
     def _fan_out(self, work, fn) -> dict[str, Result]:
         return fan_out(work, fn, max_workers=self.max_workers, on_abort=self.close)
+
+
+def _connections(inv: Inventory) -> set[str]:
+    """How the nodes a Remote can reach are reached: the nodes', and on Slurm the login node's."""
+    kinds = {n.connection for n in inv.nodes}
+    if inv.slurm is not None:
+        kinds.add(inv.slurm.login.connection)
+    return kinds

@@ -1,4 +1,5 @@
-"""The SSH transport: the only module that imports fabric and paramiko.
+"""The SSH transport: the only module that imports fabric and paramiko, and only when it is used
+(they take a tenth of a second to import: a command that reaches no node over SSH never pays it).
 
 Where a node is reached: its ``ssh.host`` (else its ``address``) looked up in ``ssh.config``
 (the operator's ``~/.ssh/config``: HostName, User, Port, IdentityFile, ProxyJump, ProxyCommand,
@@ -18,6 +19,7 @@ config file may set).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -26,13 +28,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import paramiko
-from fabric import Config, Connection
-from invoke.exceptions import CommandTimedOut
+from typing import TYPE_CHECKING
 
 from ..inventory import Inventory, Node, Ssh
 from .transport import NodeError, Result, Session, TimedOut, Transport, command_line, each_line
+
+if TYPE_CHECKING:
+    import paramiko
+    from fabric import Connection
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class Endpoint:
 
 
 def read_config(path: str | None) -> paramiko.SSHConfig:
+    import paramiko
+
     p = Path(os.path.expanduser(path)) if path else None
     if p is None or not p.is_file():
         return paramiko.SSHConfig()
@@ -226,6 +231,9 @@ class SshTransport(Transport):
 
 
 def _connection(ep: Endpoint, s: Ssh, gateway) -> Connection:
+    import paramiko
+    from fabric import Config, Connection
+
     connect_kwargs: dict = {"allow_agent": True, "look_for_keys": False, "banner_timeout": ep.timeout,
                             "auth_timeout": ep.timeout, "channel_timeout": ep.timeout}
     if ep.keys:
@@ -237,7 +245,7 @@ def _connection(ep: Endpoint, s: Ssh, gateway) -> Connection:
         known.parent.mkdir(parents=True, exist_ok=True)
         known.touch(mode=0o600, exist_ok=True)
         # A *changed* key still raises BadHostKeyException whatever the policy.
-        conn.client.set_missing_host_key_policy(_AcceptNew(known))
+        conn.client.set_missing_host_key_policy(_accept_new()(known))
     else:
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
     if known.exists():
@@ -246,6 +254,8 @@ def _connection(ep: Endpoint, s: Ssh, gateway) -> Connection:
 
 
 def _login(conn: Connection, ep: Endpoint, s: Ssh) -> None:
+    import paramiko
+
     where = ep.where
     started = time.monotonic()
     try:
@@ -274,23 +284,32 @@ def _login(conn: Connection, ep: Endpoint, s: Ssh) -> None:
         raise NodeError(f"unreachable: {where} ({e.strerror or e})") from e
 
 
-class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Records an unknown host key by appending its line to known_hosts under a lock.
+_KNOWN_HOSTS_LOCK = threading.Lock()
+"""Held while a host key is appended to a known_hosts file."""
 
-    paramiko's AutoAddPolicy rewrites the whole file from each connection's own copy, so nodes
-    met for the first time in parallel overwrite one another's keys.
-    """
 
-    _lock = threading.Lock()
+@functools.cache
+def _accept_new() -> type[paramiko.MissingHostKeyPolicy]:
+    """The accept-new policy's class, made when first needed (it is a paramiko class)."""
+    import paramiko
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    class _AcceptNew(paramiko.MissingHostKeyPolicy):
+        """Records an unknown host key by appending its line to known_hosts under a lock.
 
-    def missing_host_key(self, client, hostname, key) -> None:
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
-        with self._lock, open(self.path, "a") as fh:
-            fh.write(line)
+        paramiko's AutoAddPolicy rewrites the whole file from each connection's own copy, so nodes
+        met for the first time in parallel overwrite one another's keys.
+        """
+
+        def __init__(self, path: Path) -> None:
+            self.path = path
+
+        def missing_host_key(self, client, hostname, key) -> None:
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            line = paramiko.hostkeys.HostKeyEntry([hostname], key).to_line()
+            with _KNOWN_HOSTS_LOCK, open(self.path, "a") as fh:
+                fh.write(line)
+
+    return _AcceptNew
 
 
 class _Keepalive(threading.Thread):
@@ -325,6 +344,9 @@ class _Keepalive(threading.Thread):
 @contextlib.contextmanager
 def _talking(conn: Connection, lost: str, timeout: float | None) -> Iterator[None]:
     """paramiko's and invoke's exceptions, as the transport's own."""
+    import paramiko
+    from invoke.exceptions import CommandTimedOut
+
     try:
         yield
     except CommandTimedOut:

@@ -70,6 +70,7 @@ both lanes compute, and the other lane still uses all of what it leaves."""
 STATE_PARENT, STATE_PREFIX = "/var/tmp", "ddpcluster-"  # a cluster's own state dir, when none is chosen
 CACHE_DIR = Path("/var/cache/ddp-bundle")
 OPERATOR_STORE_PREFIX = "operator-docker-"  # + base image key: the operator's kept data root
+NODE_STORE_PREFIX = "node-docker-"  # + base image key: the data root every node's starts as a copy of
 
 
 
@@ -472,12 +473,17 @@ def build_base_image_tar(docker_host: str, timings: _Timings) -> Path:
         for stale in CACHE_DIR.glob("ddp-base-cpu-*.tar"):
             if stale != target:
                 stale.unlink()
-        for stale in CACHE_DIR.glob("operator*-docker-*"):  # every site's
+        for stale in [*CACHE_DIR.glob("operator*-docker-*"), *CACHE_DIR.glob(NODE_STORE_PREFIX + "*")]:  # every site's
             if not stale.name.endswith(f"-docker-{base_image_key()}"):
                 shutil.rmtree(stale, ignore_errors=True)
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def node_store_template() -> Path:
+    """The data root each node's dockerd starts as a copy of: the base image alone, kept between runs."""
+    return CACHE_DIR / f"{NODE_STORE_PREFIX}{base_image_key()}"
 
 
 def ensure_base_image(docker_host: str, timings: _Timings) -> None:
@@ -541,6 +547,16 @@ class Host:
         return {"name": self.name, "ns": self.ns, "address": self.address,
                 "index": self.index, "interface": NODE_INTERFACE, "veth": self.veth,
                 "docker_host": self.docker_host}
+
+
+LIGHT_MODEL = ("--model", "lenet")
+"""The model of the tests' jobs where what a test proves is not the model (a deploy, a refusal):
+LeNet-5, 62 thousand parameters against the default ConvNet's 1.2 million, whose gradients'
+all-reduce and optimizer dominate a test's small steps. A local 2-process job took 8.0 core-s with it
+against 17.5 (48 steps of 32 samples), 9.8 against 15.9 (128 steps of 4): bench/bench_job_cpu.py. The
+trainer's own tests, the shipped job and the jobs whose length in time a test relies on keep the
+default: test_faults' (a stop sent through the CLI must find the job running: with LeNet it had
+finished, under a whole run's load), Slurm's stop and requeue, the stall restart."""
 
 
 class NetCluster:
@@ -664,18 +680,22 @@ class NetCluster:
                 self._setup_network()
             with self.timings.step("ssh keys"):
                 self._make_keys()
-            with self.timings.step("sshd + dockerd per node"):
+            with self.timings.step("sshd per node"):
                 for h in self.hosts:
                     self._start_sshd(h)
-                    self._start_dockerd(h.name, h)
-                for h in self.hosts:
-                    self._wait_sshd(h)
-                    self._wait_docker(h.docker_host, h.name)
             with self.timings.step("wait for base image"):
                 while loader.is_alive():
                     loader.join(0.2)
                 if loader_error:
                     raise ClusterError(f"base image: {loader_error[0]}") from loader_error[0]
+            with self.timings.step("node stores: copies of the base's"):
+                self._copy_node_stores()
+            with self.timings.step("dockerd per node"):
+                for h in self.hosts:
+                    self._start_dockerd(h.name, h)
+                for h in self.hosts:
+                    self._wait_sshd(h)
+                    self._wait_docker(h.docker_host, h.name)
             self._write_description()
             for part in self._parts:
                 with self.timings.step(f"restart {type(part).__name__}"):
@@ -843,6 +863,69 @@ class NetCluster:
         log.close()
         return f"unix://{sock}"
 
+    def _copy_node_stores(self) -> None:
+        """Every node's data root starts as a copy of node_store_template() (made first where there is
+        none): the node holds the base image, as a node that ran an earlier image of the job does, so
+        a deploy ships the layers above it, and a test that removes the job's image from a node does not
+        make the next deploy send the whole 1.2 GB again (13 such ships in one run, about 33 core-s a
+        node each: bench/RESULTS.md). A copy takes 2.5 core-s here, a `docker load` of the base about
+        22. Each copy drops the template daemon's identity: its dockerd makes its own."""
+        template = node_store_template()
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        with open(CACHE_DIR / "node-store.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other site may be making it: once
+            if not template.exists():
+                self._make_node_store(template)
+        for h in self.hosts:
+            data = self.site.data_root / h.name
+            if data.exists():
+                _unmount_under(data)
+                shutil.rmtree(data)
+            data.parent.mkdir(parents=True, exist_ok=True)
+            _run(["cp", "-a", str(template), str(data)], timeout=600)
+            for identity in ("key.json", "engine-id"):  # dockerd 20.10's key (its ID), and 23's ID
+                (data / identity).unlink(missing_ok=True)
+
+    def _make_node_store(self, template: Path) -> None:
+        """A data root holding the base image alone, made by a dockerd of its own that is stopped before
+        the data root is renamed into place (a running daemon's files are never copied)."""
+        partial = template.with_name(template.name + ".partial")
+        _kill_and_wait(sorted(set(_processes_referencing([partial]))), grace=5)  # a crashed attempt's
+        if partial.exists():
+            _unmount_under(partial)
+            shutil.rmtree(partial)
+        host = self._start_dockerd("node-store", None, data=partial)
+        try:
+            self._wait_docker(host, "node-store")
+            with self.timings.step("node store: docker load of the base"):
+                _run(["docker", "-H", host, "load", "-q", "-i", str(base_image_cache_path())], timeout=900)
+        finally:
+            _kill_and_wait([self._daemons.pop("dockerd-node-store").pid], grace=15)
+            _unmount_under(partial)
+        partial.rename(template)
+
+    def hold_base(self, names: Sequence[str] | None = None) -> None:
+        """Each node (default: every one) holds the base image again, loaded from the cached tar side by
+        side where it lacks it: for a test that removed it (the deploy benchmark's cold deploy), since the
+        nodes start with it (_copy_node_stores)."""
+        errors: list[BaseException] = []
+
+        def load(h: Host) -> None:
+            try:
+                if _run(["docker", "-H", h.docker_host, "image", "inspect", BASE_IMAGE], check=False).returncode == 0:
+                    return
+                _run(["docker", "-H", h.docker_host, "load", "-q", "-i", str(base_image_cache_path())], timeout=900)
+            except BaseException as e:  # re-raised below
+                errors.append(e)
+        loaders = [threading.Thread(target=load, args=(self.host(n),), name=f"base-{n}")
+                   for n in (names or [h.name for h in self.hosts])]
+        for t in loaders:
+            t.start()
+        for t in loaders:
+            t.join()
+        if errors:
+            raise ClusterError(f"{BASE_IMAGE} on the nodes: {errors[0]}") from errors[0]
+
     def _wait_docker(self, docker_host: str, name: str, timeout: float = 60) -> None:
         proc = self._daemons[f"dockerd-{name}"]
         deadline = time.monotonic() + timeout
@@ -988,7 +1071,7 @@ class NetCluster:
                         "min_free_gb": 1},
             "train": {"python": sys.executable,
                       "args": list(train_args if train_args is not None
-                                   else ["--dataset", "synthetic", "--epochs", "1"])},
+                                   else ["--dataset", "synthetic", "--epochs", "1", *LIGHT_MODEL])},
         }
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(config.get(key), dict):

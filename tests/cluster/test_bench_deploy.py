@@ -1,6 +1,7 @@
 """bench/bench_deploy.py in its smoke mode on the session's cluster: every part once, on 1 node
 against 2 (check, deploy of a missing image, a repeated deploy, launch to the first step, deploy
-after a code-only change), so that the deploy benchmark cannot rot (issue 25). No time is
+after a code-only change), so that the deploy benchmark cannot rot (issue 25). Its cold deploy
+to one node ships the whole image; to two, they hold the base (cold_all=False). No time is
 asserted; what is asserted is that each part was timed, and the bytes the benchmark exists to
 watch: nothing shipped again for an unchanged image, a code-only change far smaller than the image.
 """
@@ -26,7 +27,7 @@ def _image_id(docker, name: str) -> str | None:
 def test_the_deploy_benchmark_times_each_part_on_one_node_and_two(cluster, fresh_nas, tmp_path):
     bench = bench_module.load("bench_deploy")
     try:
-        record = bench.measure(cluster, tmp_path, rounds=1, nodes=2)
+        record = bench.measure(cluster, tmp_path, rounds=1, nodes=2, cold_all=False)
     finally:
         _as_found(cluster, bench)
     assert record["nodes"] == 2 and record["rounds"] == 1
@@ -35,13 +36,18 @@ def test_the_deploy_benchmark_times_each_part_on_one_node_and_two(cluster, fresh
     assert all(len(v) == 1 and math.isfinite(v[0]) and v[0] > 0 for v in record["seconds"].values()), record
     assert set(record["busy_cpu_median"]) == {"check_1", "check_all", "deploy_1", "deploy_all", "code_change_1",
                                               "code_change_all"}
+    # to one node without the base: the whole image; to two holding it, the layers above it (a chain: each the same)
+    (whole,), (both,) = record["deploy_image_mb"]["1"], record["deploy_image_mb"]["all"]
+    assert whole > 1000 and both < whole / 4, record["deploy_image_mb"]
+    assert record["cold_all"] is False
     assert record["redeploy_image_mb"] == [0.0]  # an image every node holds is not sent again
     assert max(record["code_change_image_mb"]["all"]) < 50, record["code_change_image_mb"]  # of a 1.2 GB image
 
 
 def _as_found(cluster, bench) -> None:
     """The operator's image tagged as before the benchmark (it retags it to its code-only change);
-    the images it left on the nodes removed: the session's other tests deploy for themselves."""
+    the images it left on the nodes removed: the session's other tests deploy for themselves. The
+    nodes hold the base (its deploy to two nodes put it back where the cold one took it)."""
     import subprocess
 
     def operator(*argv):
@@ -57,3 +63,4 @@ def _as_found(cluster, bench) -> None:
     for h in cluster.hosts[:2]:
         ids = [i for i in (changed, previous) if i]
         cluster.run_on(h.name, ["docker", "image", "rm", "-f", bench.IMAGE, *ids])
+    cluster.hold_base([h.name for h in cluster.hosts[:2]])  # a no-op unless the benchmark failed midway

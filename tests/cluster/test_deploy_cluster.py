@@ -13,12 +13,13 @@ import pytest
 
 from torch_ends import on_ends
 
+from .netcluster import LIGHT_MODEL
 from .operator_cli import containers_on, ddp, image_id_on, ok, records, trainer_processes_on
 
 pytestmark = pytest.mark.cluster
 
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "2",
-         "--log-every", "2", "--eval-batch-size", "128"]
+         "--log-every", "2", "--eval-batch-size", "128", *LIGHT_MODEL]
 
 
 def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(cluster, fresh_nas, tmp_path):
@@ -86,7 +87,7 @@ def test_a_model_split_into_two_stages_per_process_trains_to_the_end_on_three_no
     said = records(fresh_nas)
     assert said[-1]["kind"] == "final" and said[-1]["world_size"] == 3
     logs = ok(ddp(cluster, hosts, "logs")).stdout
-    split = [line for line in logs.splitlines() if "model convnet split: stages=2 on ['cpu', 'cpu']" in line]
+    split = [line for line in logs.splitlines() if "model lenet split: stages=2 on ['cpu', 'cpu']" in line]
     assert len(split) == 3 and all("micro_batches=2" in line for line in split), logs[-3000:]
     ok(ddp(cluster, hosts, "stop"))
 

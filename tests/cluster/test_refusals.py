@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .netcluster import LIGHT_MODEL
 from .operator_cli import containers_on, ddp, trainer_processes_on
 
 pytestmark = pytest.mark.cluster
 
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1"]
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1", *LIGHT_MODEL]
 
 
 def _new_key(tmp_path: Path, name: str) -> Path:

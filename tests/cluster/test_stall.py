@@ -256,21 +256,12 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
                                      train_args=RESTART_TRAIN,
                                      job={"stall_timeout": RESTART_STALL_TIMEOUT, "on_stall": "restart", "max_restarts": 1})
     ok(ddp(cluster, hosts, "deploy"))
-    # The run without a fault: every rank's heartbeat reaches status from inside its container, and a
-    # healthy run is never called stalled nor restarted, with a 15 s stall_timeout.
+    # The run without a fault: a healthy run is never called stalled nor restarted, with a 15 s
+    # stall_timeout. (Its 32 steps may be over before any status sees them: in the clean-clone run at
+    # 0ede7cc they trained in 5 s and were over before the test's first status came.)
     ok(ddp(cluster, hosts, "launch"))
-    seen = []
-
-    def beating():
-        states = _states(cluster, hosts)
-        seen.append(states)
-        return states if all(len(n["heartbeats"]) == 2 for n in states) else None
-    states = wait_until(beating, 180, "every rank's heartbeat", interval=STATUS_EVERY)
-    assert sorted(b["rank"] for n in states for b in n["heartbeats"]) == list(range(6))
-    assert all(b["gap_s"] is not None for n in states for b in n["heartbeats"])
     followed = ok(ddp(cluster, hosts, "status", "--follow", timeout=600)).stdout
     assert "stalled" not in followed and "all nodes finished with exit code 0" in followed
-    assert not any(n["stalled"] for states in seen for n in states)
     assert [r["kind"] for r in records(fresh_nas)].count("resumed") == 0 and records(fresh_nas)[-1]["kind"] == "final"
     reference = final_weights(fresh_nas / "ckpt")
     ok(ddp(cluster, hosts, "stop"))
@@ -285,6 +276,13 @@ def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_
         one = [heartbeat.ranked(beats)[1]]
         os.kill(one[0], signal.SIGSTOP)
         stopped = time.time()
+        # Every rank's heartbeat reaches status from inside its container: the job hung by the stopped
+        # rank shows them all for the stall_timeout (15 s) at least, whatever this machine's speed.
+        states = _states(cluster, hosts)
+        assert time.time() - stopped < RESTART_STALL_TIMEOUT, "status took longer than the stall_timeout"
+        assert [n["state"] for n in states] == ["running"] * 3 and not any(n["stalled"] for n in states), states
+        assert sorted(b["rank"] for n in states for b in n["heartbeats"]) == list(range(6)), states
+        assert all(len(n["heartbeats"]) == 2 and all(b["gap_s"] is not None for b in n["heartbeats"]) for n in states)
         followed = ddp(cluster, hosts, "status", "--follow", timeout=600)
         assert followed.returncode == 0, followed.stdout[-3000:] + followed.stderr[-3000:]
     finally:
