@@ -5,10 +5,12 @@
 
 Only each node's leader (local rank 0) measures; the other ranks join the process groups and
 wait. Two figures, float32 all-reduces on the process's device, one warm-up then ``--iters``
-timed, each iteration started behind a barrier:
+timed, each iteration started behind a barrier. Each figure comes from the median iteration, so
+that one iteration stretched by a busy host (a process scheduled out mid-transfer) does not halve
+a link's figure and name a healthy node slow:
 
 - one all-reduce among all leaders: the bus bandwidth the job's gradients would see
-  (``busbw = bytes / mean s * 2(n-1)/n``, the nccl-tests convention);
+  (``busbw = bytes / median s * 2(n-1)/n``, the nccl-tests convention);
 - rounds of disjoint node pairs, each pair a 2-rank all-reduce, every node meeting up to two
   peers. A node's figure is the best of its pairs (its link carries at least that), so one slow
   link shows on its own node and not on every peer of it.
@@ -139,7 +141,7 @@ def report(*, backend: str | None, device: str, size_bytes: int, iters: int,
            nodes: list[dict], allreduce_s: float | None,
            pair_s: dict[tuple[int, int], float]) -> dict:
     """The NETCHECK object from the leaders' timings. ``nodes``: name, interface, transport of
-    each node in node-index order; ``pair_s``: mean seconds of each measured pair."""
+    each node in node-index order; ``pair_s``: typical seconds of each measured pair."""
     n = len(nodes)
     names = [node["node"] for node in nodes]
     pairs: list[dict[str, int]] = [{} for _ in nodes]
@@ -197,9 +199,16 @@ def _barrier(env: DistEnv, group) -> None:
         dist.barrier(group=group)
 
 
+def typical_seconds(took: list[float]) -> float:
+    """The seconds an iteration of a link takes: the median, which fewer than half of the
+    iterations slowed by something other than the link (a CPU taken by another process) cannot
+    move, where the mean is pulled by each of them."""
+    return statistics.median(took)
+
+
 def timed_all_reduce(env: DistEnv, group, buf: torch.Tensor, iters: int) -> float:
-    """Mean seconds of ``iters`` all-reduces in ``group`` after one warm-up, each started
-    behind a barrier so that no rank's late arrival counts as transfer time."""
+    """:func:`typical_seconds` of ``iters`` all-reduces in ``group`` after one warm-up, each
+    started behind a barrier so that no rank's late arrival counts as transfer time."""
     dist.all_reduce(buf, group=group)
     took = []
     for _ in range(iters):
@@ -209,7 +218,7 @@ def timed_all_reduce(env: DistEnv, group, buf: torch.Tensor, iters: int) -> floa
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         took.append(time.perf_counter() - start)
-    return statistics.fmean(took)
+    return typical_seconds(took)
 
 
 def measure(args: argparse.Namespace, env: DistEnv, nccl_log: Path | None) -> dict | None:
