@@ -25,6 +25,11 @@ whatever ran beside it), and ``start_s``, when it started, in seconds into the r
 Every test that ships an image writes gigabytes: this is where two clusters side by side can run
 a machine out of space (``No space left on device`` in a failure is then the machine's, not the
 code's).
+
+And how fast one of the machine's cores was, at the start and at the end: the CPU seconds of a
+fixed piece of pure-Python work (:func:`reference_core_seconds`; in ``$DDP_TEST_TIMES``,
+``reference_core_s``). The same tests take from 40 to 110 core-minutes on machines of one kind
+from one day to another; dividing by this figure tells the machine's share from the code's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,25 @@ SUITE_LIMIT_S = 25 * 60
 DISK_PATH, DISK_EVERY_S = "/var/tmp", 0.5
 LIMITS = {"cluster": 120.0, "e2e": 45.0, "unit": 10.0}
 SLOWEST = 15
+
+
+REFERENCE_LOOPS, REFERENCE_TRIES = 1_000_000, 3
+
+
+def reference_core_seconds(loops: int = REFERENCE_LOOPS, tries: int = REFERENCE_TRIES) -> float:
+    """CPU seconds this process takes for a fixed piece of pure-Python work (integer arithmetic
+    and a dict, as the suite's own Python does), the best of ``tries`` so that being scheduled out
+    or a cold cache once does not count: lower is a faster core. Measured as CPU time, not wall
+    time, so other processes' work only counts by what they slow this core (its cache, its
+    sibling thread), which slows the tests too."""
+    best = float("inf")
+    for _ in range(tries):
+        start, total, seen = time.process_time(), 0, {}
+        for i in range(loops):
+            total += i * i % 7
+            seen[i & 1023] = total
+        best = min(best, time.process_time() - start)
+    return best
 
 
 def busy_core_seconds() -> float | None:
@@ -226,6 +250,7 @@ class Budget:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.busy_at_start = busy_core_seconds()
+        self.reference_at_start = reference_core_seconds()
         self.disk = DiskPeak(os.environ.get("DDP_TEST_DISK") or DISK_PATH,
                              float(os.environ.get("DDP_TEST_DISK_EVERY_S") or DISK_EVERY_S))
         self.kinds: dict[str, str] = {}
@@ -250,7 +275,7 @@ class Budget:
             self.cpu[report.nodeid] = said["budget_cpu"]
 
     def lines(self, wall: float, suite_limit: float, busy: float | None = None,
-              cores: int | None = None) -> list[str]:
+              cores: int | None = None, reference: tuple[float, float] | None = None) -> list[str]:
         by_kind: dict[str, float] = defaultdict(float)
         for nodeid, s in self.seconds.items():
             by_kind[self.kinds.get(nodeid, "unit")] += s
@@ -261,6 +286,9 @@ class Budget:
         if busy is not None and cores:
             out.append(f"cores busy {100 * busy / (wall * cores):.0f}% of the run: {busy / 60:.1f} core-min "
                        f"of {wall * cores / 60:.1f} ({cores} cores, every process of the machine)")
+        if reference is not None:
+            out.append(f"a core's speed: the reference work took {reference[0]:.3f} core-s at the start, "
+                       f"{reference[1]:.3f} at the end (lower is faster; compare runs by it)")
         out.append(f"slowest {SLOWEST}:")
         slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]
         out += [f"  {s:7.1f} s  {nodeid}" for nodeid, s in slowest]
@@ -289,13 +317,15 @@ class Budget:
         now = busy_core_seconds()
         busy = now - self.busy_at_start if now is not None and self.busy_at_start is not None else None
         cores = os.cpu_count()
+        reference = (self.reference_at_start, reference_core_seconds())
         terminalreporter.section("time budget")
-        for line in self.lines(wall, suite_limit, busy, cores):
+        for line in self.lines(wall, suite_limit, busy, cores, reference):
             terminalreporter.write_line(line)
         target = os.environ.get("DDP_TEST_TIMES")
         if target:
             with open(target, "w") as fh:
                 json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores,
+                           "reference_core_s": {"start": round(reference[0], 4), "end": round(reference[1], 4)},
                            "disk": self.disk.record(), "tests": {
                     n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n),
                         "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3),

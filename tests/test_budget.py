@@ -119,6 +119,21 @@ def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done
     assert isinstance(times["busy_core_s"], float) and times["busy_core_s"] >= 0 and times["cores"] == os.cpu_count()
 
 
+def test_the_report_says_how_fast_a_core_was_at_the_start_and_the_end_of_the_run(tmp_path):
+    import budget
+
+    made = budget.Budget()
+    made.disk.stop()
+    assert 0 < made.reference_at_start < 60
+    line = made.lines(600.0, 1500.0, reference=(0.2314, 0.35))[1]
+    assert line == ("a core's speed: the reference work took 0.231 core-s at the start, 0.350 at the end "
+                    "(lower is faster; compare runs by it)")
+    proc, times = _run(tmp_path, "600")
+    assert "a core's speed: the reference work took " in proc.stdout[proc.stdout.index("time budget"):]
+    said = times["reference_core_s"]
+    assert set(said) == {"start", "end"} and all(isinstance(v, float) and v > 0 for v in said.values())
+
+
 DISK_INNER = '''
 import os
 import time

@@ -30,11 +30,14 @@ def copy_example(name: str, tmp_path: Path) -> Path:
 
 
 def example_env(tmp_path: Path) -> dict[str, str]:
+    """The example's environment. TMPDIR is the test's own: torchrun run as the README runs it
+    makes a /tmp/torchelastic_* for its logs and never removes it."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DDP_CKPT_DIR=str(tmp_path / "ckpt"), DDP_DATA_DIR=str(tmp_path / "data"), DDP_DEVICE="cpu",
                DDP_BACKEND="gloo", DDP_RUN_ID="test-run", DDP_NODE_NAME="node-a", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path / "tmp"))
     return env
 
 
