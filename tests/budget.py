@@ -26,10 +26,12 @@ Every test that ships an image writes gigabytes: this is where two clusters side
 a machine out of space (``No space left on device`` in a failure is then the machine's, not the
 code's).
 
-And how fast one of the machine's cores was, at the start and at the end: the CPU seconds of a
-fixed piece of pure-Python work (:func:`reference_core_seconds`; in ``$DDP_TEST_TIMES``,
-``reference_core_s``). The same tests take from 40 to 110 core-minutes on machines of one kind
-from one day to another; dividing by this figure tells the machine's share from the code's.
+And how fast the machine was, at the start and at the end: the CPU seconds a fresh process takes
+to ``import torch`` (:func:`reference_core_seconds`; in ``$DDP_TEST_TIMES``, ``reference_core_s``),
+the one piece of work nearly every process of the suite does (the launchers, probes and workers:
+about 40% of its CPU). The same tests took from 40 to 110 core-minutes on machines of one kind,
+from one run to another; dividing by this figure tells the machine's share from the code's.
+``$DDP_TEST_REFERENCE`` replaces the command (empty: none measured).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -51,22 +56,36 @@ LIMITS = {"cluster": 120.0, "e2e": 45.0, "unit": 10.0}
 SLOWEST = 15
 
 
-REFERENCE_LOOPS, REFERENCE_TRIES = 1_000_000, 3
+REFERENCE = (sys.executable, "-c", "import torch")
+REFERENCE_TRIES = 2
 
 
-def reference_core_seconds(loops: int = REFERENCE_LOOPS, tries: int = REFERENCE_TRIES) -> float:
-    """CPU seconds this process takes for a fixed piece of pure-Python work (integer arithmetic
-    and a dict, as the suite's own Python does), the best of ``tries`` so that being scheduled out
-    or a cold cache once does not count: lower is a faster core. Measured as CPU time, not wall
-    time, so other processes' work only counts by what they slow this core (its cache, its
-    sibling thread), which slows the tests too."""
-    best = float("inf")
+def reference_command() -> list[str]:
+    said = os.environ.get("DDP_TEST_REFERENCE")
+    return list(REFERENCE) if said is None else shlex.split(said)
+
+
+def reference_core_seconds(command: list[str] | None = None, tries: int = REFERENCE_TRIES) -> float | None:
+    """CPU seconds (user and system) of ``command`` (:func:`reference_command`) in a fresh process,
+    the best of ``tries`` so that a first read of its files from disk does not count: lower is a
+    faster machine. None where there is no command or it fails. The child's own figure
+    (``wait4``), not the whole of this process's children's."""
+    command = reference_command() if command is None else command
+    if not command:
+        return None
+    best = None
     for _ in range(tries):
-        start, total, seen = time.process_time(), 0, {}
-        for i in range(loops):
-            total += i * i % 7
-            seen[i & 1023] = total
-        best = min(best, time.process_time() - start)
+        try:
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        except OSError:
+            return None
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            return None
+        took = usage.ru_utime + usage.ru_stime
+        best = took if best is None else min(best, took)
     return best
 
 
@@ -275,7 +294,7 @@ class Budget:
             self.cpu[report.nodeid] = said["budget_cpu"]
 
     def lines(self, wall: float, suite_limit: float, busy: float | None = None,
-              cores: int | None = None, reference: tuple[float, float] | None = None) -> list[str]:
+              cores: int | None = None, reference: tuple[float | None, float | None] = (None, None)) -> list[str]:
         by_kind: dict[str, float] = defaultdict(float)
         for nodeid, s in self.seconds.items():
             by_kind[self.kinds.get(nodeid, "unit")] += s
@@ -286,9 +305,11 @@ class Budget:
         if busy is not None and cores:
             out.append(f"cores busy {100 * busy / (wall * cores):.0f}% of the run: {busy / 60:.1f} core-min "
                        f"of {wall * cores / 60:.1f} ({cores} cores, every process of the machine)")
-        if reference is not None:
-            out.append(f"a core's speed: the reference work took {reference[0]:.3f} core-s at the start, "
-                       f"{reference[1]:.3f} at the end (lower is faster; compare runs by it)")
+        if None not in reference:
+            command = reference_command()
+            named = "python -c 'import torch'" if tuple(command) == REFERENCE else shlex.join(command)
+            out.append(f"the machine's speed: a fresh `{named}` took {reference[0]:.2f} core-s "
+                       f"at the start, {reference[1]:.2f} at the end (lower is faster; compare runs by it)")
         out.append(f"slowest {SLOWEST}:")
         slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]
         out += [f"  {s:7.1f} s  {nodeid}" for nodeid, s in slowest]
@@ -325,7 +346,8 @@ class Budget:
         if target:
             with open(target, "w") as fh:
                 json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores,
-                           "reference_core_s": {"start": round(reference[0], 4), "end": round(reference[1], 4)},
+                           "reference_core_s": {"start": reference[0] and round(reference[0], 3),
+                                                "end": reference[1] and round(reference[1], 3)},
                            "disk": self.disk.record(), "tests": {
                     n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n),
                         "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3),

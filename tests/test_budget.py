@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+CHEAP_REFERENCE = f"{sys.executable} -c pass"  # the inner runs' own reference: not two imports of torch each
 
 INNER = '''
 import subprocess
@@ -51,7 +52,8 @@ def _run(tmp_path: Path, budget_s: str, *args: str) -> tuple[subprocess.Complete
     (tmp_path / "test_inner.py").write_text(INNER)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    e2e: x\n")
     times = tmp_path / "times.json"
-    env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_BUDGET_S": budget_s, "DDP_TEST_TIMES": str(times)}
+    env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_BUDGET_S": budget_s, "DDP_TEST_TIMES": str(times),
+           "DDP_TEST_REFERENCE": CHEAP_REFERENCE}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", *args, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return proc, json.loads(times.read_text())
@@ -100,8 +102,10 @@ def test_a_run_within_its_limits_says_so_and_names_no_test(tmp_path):
     assert "test_quick" not in report[report.index("over their own limit"):]
 
 
-def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done(tmp_path):
+def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done(tmp_path, monkeypatch):
     import budget
+
+    monkeypatch.setenv("DDP_TEST_REFERENCE", CHEAP_REFERENCE)
 
     before = budget.busy_core_seconds()
     spin_until = time.process_time() + 0.5
@@ -119,19 +123,30 @@ def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done
     assert isinstance(times["busy_core_s"], float) and times["busy_core_s"] >= 0 and times["cores"] == os.cpu_count()
 
 
-def test_the_report_says_how_fast_a_core_was_at_the_start_and_the_end_of_the_run(tmp_path):
+def test_the_machine_s_speed_is_the_cpu_of_a_fresh_import_of_torch_at_the_start_and_the_end(tmp_path, monkeypatch):
     import budget
 
+    monkeypatch.delenv("DDP_TEST_REFERENCE", raising=False)
+    assert budget.reference_command() == [sys.executable, "-c", "import torch"]
+    took = budget.reference_core_seconds(tries=1)
+    assert took is not None and 0.05 < took < 120  # torch's import is real work, in the child, counted
+    spin = [sys.executable, "-c", "import time\nt = time.process_time() + 0.5\nwhile time.process_time() < t: pass"]
+    assert 0.45 <= budget.reference_core_seconds(spin, tries=1) < 30  # the child's CPU, not its wall time
+    assert budget.reference_core_seconds([sys.executable, "-c", "raise SystemExit(3)"]) is None
+    monkeypatch.setenv("DDP_TEST_REFERENCE", "")
+    assert budget.reference_core_seconds() is None  # none asked for: none measured, none reported
     made = budget.Budget()
     made.disk.stop()
-    assert 0 < made.reference_at_start < 60
-    line = made.lines(600.0, 1500.0, reference=(0.2314, 0.35))[1]
-    assert line == ("a core's speed: the reference work took 0.231 core-s at the start, 0.350 at the end "
-                    "(lower is faster; compare runs by it)")
+    assert made.reference_at_start is None
+    assert not any("speed" in line for line in made.lines(600.0, 1500.0))
+    monkeypatch.delenv("DDP_TEST_REFERENCE")
+    line = made.lines(600.0, 1500.0, reference=(2.314, 3.5))[1]
+    assert line == ("the machine's speed: a fresh `python -c 'import torch'` took 2.31 core-s at the start, "
+                    "3.50 at the end (lower is faster; compare runs by it)")
     proc, times = _run(tmp_path, "600")
-    assert "a core's speed: the reference work took " in proc.stdout[proc.stdout.index("time budget"):]
+    assert f"the machine's speed: a fresh `{CHEAP_REFERENCE}` took " in proc.stdout
     said = times["reference_core_s"]
-    assert set(said) == {"start", "end"} and all(isinstance(v, float) and v > 0 for v in said.values())
+    assert set(said) == {"start", "end"} and all(isinstance(v, float) and v >= 0 for v in said.values())
 
 
 DISK_INNER = '''
@@ -161,7 +176,7 @@ def test_the_report_says_how_full_the_disk_got_and_which_test_was_running_then(t
         (tmp_path / "test_disk.py").write_text(DISK_INNER)
         times = tmp_path / "times.json"
         env = {**os.environ, "PYTHONPATH": str(HERE), "DDP_TEST_DISK": str(disk), "DDP_TEST_DISK_EVERY_S": "0.1",
-               "DDP_TEST_TIMES": str(times)}
+               "DDP_TEST_TIMES": str(times), "DDP_TEST_REFERENCE": CHEAP_REFERENCE}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "budget", "-p", "no:cacheprovider", *lanes,
                                str(tmp_path / "test_disk.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=120)
