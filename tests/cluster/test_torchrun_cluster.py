@@ -65,8 +65,11 @@ def test_torchrun_allreduce_across_three_nodes_over_ssh(cluster, tmp_path):
             argv = _torchrun_argv(cluster, h, str(script), str(job / "out"), job.name)
             # Gloo advertises the address the hostname resolves to (127.0.0.1 here, as on many
             # real hosts) unless told the interface; `echo $$` + exec records the remote pid.
-            remote = (f"echo $$ > {shlex.quote(str(job / (h.name + '.pid')))} && "
-                      f"NODE_NAME={shlex.quote(h.name)} GLOO_SOCKET_IFNAME=eth0 "
+            # TMPDIR in the job's folder: torchrun keeps its logs in a $TMPDIR/torchelastic_* it
+            # never removes, and these nodes share this machine's /tmp.
+            tmp = shlex.quote(str(job / f"tmp-{h.name}"))
+            remote = (f"echo $$ > {shlex.quote(str(job / (h.name + '.pid')))} && mkdir -p {tmp} && "
+                      f"NODE_NAME={shlex.quote(h.name)} GLOO_SOCKET_IFNAME=eth0 TMPDIR={tmp} "
                       f"exec {shlex.join(argv)}")
             logs[h.name] = open(tmp_path / f"{h.name}.log", "w+")
             procs[h.name] = subprocess.Popen(cluster.ssh_argv(h.name, ["sh", "-c", remote]),
