@@ -12,6 +12,10 @@ worker and of the children it waited for, which counts a long-lived child where 
 for a cluster test what its site's containers used (the nodes' launchers, zygotes and workers; not
 the shared dockerd). Listed as the tests that took most CPU, and in
 ``$DDP_TEST_TIMES`` as ``cpu_s``: where less work would shorten a run whose cores are busy.
+pytest tears the session's fixtures down (a test cluster and its daemons) in the teardown of a
+process's last test: that teardown's seconds and CPU are the session's, in a line of their own and
+in ``$DDP_TEST_TIMES`` as ``session_teardown``, not the test's (a unit test that took no time was
+once reported at 18 s and 148 core-s).
 
 The report also says how busy the machine's cores were over the run (``/proc/stat``, every
 process of the machine: the cluster's containers too): near all of them, and only less CPU work
@@ -182,13 +186,31 @@ class CpuPerTest:
         item._budget_cpu_start = group, self.cpu_seconds(), group and cgroup_cpu_seconds(group)
         yield
 
+    def _used(self, group: str | None) -> tuple[float, float]:
+        return self.cpu_seconds(), cgroup_cpu_seconds(group) if group is not None else 0.0
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
+        """The last test of a process (nextitem None) tears down the session's fixtures too (a test
+        cluster, its daemons): the work before that is the test's, the rest the session's."""
+        if nextitem is None and hasattr(item, "_budget_cpu_start"):
+            item._budget_teardown_start = time.monotonic(), self._used(item._budget_cpu_start[0])
+        yield
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         if call.when == "teardown" and hasattr(item, "_budget_cpu_start"):
             group, own, grouped = item._budget_cpu_start
-            used = self.cpu_seconds() - own
+            ended, now = None, self._used(group)
+            if hasattr(item, "_budget_teardown_start"):
+                ended, now = item._budget_teardown_start
+                later = self._used(group)
+                shared = (later[0] - now[0]) + max(0.0, later[1] - now[1])
+                item.user_properties.append(("budget_session_teardown", (round(time.monotonic() - ended, 2),
+                                                                         round(shared, 2))))
+            used = now[0] - own
             if group is not None:  # a cgroup made in this test counts from 0; one removed loses its count
-                used += max(0.0, cgroup_cpu_seconds(group) - grouped)
+                used += max(0.0, now[1] - grouped)
             item.user_properties.append(("budget_cpu", round(used, 2)))
         yield
 
@@ -277,6 +299,7 @@ class Budget:
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = {}
         self.start: dict[str, float] = {}  # seconds into the run, as the controller heard of it
+        self.session_teardown: list[tuple[float, float]] = []  # (s, core-s) of each process's
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:  # here, or forwarded from a worker
         self.disk.started(nodeid)
@@ -286,8 +309,14 @@ class Budget:
         self.disk.finished(nodeid)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[report.nodeid] += report.duration  # setup, call and teardown together
         said = dict(report.user_properties)  # set where the test ran: here, or in an xdist worker
+        duration = report.duration
+        if report.when == "teardown" and "budget_session_teardown" in said:
+            # a process's last test: the session's fixtures torn down in its teardown are no test's
+            seconds, cpu = said["budget_session_teardown"]
+            self.session_teardown.append((seconds, cpu))
+            duration = max(0.0, duration - seconds)
+        self.seconds[report.nodeid] += duration  # setup, call and teardown together
         if "budget_kind" in said:
             self.kinds[report.nodeid], self.limits[report.nodeid] = said["budget_kind"], said["budget_limit"]
         if "budget_cpu" in said:
@@ -321,6 +350,11 @@ class Budget:
         if over:
             out.append(f"over their own limit ({len(over)}):")
             out += [f"  {s:7.1f} s > {limit:.0f} s  {nodeid}" for nodeid, s, limit in sorted(over, key=lambda o: -o[1])]
+        if self.session_teardown:
+            out.append(f"the session's fixtures torn down after each process's last test, in no test's figures: "
+                       f"{sum(s for s, _ in self.session_teardown):.1f} s, "
+                       f"{sum(c for _, c in self.session_teardown):.1f} core-s "
+                       f"(the run's {len(self.session_teardown)} test processes together)")
         out.append(self.disk.line())
         if wall > suite_limit:
             out.append(f"the suite is over its limit: {wall / 60:.1f} min > {suite_limit / 60:.1f} min "
@@ -348,7 +382,9 @@ class Budget:
                 json.dump({"wall_s": round(wall, 1), "busy_core_s": busy and round(busy, 1), "cores": cores,
                            "reference_core_s": {"start": reference[0] and round(reference[0], 3),
                                                 "end": reference[1] and round(reference[1], 3)},
-                           "disk": self.disk.record(), "tests": {
+                           "disk": self.disk.record(),
+                           "session_teardown": [{"s": s, "cpu_s": c} for s, c in self.session_teardown],
+                           "tests": {
                     n: {"s": round(s, 2), "kind": self.kinds.get(n, "unit"), "cpu_s": self.cpu.get(n),
                         "disk_gb": round(self.disk.grew.get(n, 0) / 1e9, 3),
                         "start_s": round(self.start[n], 1) if n in self.start else None}

@@ -36,6 +36,17 @@ SPIN = "import time\\nt = time.process_time() + 0.5\\nwhile time.process_time() 
 def test_work_in_a_child():
     subprocess.run([sys.executable, "-c", SPIN], check=True)
 
+@pytest.fixture(scope="session")
+def shared():
+    """A session's fixture with a costly teardown (a test cluster's): in the last test's teardown."""
+    yield
+    t = time.process_time() + 0.5
+    while time.process_time() < t: pass
+    time.sleep(0.3)
+
+def test_uses_a_shared_fixture(shared):
+    pass
+
 LEFT = []
 
 def test_zz_starts_a_child_it_leaves():
@@ -72,7 +83,19 @@ def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_noth
     assert times["tests"]["test_inner.py::test_an_e2e_within_its_kinds_limit"]["kind"] == "e2e"
     assert set(times["tests"]) == {f"test_inner.py::{t}" for t in (
         "test_slow_beyond_its_own_limit", "test_quick", "test_an_e2e_within_its_kinds_limit", "test_work_in_a_child",
-        "test_zz_starts_a_child_it_leaves", "test_zz_zreaps_a_child_another_test_left")}
+        "test_zz_starts_a_child_it_leaves", "test_zz_zreaps_a_child_another_test_left", "test_uses_a_shared_fixture")}
+
+
+@pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
+def test_the_session_s_fixtures_torn_down_in_a_process_s_last_test_are_counted_apart_from_it(tmp_path, lanes):
+    proc, times = _run(tmp_path, "600", *lanes)
+    assert sum(t["cpu_s"] for t in times["session_teardown"]) >= 0.45, times["session_teardown"]
+    assert sum(t["s"] for t in times["session_teardown"]) >= 0.75, times["session_teardown"]
+    for name, t in times["tests"].items():  # none of the tests carries the teardown's 0.5 core-s and 0.8 s
+        if not name.endswith(("test_work_in_a_child", "test_zz_starts_a_child_it_leaves", "test_slow_beyond_its_own_limit")):
+            assert t["cpu_s"] < 0.3 and t["s"] < 0.3, (name, t)
+    report = proc.stdout[proc.stdout.index("time budget"):]
+    assert "the session's fixtures torn down after each process's last test, in no test's figures: " in report
 
 
 @pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
