@@ -475,12 +475,10 @@ def _listening(cluster, node: str) -> list[tuple[str, str]]:
 
 def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and_ends_bit_identical(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    ok(ddp(cluster, hosts, "launch"))
-    _run_past_a_checkpoint(fresh_nas)
-    asked = time.time()
-    said = ok(ddp(cluster, hosts, "stop")).stdout
+    asked, said = _stopped_mid_run(cluster, hosts, fresh_nas)
     took = time.time() - asked
     _no_containers_anywhere(cluster)
+    assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
     stop = records(fresh_nas)[-1]
     assert stop["kind"] == "stopped" and stop["signal"].startswith("SIGTERM"), stop
     # a planned stop writes a checkpoint at its own step, the last one trained. (`stop` may take some
@@ -508,29 +506,31 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
 
 # The job trains 64 steps in about 13 s on a machine running the whole suite 2.5 times slower than
 # usual; there `stop --now` (one process, its SSH to three nodes, on cores the job's 6 workers share)
-# once reached the nodes after the last step (a clean-clone run of 2026-12-01).
-STOP_NOW_ATTEMPTS = 3
+# once reached the nodes after the last step (a clean-clone run of 2026-12-01), and a graceful `stop`
+# can as well.
+STOP_ATTEMPTS = 3
 
 
-def _stopped_now_mid_run(cluster, hosts: Path, nas: Path) -> float:
-    """Launches the job and stops it with `stop --now` half an interval past a checkpoint; returns
-    when the stop returned. Where the job finished before the stop reached it, the fault never
-    happened: the job runs again on an empty NAS, STOP_NOW_ATTEMPTS times in all (the caller
-    asserts that the last one was stopped mid-run)."""
-    for attempt in range(1, STOP_NOW_ATTEMPTS + 1):
+def _stopped_mid_run(cluster, hosts: Path, nas: Path, *how: str) -> tuple[float, str]:
+    """Launches the job and stops it (`stop`, with ``how`` as its options) half an interval past a
+    checkpoint; returns when the stop was asked and what it said. Where the job finished before the
+    stop reached it, the fault never happened: the job runs again on an empty NAS, STOP_ATTEMPTS
+    times in all (the caller asserts that the last one was stopped mid-run)."""
+    for attempt in range(1, STOP_ATTEMPTS + 1):
         ok(ddp(cluster, hosts, "launch"))
         _run_past_a_checkpoint(nas)
-        ok(ddp(cluster, hosts, "stop", "--now"))
-        stopped = time.time()
-        if attempt == STOP_NOW_ATTEMPTS or "final" not in [r["kind"] for r in records(nas)]:
-            return stopped
-        print(f"attempt {attempt}: the job finished before `stop --now` reached it; launching it again")
+        asked = time.time()
+        said = ok(ddp(cluster, hosts, "stop", *how)).stdout
+        if attempt == STOP_ATTEMPTS or "final" not in [r["kind"] for r in records(nas)]:
+            return asked, said
+        print(f"attempt {attempt}: the job finished before `stop {' '.join(how)}` reached it; launching it again")
         empty_nas(nas)
 
 
 def test_a_job_stopped_now_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    stopped = _stopped_now_mid_run(cluster, hosts, fresh_nas)
+    _stopped_mid_run(cluster, hosts, fresh_nas, "--now")
+    stopped = time.time()
     assert "stopped" not in [r["kind"] for r in records(fresh_nas)], "--now gave the job no time for a checkpoint"
     _no_containers_anywhere(cluster)
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
