@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 
 from deploy.cli import cli
 from local_job import beats_dir, local_hosts
-from procs import alive, parent_of, with_environ
+from procs import alive, children_of, parent_of, with_environ
 from trainer import heartbeat
 from trainer.entry import module_argv
 from waiting import wait_until
@@ -302,18 +303,45 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_path):
-    # An interpreter that passes the preflight checks (python -m trainer.probe, python -c LISTENER)
-    # but cannot start the job.
+def _failing_at_once(tmp_path: Path) -> Path:
+    """An inventory whose interpreter passes the preflight checks (python -m trainer.probe, python -c
+    LISTENER) but cannot start the job."""
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\n[ "$3" = trainer.launch ] && exit 127\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     hosts.write_text(hosts.read_text().replace(sys.executable, str(fake)))
+    return hosts
+
+
+def _assert_failed_at_once(ddp, hosts: Path) -> None:
     r = ddp(hosts, "launch")
-    assert r.exit_code == 1
+    assert r.exit_code == 1, r.output
     assert r.stderr.startswith("error: here: launch: exit 1: exited with 127 at once")
     assert _state(ddp, hosts)["state"] == "absent"
+
+
+def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_path):
+    _assert_failed_at_once(ddp, _failing_at_once(tmp_path))
+
+
+BUSY_NODE_PROCESSES = 1500
+
+
+def test_a_node_busy_with_processes_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp_path):
+    # The supervisor kills what the ended command left before it records the exit (deploy/node/
+    # kill_run.sh), and launch looks for that record 1 s after the start: a grep for each process
+    # on the node took longer than that here with this many (a clean-clone run at 7c8d234, its
+    # cores busy, took the launch for a success).
+    hosts = _failing_at_once(tmp_path)
+    crowd = subprocess.Popen(["sh", "-c", f"for i in $(seq {BUSY_NODE_PROCESSES}); do sleep 600 & done; wait"],
+                             start_new_session=True)
+    try:
+        wait_until(lambda: len(children_of(crowd.pid)) >= BUSY_NODE_PROCESSES, 120, "the crowd of processes")
+        _assert_failed_at_once(ddp, hosts)
+    finally:
+        os.killpg(crowd.pid, signal.SIGKILL)
+        crowd.wait()
 
 
 def test_launch_refuses_before_starting_anything_when_a_check_fails(ddp, tmp_path):

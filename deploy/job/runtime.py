@@ -30,6 +30,8 @@ RUN_SUBDIR = ".ddp-deploy"
 # DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live in sessions of their own),
 # except PID. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
 # directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
+# One grep reads every process's environment (one a process took seconds on a busy node), and it
+# returns once the killed are gone (at most 5 s): a stop that says stopped leaves none of them.
 # No single quote in it: the supervisor's script below is one quoted word.
 KILL_RUN = node_program("kill_run.sh")
 
