@@ -201,13 +201,13 @@ class CpuPerTest:
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         if call.when == "teardown" and hasattr(item, "_budget_cpu_start"):
             group, own, grouped = item._budget_cpu_start
-            ended, now = None, self._used(group)
-            if hasattr(item, "_budget_teardown_start"):
-                ended, now = item._budget_teardown_start
-                later = self._used(group)
-                shared = (later[0] - now[0]) + max(0.0, later[1] - now[1])
-                item.user_properties.append(("budget_session_teardown", (round(time.monotonic() - ended, 2),
+            now = self._used(group)
+            if hasattr(item, "_budget_teardown_start"):  # the test's own figures end where its teardown began
+                began, at = item._budget_teardown_start
+                shared = (now[0] - at[0]) + max(0.0, now[1] - at[1])
+                item.user_properties.append(("budget_session_teardown", (round(time.monotonic() - began, 2),
                                                                          round(shared, 2))))
+                now = at
             used = now[0] - own
             if group is not None:  # a cgroup made in this test counts from 0; one removed loses its count
                 used += max(0.0, now[1] - grouped)
@@ -299,7 +299,7 @@ class Budget:
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = {}
         self.start: dict[str, float] = {}  # seconds into the run, as the controller heard of it
-        self.session_teardown: list[tuple[float, float]] = []  # (s, core-s) of each process's
+        self.session_teardown: list[tuple[float, float]] = []  # (s, core-s): each process's, after its last test
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:  # here, or forwarded from a worker
         self.disk.started(nodeid)
