@@ -62,6 +62,28 @@ def test_each_node_has_its_own_docker_daemon_holding_the_operators_base_image(cl
     assert len(set(ids.values()) | {operator}) == len(cluster.hosts) + 1, ids
 
 
+def test_the_nodes_share_the_kept_base_s_files_and_a_write_in_one_node_s_container_reaches_no_other(cluster):
+    """The nodes' stores hold the base as hard links to the kept template's layer files
+    (_copy_node_stores): one copy on disk and in the page cache for every node. A container that
+    writes to such a file writes to a copy in its own layer: the template and the other nodes keep
+    the original. (A node whose base was removed and loaded again, as the deploy benchmark's cold
+    deploy does, holds a layer of its own, under another directory.)"""
+    rel = "opt/venv/lib/python3.11/site-packages/torch/version.py"
+    kept = next(netcluster.node_store_template().glob(f"overlay2/*/diff/{rel}"))
+    layer = kept.relative_to(netcluster.node_store_template()).parts[1]
+    nodes = [h.name for h in cluster.hosts if (cluster.site.data_root / h.name / "overlay2" / layer).is_dir()]
+    assert len(nodes) >= 2, f"only {nodes} still hold the kept base's layer"
+    assert {(cluster.site.data_root / n / kept.relative_to(netcluster.node_store_template())).stat().st_ino
+            for n in nodes} == {kept.stat().st_ino}
+    before = kept.read_bytes()
+    wrote = cluster.ssh(nodes[0], ["docker", "run", "--rm", "--user", "0", cluster.base_image, "sh", "-c",
+                                   f"echo 'changed = True' >> /{rel} && tail -n 1 /{rel}"])
+    assert wrote.returncode == 0 and wrote.stdout.strip() == "changed = True", wrote.stderr
+    assert kept.read_bytes() == before
+    other = cluster.ssh(nodes[1], ["docker", "run", "--rm", cluster.base_image, "tail", "-n", "1", f"/{rel}"])
+    assert other.returncode == 0 and other.stdout == before.decode().splitlines(keepends=True)[-1], other
+
+
 def test_a_file_written_to_the_nas_by_node1_is_read_by_node3(cluster):
     path = f"{cluster.nas_dir}/hello-from-node1"
     r = cluster.ssh("node1", ["sh", "-c", f"echo written-by-node1 > {path}"])
