@@ -123,6 +123,46 @@ def test_the_agent_s_killpg_reaches_the_worker_in_a_session_of_its_own_and_its_s
     assert code == -signal.SIGTERM
 
 
+# torch's own handler, its _popen given to the zygote (zygote.install); prints "PID n", reads a line,
+# then closes the worker as torchrun's agent does when another worker ended, and prints what happened.
+CLOSER = textwrap.dedent("""
+    import inspect, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+    from trainer import zygote
+    zygote.install(zygote.Zygote.start(preload=()))
+    extra = {"numa_options": None} if "numa_options" in inspect.signature(sh.SubprocessHandler).parameters else {}
+    handler = sh.SubprocessHandler(sys.executable, ("-u", "-m", "sleeper"), dict(os.environ), None, None, 0, **extra)
+    print("PID", handler.proc.pid, type(handler.proc).__name__, flush=True)
+    sys.stdin.readline()
+    try:
+        handler.close(signal.SIGTERM)
+        print("CLOSED", flush=True)
+    except OSError as exc:
+        print("CLOSE FAILED", repr(exc), flush=True)
+    print("EXIT", handler.proc.wait(30), flush=True)
+""")
+
+
+def test_the_agent_closes_a_worker_that_ended_and_was_reaped_before_it_looked_without_failing(tmp_path):
+    """The zygote reaps its workers at once, so a worker killed from outside (a stall's restart) can be
+    gone, its process group with it, while the agent still holds it running: torch's close() killpgs
+    it, and a ProcessLookupError there ended torchrun's agent. The close succeeds, the end is the kill."""
+    _program(tmp_path, "sleeper.py", """
+        import time
+        time.sleep(60)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", CLOSER, str(ROOT)], cwd=tmp_path, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = driver.stdout.readline()
+    assert line.startswith("PID ") and line.split()[2] == "Forked", line + driver.stderr.read()
+    pid = int(line.split()[1])
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, "the zygote to reap its killed worker", interval=0.05)
+    out, err = driver.communicate("close\n", timeout=60)
+    assert out.splitlines() == ["CLOSED", f"EXIT {-signal.SIGKILL}"], out + err
+
+
 def test_an_uncaught_keyboard_interrupt_ends_the_worker_by_sigint_as_python_does(tmp_path):
     _program(tmp_path, "interrupted.py", "raise KeyboardInterrupt\n")
     driver = _drive(tmp_path, ["-u", "-m", "interrupted"])

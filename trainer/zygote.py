@@ -10,7 +10,8 @@ the rendezvous runs, and forks each worker that torchrun's agent asks for.
 What torchrun's agent sees is unchanged: ``SubprocessHandler._popen`` (torch.distributed.elastic)
 returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``, ``poll()``, ``wait()``,
 ``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
-the agent's ``killpg`` reaches it and its children. It gets the agent's standard input and the
+the agent's ``killpg`` reaches it and its children (and a worker the zygote has reaped already
+is closed without one: its group is gone). It gets the agent's standard input and the
 output files torchrun opened for it, its environment, working directory and arguments exactly;
 ``python -u`` (torchrun's) is kept as unbuffered standard streams; ``OMP_NUM_THREADS`` (which
 torchrun sets for the workers, and which the OpenMP runtime read when torch was loaded in the
@@ -246,6 +247,25 @@ def install(zygote: Zygote) -> None:
         return popen(self, args, env)
 
     sh.SubprocessHandler._popen = forked
+    close = sh.SubprocessHandler.close
+
+    def closed(self, death_sig=None):
+        # A forked worker is the zygote's child, reaped there the moment it ends: its process group
+        # can be gone while the agent has yet to read its end (a Popen's zombie would hold the group
+        # until the agent reaps it). torch's killpg then raises ProcessLookupError and the agent dies
+        # of it: a stall's restart SIGKILLs a node's workers while its agent closes them for the
+        # first one's end, and that node never came back (a clean-clone run at 64e9753). Nothing is
+        # left to signal.
+        try:
+            close(self, death_sig)
+        except ProcessLookupError:
+            if not isinstance(self.proc, Forked):
+                raise
+            for handle in (self._stdout, self._stderr):
+                if handle:
+                    handle.close()
+
+    sh.SubprocessHandler.close = closed
 
 
 def _fd(handle, default: int) -> int:

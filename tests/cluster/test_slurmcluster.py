@@ -71,8 +71,15 @@ def test_sbatch_wait_runs_a_batch_script_on_two_nodes_that_writes_its_output_to_
         f"addr {h.name} {h.address}" for h in two]
     tasks = sorted(line.split(": ", 1)[1].strip() for line in lines if ": task " in line)
     assert tasks == [f"task {h.name} {h.address}" for h in two]
-    shown = slurm.run(["scontrol", "show", "job", "-o", job], check=True).stdout
-    assert "JobState=COMPLETED" in shown and "NodeList=node[1-2]" in shown
+
+    def ended() -> dict[str, str] | None:
+        shown = slurm.run(["scontrol", "show", "job", "-o", job], check=True).stdout
+        fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+        return None if fields.get("JobState") == "COMPLETING" else fields
+    # sbatch --wait returns once the job's script has ended; Slurm shows it COMPLETING until every
+    # node has cleaned up after it (a clean-clone run found it so once, under load)
+    fields = wait_until(ended, 30, f"job {job} to leave COMPLETING")
+    assert (fields.get("JobState"), fields.get("NodeList")) == ("COMPLETED", "node[1-2]"), fields
 
 
 def test_a_running_job_that_is_requeued_starts_again(cluster, slurm, fresh_nas):
