@@ -69,12 +69,13 @@ def test_the_nodes_share_the_kept_base_s_files_and_a_write_in_one_node_s_contain
     the original. (A node whose base was removed and loaded again, as the deploy benchmark's cold
     deploy does, holds a layer of its own, under another directory.)"""
     rel = "opt/venv/lib/python3.11/site-packages/torch/version.py"
-    kept = next(netcluster.node_store_template().glob(f"overlay2/*/diff/{rel}"))
-    layer = kept.relative_to(netcluster.node_store_template()).parts[1]
-    nodes = [h.name for h in cluster.hosts if (cluster.site.data_root / h.name / "overlay2" / layer).is_dir()]
+    template = netcluster.node_store_template()
+    kept = next(template.glob(f"overlay2/*/diff/{rel}"))
+    in_store = kept.relative_to(template)  # overlay2/LAYER/diff/...
+    layer = Path(*in_store.parts[:2])
+    nodes = [h.name for h in cluster.hosts if (cluster.site.data_root / h.name / layer).is_dir()]
     assert len(nodes) >= 2, f"only {nodes} still hold the kept base's layer"
-    assert {(cluster.site.data_root / n / kept.relative_to(netcluster.node_store_template())).stat().st_ino
-            for n in nodes} == {kept.stat().st_ino}
+    assert {(cluster.site.data_root / n / in_store).stat().st_ino for n in nodes} == {kept.stat().st_ino}
     before = kept.read_bytes()
     wrote = cluster.ssh(nodes[0], ["docker", "run", "--rm", "--user", "0", cluster.base_image, "sh", "-c",
                                    f"echo 'changed = True' >> /{rel} && tail -n 1 /{rel}"])
