@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -392,10 +393,56 @@ def _seen(hosts: Path) -> lock.Seen:
         return lock.survey(inv, remote).locks["here"]
 
 
-def test_a_lock_being_taken_is_named_by_the_owner_it_writes_a_moment_later_and_one_never_completed_as_such(
+def test_a_lock_appears_whole_so_whoever_looks_while_another_takes_it_finds_it_free_or_sees_its_owner(
         tmp_path, fleet_lock_path, this_machine):
-    """Its taker makes the directory, then writes the owner file: one who looks in between waits a
-    moment for it (a refusal then names who holds the lock), and says so where none comes."""
+    """The taker is parked at the one step that puts its lock in place (a `mv` of our own on its
+    PATH that waits for a file): meanwhile a look finds no lock, another operator takes it and is
+    told so, and the parked taker then names that operator. Where the lock's directory came before
+    its owner file, the look and the other operator would find a lock without owner."""
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    park, shims = tmp_path / "park", tmp_path / "bin"
+    park.mkdir(), shims.mkdir()
+    (shims / "mv").write_text(f'#!/bin/sh\n: > "{park}/at"\nwhile [ ! -e "{park}/go" ]; do sleep 0.05; done\n'
+                              f'exec {shutil.which("mv")} "$@"\n')
+    (shims / "mv").chmod(0o755)
+    (tmp_path / "owner.json").write_bytes(lock.Owner.here("deploy", "locktest", str(hosts)).encode())
+    with open(tmp_path / "owner.json", "rb") as owner:
+        taker = subprocess.Popen(["sh", "-c", lock.TAKE, "sh", str(fleet_lock_path)], stdin=owner,
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (park / "at").exists() and taker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (park / "at").exists(), "the taker never reached its mv"
+        started = time.monotonic()
+        inv = load(hosts)
+        with Remote(inv) as remote:
+            assert lock.survey(inv, remote).locks["here"] is None
+            other = lock.acquire(inv, remote, "launch", str(hosts))
+            assert time.monotonic() - started < 5  # nobody waited for an owner file
+            try:
+                (park / "go").touch()
+                out, _ = taker.communicate(timeout=60)
+                assert taker.returncode == 0, out
+                seen = lock.parse("here", out)
+                assert seen is not None and seen.owner is not None and seen.owner.token == other.owner.token, out
+                assert sorted(p.name for p in fleet_lock_path.parent.iterdir()) == [fleet_lock_path.name]
+            finally:
+                assert other.release() == []
+        assert list(fleet_lock_path.parent.iterdir()) == []  # neither left a directory of its own beside it
+    finally:
+        (park / "go").touch()
+        if taker.poll() is None:
+            taker.kill()
+        taker.wait(timeout=60)
+
+
+def test_an_earlier_version_s_lock_being_taken_is_named_by_the_owner_it_writes_a_moment_later_and_one_never_completed_as_such(
+        tmp_path, fleet_lock_path, this_machine):
+    """Versions before the whole lock made its directory, then wrote the owner file: one who looks
+    in between waits a moment for it (a refusal then names who holds the lock), and says so where
+    none comes."""
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     fleet_lock_path.mkdir()
 

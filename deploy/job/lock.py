@@ -6,7 +6,7 @@ in another order or under other names agree), stopping at the first node that re
 releasing, in reverse, the nodes already taken. Two operators racing for the same (or
 overlapping) fleets meet first on the lowest node they share, so exactly one of them proceeds.
 
-On a node the lock is the directory ``LOCK_PATH``, made atomically by ``mkdir``, holding
+On a node the lock is the directory ``LOCK_PATH``, put in place whole by one ``rename``, holding
 ``owner`` (JSON: who, which command and job, a random token; only the holder of the token
 releases it) and ``heartbeat``, touched every ``HEARTBEAT_EVERY`` seconds while it is held.
 /tmp because every ssh user can create it there, it is per machine (nodes sharing the lock
@@ -67,17 +67,21 @@ _HELD = node_program("held.sh")
 LOOK = _HELD + 'held "$1" || echo free\n'
 
 # $1 = lock directory, stdin = the owner JSON. Prints "taken", or what `held` prints about the
-# lock already there (a lock that vanishes meanwhile is tried again).
+# lock already there (a lock that vanishes meanwhile is tried again). The lock is made whole beside
+# its place (owner and heartbeat in "$lock.new.PID") and renamed into it, so that nobody ever sees it
+# without its owner; the rename fails where a lock with files in it is there already. Only a lock
+# directory with nothing in it (an earlier version's, in the moment between its mkdir and its owner
+# file) could be replaced: the test before the rename leaves that a moment of microseconds, and its
+# taker's owner file would then replace ours, which `FleetLock.confirm` finds before we start anything.
 TAKE = _HELD + r"""umask 022
-lock=$1; owner=$(cat)
+lock=$1; owner=$(cat); new="$lock.new.$$"
+trap 'rm -rf "$new"' EXIT
+rm -rf "$new" && mkdir -m 755 "$new" && printf '%s\n' "$owner" > "$new/owner" && : > "$new/heartbeat" || exit 1
 for _ in 1 2 3; do
-  if err=$(mkdir -m 755 "$lock" 2>&1); then
-    printf '%s\n' "$owner" > "$lock/owner.tmp" && : > "$lock/heartbeat" && mv "$lock/owner.tmp" "$lock/owner" || exit 1
-    echo taken; exit 0
-  fi
+  if [ ! -e "$lock" ] && err=$(mv -T "$new" "$lock" 2>&1); then echo taken; exit 0; fi
   held "$lock" && exit 0
 done
-echo "$err" >&2; exit 1
+echo "${err:-$lock is there and cannot be read}" >&2; exit 1
 """
 
 # $1 = lock directory, $2 = token. Refreshes the heartbeat of our own lock only; where the lock
@@ -88,7 +92,8 @@ fi
 """
 
 # $1 = lock directory, $2 = the token of the lock to remove ("" = a lock with no valid owner).
-# Prints removed, gone (no lock) or kept (another lock is there now).
+# Prints removed, gone (no lock) or kept (another lock is there now). The lock is renamed aside
+# before its files are removed, so nobody sees it half removed.
 RELEASE = node_program("release.sh")
 
 
@@ -203,7 +208,8 @@ class Seen:
 
     node: str
     owner: Owner | None
-    """None while it is being taken (no owner file yet), or when the owner file is unreadable."""
+    """None for an earlier version's lock while it is being taken (no owner file yet: see held.sh),
+    or when the owner file is unreadable."""
     age: int
     """Seconds since it was taken (the node's clock)."""
     quiet: int
