@@ -56,7 +56,7 @@ def own_tmpdir(tmp_path_factory, monkeypatch) -> Path:
     """Each test's own TMPDIR, for the processes it starts: a launcher the test kills before it can
     remove its torch log folder (trainer/launch.py torch_log_dir) leaves that folder, with its
     workers' output, under pytest's temporary root, never in this machine's /tmp (a clean-clone run
-    left about ten /tmp/ddp-torchelastic-* there). A test that sets TMPDIR itself keeps its own."""
+    left about ten /tmp/ddp-torchelastic-* there, as torch log folders were named then). A test that sets TMPDIR itself keeps its own."""
     path = tmp_path_factory.mktemp("tmpdir")
     monkeypatch.setenv("TMPDIR", str(path))
     return path

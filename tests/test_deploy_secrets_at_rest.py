@@ -4,6 +4,7 @@ folders go with the run."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ from deploy.cli import cli
 from local_job import local_hosts
 from test_deploy_local import LONG_ARGS, _records, _wait_for
 from trainer import launch
+
+REPO = Path(__file__).resolve().parents[1]
 
 SECRET = 's3cr"et\\-välue-7f3a'
 SPELLINGS = {"as is": SECRET, "json.dumps": json.dumps(SECRET)[1:-1], "repr": repr(SECRET)[1:-1]}
@@ -50,7 +53,9 @@ def _ddp(hosts: Path, *args: str):
 
 
 def _torch_folders(tmp_path: Path) -> list[str]:
-    return [p.name for p in (tmp_path / "tmp").iterdir() if "torchelastic" in p.name]
+    """torch's own (torchelastic_*) and the launcher's (launch.TORCH_LOG_PREFIX)."""
+    return [p.name for p in (tmp_path / "tmp").iterdir()
+            if "torchelastic" in p.name or p.name.startswith(launch.TORCH_LOG_PREFIX)]
 
 
 @pytest.mark.e2e
@@ -102,19 +107,65 @@ def test_the_launchers_output_and_its_copy_in_the_run_log_are_masked_as_printed(
     assert log.splitlines() == ["a ***", '["***"]', "no newline at the end '***'"]
 
 
-def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_of_the_same_run_with_it(tmp_path, monkeypatch):
+def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_by_the_next_launcher_on_the_machine(
+        tmp_path, monkeypatch):
+    """A launcher holds its folder's lock while it runs; one killed (kill -9, in a process of its
+    own here) holds nothing, and the next launcher removes its folder but not a running one's, nor
+    an earlier version's (``ddp-torchelastic-*``: it held none, so it may run still)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args = ["--nnodes", "1", "--", "--epochs", "1"]
-    with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/a/node1") as killed:
-        left = Path(killed[1])
-        (left / "stdout.log").write_text(SECRET)
-    left.mkdir()  # as a launcher killed by SIGKILL leaves it
-    with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/b/node1") as other:
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+         "from trainer import launch\nwith launch.torch_log_dir(['--', 'x']) as d:\n"
+         "    open(os.path.join(d[1], 'stdout.log'), 'w').write(sys.argv[2])\n    print(d[1], flush=True)\n"
+         "    sys.stdin.readline()\n", str(tmp_path), SECRET],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    left = Path(killed.stdout.readline().strip())
+    assert (left / "stdout.log").read_text() == SECRET
+    earlier = tmp_path / "ddp-torchelastic-0123456789abcdef-x1y2"
+    earlier.mkdir()
+    with launch.torch_log_dir(args) as other:  # a launcher running beside the killed one
+        assert left.exists()  # its launcher runs: kept
+        killed.kill()
+        killed.wait(timeout=60)
         Path(other[1], "stdout.log").write_text("another job's, running")
-        with launch.torch_log_dir(args, "/ckpt/.ddp-deploy/a/node1") as mine:
+        with launch.torch_log_dir(args) as mine:
             assert mine[0] == "--log-dir" and not left.exists()
-            assert Path(other[1], "stdout.log").exists()  # only its own run's
+            assert Path(other[1], "stdout.log").exists() and earlier.exists()
         assert not Path(mine[1]).exists()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [earlier]
     with launch.torch_log_dir(["--log-dir", "/var/log/mine", "--", "x"]) as given:
         assert given == []  # the operator's own choice, left to them
+
+
+@pytest.mark.parametrize("when", ["before its maker opened it", "before its maker locked it"])
+def test_a_log_folder_removed_by_another_launcher_before_its_maker_held_it_is_made_again_and_held(
+        tmp_path, monkeypatch, when):
+    """Between its making and its lock a folder is nobody's: another launcher starting then may
+    remove it (here: one sweeps at that moment, once)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made: list[str] = []
+    mkdtemp, flock = tempfile.mkdtemp, fcntl.flock
+
+    def another_sweeps() -> None:
+        if len(made) == 1:
+            launch._remove_unheld(str(tmp_path))
+
+    def mkdtemp_then(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        if when == "before its maker opened it":
+            another_sweeps()
+        return made[-1]
+
+    def flock_after(fd, operation):
+        if operation == fcntl.LOCK_EX and when == "before its maker locked it":
+            another_sweeps()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then)
+    monkeypatch.setattr(launch.fcntl, "flock", flock_after)
+    with launch.torch_log_dir(["--", "x"]) as mine:
+        assert len(made) == 2 and not os.path.exists(made[0]) and mine == ["--log-dir", made[1]]
+        launch._remove_unheld(str(tmp_path))  # held now: kept
+        assert os.path.isdir(made[1])
+    assert list(tmp_path.iterdir()) == []

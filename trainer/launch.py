@@ -18,8 +18,8 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
-import hashlib
 import os
 import shutil
 import signal
@@ -44,8 +44,6 @@ def default_nproc() -> str:
 
 
 DEFAULT_ENTRY = "trainer"
-RUN_MARKER_ENV = "DDP_DEPLOY_RUN"
-"""The host runtime's run directory, in the environment of every process of the run (deploy/job/runtime.py)."""
 
 
 # Each worker's lines, echoed by torchrun (--tee), start with its global rank: `logs` shows and
@@ -276,43 +274,84 @@ def _warn(message: str) -> None:
     sys.stderr.flush()
 
 
+TORCH_LOG_PREFIX = "ddp-torchlog-"
+"""torchrun's log directories of launchers of this version, in $TMPDIR: each held (``flock``) by
+the launcher that made it for as long as it runs. Versions before it named theirs
+``ddp-torchelastic-*`` and held none: they are left alone, since one may belong to a launcher of
+such a version that is still running."""
+
+
 @contextlib.contextmanager
-def torch_log_dir(args: list[str], owner: str | None = None):
+def torch_log_dir(args: list[str]):
     """``["--log-dir", DIR]`` for torchrun, DIR new and private to this run and removed with
     everything in it at the end; ``[]`` when the options (before ``--``) name a log directory.
 
     torchrun otherwise makes a new ``$TMPDIR/torchelastic_*`` per run and leaves it: each
-    worker's raw output (with --tee), secrets a program printed included, piling up. ``owner``
-    (the run's directory) names it, so that a launcher of the same run that was killed before it
-    could remove its own (``stop --now``) has it removed by the next one.
+    worker's raw output (with --tee), secrets a program printed included, piling up. A launcher
+    killed before it could remove its own (``stop --now``, the OOM killer) leaves it too: the
+    next launcher on this machine removes every such directory that no running launcher holds.
     """
     if "--" in args and option(args[:args.index("--")], "--log-dir") is not None:
         yield []
         return
-    prefix = "ddp-torchelastic-"
-    if owner:
-        prefix += hashlib.sha256(owner.encode()).hexdigest()[:16] + "-"
-        for left in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), prefix + "*")):
-            shutil.rmtree(left, ignore_errors=True)
-    directory = tempfile.mkdtemp(prefix=prefix)
+    _remove_unheld(tempfile.gettempdir())
+    directory, held = _held_directory()
     try:
         yield ["--log-dir", directory]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        os.close(held)
+
+
+def _held_directory() -> tuple[str, int]:
+    """A new log directory and the descriptor that holds its lock (not inherited by children)."""
+    while True:
+        directory = tempfile.mkdtemp(prefix=TORCH_LOG_PREFIX)
+        try:
+            held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # removed as unheld already
+            continue
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another launcher removes it as unheld
+        try:
+            now = os.stat(directory)
+        except FileNotFoundError:
+            now = None
+        mine = os.fstat(held)
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return directory, held
+        os.close(held)  # removed between its making and its lock: make another
+
+
+def _remove_unheld(parent: str) -> None:
+    """Removes the log directories in ``parent`` whose launcher has ended (nothing holds them);
+    other users' and running launchers' are kept."""
+    for left in glob.glob(os.path.join(glob.escape(parent), TORCH_LOG_PREFIX + "*")):
+        try:
+            fd = os.open(left, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # another user's (mode 0700), a link, or gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its launcher runs
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(left, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def main() -> None:
     argv = sys.argv[1:]
     directory = os.environ.pop(LOG_DIR_ENV, None)
     mask = Mask.from_environ(os.environ.pop(SECRET_NAMES_ENV, ""))
-    owner = os.environ.get(RUN_MARKER_ENV) or directory
     if directory or mask:
         # The job (torchrun) is this process's child: its output is masked and copied to the run's
         # log, and torch's log directory is made here (the child gets it named, and runs torchrun
         # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
         if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat.py)
             os.environ[heartbeat.STALL_RECORD_ENV] = directory
-        with torch_log_dir(argv, owner) if "--" in argv else contextlib.nullcontext([]) as log_dir:
+        with torch_log_dir(argv) if "--" in argv else contextlib.nullcontext([]) as log_dir:
             sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask))
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
@@ -344,7 +383,7 @@ def main() -> None:
     os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
     if watchdog is not None:
         watchdog.start()
-    with torch_log_dir(argv, owner) as log_dir:
+    with torch_log_dir(argv) as log_dir:
         try:
             torchrun([*log_dir, *args])
         except BaseException:
