@@ -29,6 +29,7 @@ from deploy.errors import RuntimeFailure
 from deploy.inventory import load, loads
 from deploy.nodes.remote import Remote
 from fakes import free_port
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -411,10 +412,8 @@ def test_a_lock_appears_whole_so_whoever_looks_while_another_takes_it_finds_it_f
                                  stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"})
     try:
-        deadline = time.monotonic() + 60
-        while not (park / "at").exists() and taker.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (park / "at").exists(), "the taker never reached its mv"
+        wait_until(lambda: (park / "at").exists() or taker.poll() is not None, 60, "the taker's mv", interval=0.05)
+        assert (park / "at").exists(), "the taker ended before its mv"
         started = time.monotonic()
         inv = load(hosts)
         with Remote(inv) as remote:

@@ -279,6 +279,8 @@ TORCH_LOG_PREFIX = "ddp-torchlog-"
 the launcher that made it for as long as it runs. Versions before it named theirs
 ``ddp-torchelastic-*`` and held none: they are left alone, since one may belong to a launcher of
 such a version that is still running."""
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+"""How a log directory is opened to be locked: never through a link."""
 
 
 @contextlib.contextmanager
@@ -308,7 +310,7 @@ def _held_directory() -> tuple[str, int]:
     while True:
         directory = tempfile.mkdtemp(prefix=TORCH_LOG_PREFIX)
         try:
-            held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            held = os.open(directory, _DIRECTORY)
         except FileNotFoundError:  # removed as unheld already
             continue
         fcntl.flock(held, fcntl.LOCK_EX)  # waits while another launcher removes it as unheld
@@ -327,16 +329,14 @@ def _remove_unheld(parent: str) -> None:
     other users' and running launchers' are kept."""
     for left in glob.glob(os.path.join(glob.escape(parent), TORCH_LOG_PREFIX + "*")):
         try:
-            fd = os.open(left, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fd = os.open(left, _DIRECTORY)
         except OSError:  # another user's (mode 0700), a link, or gone meanwhile
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its launcher runs
-            os.close(fd)
-            continue
-        try:
             shutil.rmtree(left, ignore_errors=True)
+        except OSError:  # held: its launcher runs
+            pass
         finally:
             os.close(fd)
 
