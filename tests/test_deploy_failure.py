@@ -81,8 +81,10 @@ def test_torchrun_s_own_log_lines_are_never_taken_for_the_program_s_error_whatev
 # What torch 2.14's torchrun (trainer.launch: --tee 3, gloo on CPU) printed, captured from real
 # runs: rank 1 of 2 returns while rank 0 is in all_reduce; rank 2 of 3 returns while rank 0 is in
 # an all_reduce with it and rank 1 sleeps (torchrun stops rank 1 itself: exit -15, listed); rank
-# 1 of 2 ends with os._exit(3) instead (a crash: the others see the same broken connection); and
-# the first case on two torchruns of one process each (two nodes), each node's log.
+# 1 of 2 ends with os._exit(3) instead (a crash: the others see the same broken connection); the
+# first case on two torchruns of one process each (two nodes), each node's log; and rank 1 of 2
+# raises, and its process ends 3 s after its connections closed (a slow teardown, as on a loaded
+# machine), so rank 0's broken connection ends its process first.
 SAMPLES = Path(__file__).resolve().parent / "failure_logs"
 
 RANK_ONE_RETURNS_EARLY = """
@@ -131,6 +133,12 @@ def test_the_rank_that_left_is_found_on_another_node_than_the_first_failure():
 def test_a_rank_that_crashed_is_named_by_torchrun_s_summary_without_the_words_of_the_rank_it_cut_off():
     first = first_failure({"node1": (SAMPLES / "rank1_of_2_exits_3.log").read_text()})
     assert first == Failure("node1", 1, "3", "2026-11-25_16:18:02", None)  # rank 0's "Connection reset" is not its
+
+
+def test_a_rank_that_raised_is_named_when_the_rank_it_cut_off_ended_first_and_torchrun_named_that_one():
+    first = first_failure({"node2": (SAMPLES / "rank1_raises_and_ends_after_rank0_lost_it.log").read_text()})
+    assert (first.node, first.rank, first.says) == ("node2", 1, "ValueError: rank 1 cannot read its shard")
+    assert first.exit_code == "-15"  # torchrun stopped it: what the summary says of it
 
 
 def test_a_traceback_s_last_line_is_the_rank_s_own_whatever_torchrun_or_another_rank_wrote_in_between():

@@ -3,7 +3,9 @@ exit code, and the program's first error line, instead of the last lines of a lo
 
 torchrun ends a failed run with a summary whose "Root Cause (first observed failure)" block names
 the rank, exit code and time of the first worker that failed on that node; the earliest of those
-across nodes is the job's first failure. The program's own words come from the log before that
+across nodes is the job's first failure, except that a Root Cause whose own words are a broken
+connection gives way to a rank of its summary that raised an error of its own (that rank's end
+broke the connection; it took longer to end). The program's own words come from the log before that
 summary: the first ``... error: ...`` line (argparse, the trainer's refusals) or the last line of
 the first traceback (the exception), whichever comes first, with torch's ``[rankN]: `` prefix
 read and removed. Pure functions over text; ``cli`` fetches the logs.
@@ -38,6 +40,7 @@ _TORCHRUN_LINE = re.compile(r"^(torch\.distributed\.elastic|ChildFailedError|[IW
 # "Connection closed by remote peer"), the c10d store (reset, broken pipe).
 _LOST_PEER = re.compile(r"connection (closed|reset)|closed by (remote )?peer|broken pipe|remote process exited",
                         re.IGNORECASE)
+_BLOCK = re.compile(r"^\[\d+\]:\s*$")
 _SUMMARY_RANK = re.compile(r"^\s+rank\s*:\s*(\d+)")
 # The agent of a node whose workers all exited 0, when the other nodes never reach the barrier.
 _EXIT_BARRIER = re.compile(r"^[IWEF]\d{4} (\d{2}):(\d{2}):(\d{2}(?:\.\d+)?) .*Error waiting on exit barrier\. "
@@ -79,18 +82,26 @@ class LeftEarly(Failure):
                     f"connection to it ({self.lost_by}: {self.says})")
 
 
-def _root_cause(log: str) -> dict[str, str] | None:
-    """The fields of the first Root Cause block in ``log``, or None."""
+def _summary(log: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
+    """torchrun's failure summary in ``log``: the fields (time, rank, exitcode) of its Root Cause
+    block, or None, and of every block it lists, the Root Cause's included."""
     lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if ROOT_CAUSE in line:
-            fields = {}
-            for follow in lines[i + 1:i + 10]:
-                m = _FIELD.match(split_rank(follow)[1])
-                if m:
-                    fields[m[1]] = m[2]
-            return fields
-    return None
+    start = next((i for i, line in enumerate(lines) if "ChildFailedError" in line or ROOT_CAUSE in line), None)
+    blocks: list[dict[str, str]] = []
+    cause, in_cause = None, False
+    for line in lines[start:] if start is not None else []:
+        text = split_rank(line)[1]
+        if ROOT_CAUSE in text:
+            in_cause = True
+        elif _BLOCK.match(text):
+            if cause is not None:
+                break  # a later summary's
+            blocks.append({})
+            if in_cause:
+                cause = blocks[-1]
+        elif blocks and (m := _FIELD.match(text)):
+            blocks[-1].setdefault(m[1], m[2])
+    return cause, blocks
 
 
 def program_error(log: str, only: int | None = None) -> tuple[str | None, int | None]:
@@ -151,29 +162,60 @@ def _left_early(log: str) -> tuple[list[int], str | None]:
     return sorted(r for r, erred in printed.items() if not erred and r not in listed), left_at
 
 
+def _number(field: str | None) -> int | None:
+    m = re.match(r"(-?\d+)", field or "")
+    return int(m[1]) if m else None
+
+
+def _lost(says: str | None) -> bool:
+    return bool(says and _LOST_PEER.search(says))
+
+
+def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> dict[str, str]:
+    """The summary block of the rank that failed first on this node. torchrun's Root Cause is the
+    worker whose process it saw end first, and the others are the ones it saw end as it stopped
+    them: a rank that raised can take longer to end (its traceback, its teardown) than the rank its
+    end cut off takes to fail, more so on a loaded machine. So when the Root Cause's own words are
+    a broken connection, a listed rank whose own error is something else failed before it."""
+    words = program_error(log, _number(cause.get("rank")))[0] if _number(cause.get("rank")) is not None else None
+    if not _lost(words):
+        return cause
+    for block in listed:
+        rank = _number(block.get("rank"))
+        own = program_error(log, rank)[0] if rank is not None and block is not cause else None
+        if own and not _lost(own):
+            return block
+    return cause
+
+
 def first_failure(logs: dict[str, str]) -> Failure | None:
     """The job's first failure across ``logs`` (node -> log text, in inventory order); when that
     failure is a lost connection and a rank had exited 0 before it, that rank (:class:`LeftEarly`)."""
     found: list[Failure] = []
     for node, log in logs.items():
-        cause = _root_cause(log)
+        cause, listed = _summary(log)
         says, prefixed = program_error(log)
         if cause is None:
             if says:
                 found.append(Failure(node, prefixed, None, None, says))
             continue
-        rank = re.match(r"(-?\d+)", cause.get("rank", ""))
-        code = re.match(r"(-?\d+)", cause.get("exitcode", ""))
-        failed = int(rank[1]) if rank else prefixed
-        if says and prefixed is not None and failed is not None and prefixed != failed and _LOST_PEER.search(says):
-            # Another rank's broken connection is what the failed rank's end did to it, not its words.
-            says = program_error(log, failed)[0]
-        found.append(Failure(node, failed, code[1] if code else None, cause.get("time"), says))
+        block = _first_of(log, cause, listed)
+        failed = _number(block.get("rank"))
+        failed = prefixed if failed is None else failed
+        own = program_error(log, failed)[0] if failed is not None else None
+        if own or (prefixed is not None and failed is not None and prefixed != failed and _lost(says)):
+            # its own words; without them, another rank's broken connection is what the failed
+            # rank's end did to it, not its words
+            says = own
+        code = _number(block.get("exitcode"))
+        found.append(Failure(node, failed, None if code is None else str(code), block.get("time"), says))
     if not found:
         return None
     timed = [f for f in found if f.time]
-    first = min(timed, key=lambda f: f.time) if timed else found[0]
-    if first.says and _LOST_PEER.search(first.says):
+    # torchrun dates a failure to the second: of nodes that failed in the same one, a broken
+    # connection is not the first
+    first = min(timed, key=lambda f: (f.time, _lost(f.says))) if timed else found[0]
+    if _lost(first.says):
         for node, log in logs.items():
             left, left_at = _left_early(log)
             if left:
