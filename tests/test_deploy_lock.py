@@ -587,19 +587,30 @@ def _unlock_force(hosts: Path, tmp_path: Path) -> None:
     assert forced.returncode == 0 and "here: removed the lock of " in forced.stdout, forced
 
 
-@pytest.mark.parametrize("meanwhile", ["removed", "taken"])
+@pytest.mark.parametrize("meanwhile", ["removed", "taken", "taken after a beat"])
 def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_names_the_node(
         ddp, tmp_path, holders, monkeypatch, fleet_lock_path, meanwhile):
+    """Taken after a beat: the launch's heartbeat found the lock removed, then stopped beating,
+    before the other operator took it; the launch still names who holds it now."""
     from deploy.engines import fleet
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
-    other = holders(hosts) if meanwhile == "taken" else None
+    other = holders(hosts) if meanwhile.startswith("taken") else None
     took = []
     one_image = fleet.one_image
+    held: list[lock.FleetLock] = []
+    if meanwhile == "taken after a beat":
+        monkeypatch.setattr(lock, "HEARTBEAT_EVERY", 0.1)
+        start = lock.FleetLock.__init__
+        monkeypatch.setattr(lock.FleetLock, "__init__", lambda self, *a: (held.append(self), start(self, *a))[1])
 
     def then_unlocked(inv, remote):  # the last step of the preparation
         image = one_image(inv, remote)
         _unlock_force(hosts, tmp_path)
+        if held:
+            wait_until(lambda: "here" in held[0].lost, 30, "the heartbeat to find the lock removed")
+            held[0]._stop.set()  # no beat after the other's take
+            held[0]._beat.join()
         if other is not None:  # another operator's launch, let in by the unlock
             took.append(other.take())
         return image

@@ -314,20 +314,23 @@ class FleetLock:
 
     def confirm(self, command: str, nothing: str = "nothing was started") -> None:
         """Raises unless the lock is still ours on every node it was taken on; called right before
-        ``command`` changes anything there. The heartbeat's record answers at once; else one look
-        at every node."""
+        ``command`` changes anything there. One look at every node, or where the heartbeat found
+        the lock lost, at those nodes, to name who holds it now (the heartbeat may have beaten
+        between its removal and another's taking); a node that does not answer that look keeps the
+        heartbeat's record."""
         lost = dict(self.lost)
-        if not lost:
-            res = self.remote.run({n: _argv(LOOK, path(self.inv.node(n))) for n in self.nodes}, check=False,
-                                  timeout=60)
-            for n in self.nodes:
-                r = res[n]
-                if not r.ok:
-                    raise RuntimeFailure(f"{command} stopped, {nothing}: cannot tell whether the fleet lock on {n} "
-                                         f"is still held: {r.summary()}", hint=f"run {command} again once {n} answers")
-                seen = parse(n, r.stdout)
-                if seen is None or seen.owner is None or seen.owner.token != self.owner.token:
-                    lost[n] = seen
+        looked = [n for n in self.nodes if n in lost] if lost else self.nodes
+        res = self.remote.run({n: _argv(LOOK, path(self.inv.node(n))) for n in looked}, check=False, timeout=60)
+        for n in looked:
+            r = res[n]
+            if not r.ok:
+                if n in lost:
+                    continue
+                raise RuntimeFailure(f"{command} stopped, {nothing}: cannot tell whether the fleet lock on {n} "
+                                     f"is still held: {r.summary()}", hint=f"run {command} again once {n} answers")
+            seen = parse(n, r.stdout)
+            if seen is None or seen.owner is None or seen.owner.token != self.owner.token:
+                lost[n] = seen
         for n in self.nodes:
             if n in lost:
                 seen = lost[n]
