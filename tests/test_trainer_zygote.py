@@ -31,10 +31,22 @@ DRIVER = textwrap.dedent("""
     if spec.get("torch"):
         import torch
     from trainer import zygote
-    z = zygote.Zygote.start(preload=())
+    sys.path.insert(0, spec["cwd"])  # where a test's own preload modules are
+    for name in ("handshake_s", "ready_s"):
+        if name in spec:
+            setattr(zygote, name.upper(), spec[name])
+    z = zygote.Zygote.start(preload=tuple(spec.get("preload", ())))
     os.chdir(spec["cwd"])
     out, err = open(spec["out"], "w"), open(spec["err"], "w")  # as torchrun redirects a worker's
-    w = z.spawn([sys.executable, *spec["args"]], spec["env"], 0, out.fileno(), err.fileno())
+    try:
+        w = z.spawn([sys.executable, *spec["args"]], spec["env"], 0, out.fileno(), err.fileno())
+    except Exception as exc:
+        try:
+            os.kill(z.pid, 0)
+            print("FAILED", type(exc).__name__, "zygote alive", flush=True)
+        except ProcessLookupError:
+            print("FAILED", type(exc).__name__, "zygote gone", flush=True)
+        sys.exit(0)
     print("PID", w.pid, flush=True)
     while w.poll() is None:
         time.sleep(0.02)
@@ -42,11 +54,12 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _drive(tmp_path: Path, args, env=None, torch=False, launcher_env=None):
+def _drive(tmp_path: Path, args, env=None, torch=False, launcher_env=None, **zygote_spec):
     """The launcher-like driver; ``env``: what the worker's environment adds to this one's (torchrun's
-    variables); ``launcher_env``: the driver's own."""
+    variables); ``launcher_env``: the driver's own; ``zygote_spec``: ``preload`` (modules in
+    ``tmp_path``), ``handshake_s``, ``ready_s``."""
     spec = {"args": args, "env": {**os.environ, **(env or {})}, "cwd": str(tmp_path), "torch": torch,
-            "out": str(tmp_path / "worker.out"), "err": str(tmp_path / "worker.err")}
+            "out": str(tmp_path / "worker.out"), "err": str(tmp_path / "worker.err"), **zygote_spec}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(spec), str(ROOT)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=launcher_env)
     driver.files = tmp_path / "worker.out", tmp_path / "worker.err"
@@ -169,6 +182,28 @@ def test_an_uncaught_keyboard_interrupt_ends_the_worker_by_sigint_as_python_does
     _pid(driver)
     code, _, err = _ended(driver)
     assert code == -signal.SIGINT and "KeyboardInterrupt" in err
+
+
+def test_a_zygote_whose_imports_outlast_a_fork_s_handshake_is_waited_for_and_forks_the_worker_once(tmp_path):
+    # Imports that take longer than a fork's handshake (a loaded machine's): the last version timed
+    # the handshake from the request, gave up, and torchrun started the rank's worker itself while
+    # the zygote forked it too once its imports were done: two workers of one rank.
+    _program(tmp_path, "slowimport.py", "import time\ntime.sleep(2)\n")
+    _program(tmp_path, "once.py", "import os\nwith open('ran', 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n")
+    driver = _drive(tmp_path, ["-u", "-m", "once"], preload=["slowimport"], handshake_s=0.5)
+    pid = _pid(driver)
+    code, _, err = _ended(driver)
+    assert code == 0, err
+    assert (tmp_path / "ran").read_text().split() == [str(pid)]
+
+
+def test_a_zygote_that_never_serves_is_killed_before_torchrun_starts_the_worker_itself(tmp_path):
+    _program(tmp_path, "hangs.py", "import time\ntime.sleep(60)\n")
+    _program(tmp_path, "once.py", "open('ran', 'a').close()\n")
+    driver = _drive(tmp_path, ["-u", "-m", "once"], preload=["hangs"], ready_s=1)
+    said, problems = driver.communicate(timeout=60)
+    assert said.strip() == "FAILED TimeoutError zygote gone", said + problems  # so it forks nothing later
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_worker_dies_with_its_launcher(tmp_path):

@@ -32,7 +32,10 @@ zygote writes ``$DDP_HEARTBEAT_DIR/workers/LOCAL_RANK`` = ``PID RANK`` for each 
 Only on Linux, and only where no GPU is in use: the zygote must never initialise CUDA before it
 forks, which no test here can check (deploy sets ``DDP_PREFORK`` for CPU nodes). Any program
 torchrun starts other than ``python -u -m MODULE`` or ``python -u SCRIPT`` with this interpreter,
-or a zygote that does not answer, gets torchrun's own ``Popen``.
+or a zygote that does not answer, gets torchrun's own ``Popen``. A zygote is waited for while it
+makes its imports (READY_S: minutes on a loaded machine), then each fork gets HANDSHAKE_S; one that
+does not answer in time is killed, with every worker it forked, before torchrun starts its own:
+it may have forked the worker still, and two workers of one rank would both train.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ LAUNCHER_PID_ENV = "DDP_LAUNCHER_PID"
 trainer/startup.py starts its clock."""
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 HANDSHAKE_S = 30.0
+"""How long a worker's fork may take once the zygote serves."""
+READY_S = 600.0
+"""How long the zygote's imports (PRELOAD) may take before it serves: minutes on a loaded machine."""
+READY = b"ready"
 
 
 def wanted(environ=os.environ, gpu_devices=GPU_DEVICES) -> bool:
@@ -127,6 +134,7 @@ class Zygote:
     def __init__(self, pid: int, control: socket.socket, alive_w: int) -> None:
         self.pid, self.control, self._alive_w = pid, control, alive_w
         self.lock = threading.Lock()
+        self._serving = False
 
     @classmethod
     def start(cls, preload=PRELOAD) -> "Zygote":
@@ -160,6 +168,7 @@ class Zygote:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with self.lock:
+                self._wait_serving()
                 fds = array.array("i", [theirs.fileno(), stdin, stdout, stderr])
                 self.control.sendmsg([b"spawn"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             theirs.close()
@@ -168,13 +177,39 @@ class Zygote:
                                     "name": os.path.basename(str(args[0]))}).encode())
             reply = _recv(mine).decode()
             mine.settimeout(None)
-            if not reply.startswith("PID "):
-                raise OSError(f"the zygote could not fork the worker: {reply}")
-            return Forked(list(args), int(reply.split()[1]), mine)
         except BaseException:
             mine.close()
             theirs.close()
+            # It may have the request and fork the worker yet: torchrun's own would be a second
+            # worker of the rank. Ended now, nothing it forks runs (its workers die with it).
+            self.end()
             raise
+        if not reply.startswith("PID "):
+            mine.close()  # it forked nothing, or killed what it forked
+            raise OSError(f"the zygote could not fork the worker: {reply}")
+        return Forked(list(args), int(reply.split()[1]), mine)
+
+    def _wait_serving(self) -> None:
+        """Until the zygote has made its imports and takes requests: a request's handshake is timed
+        from then, not from a wait behind imports that a loaded machine makes long."""
+        if self._serving:
+            return
+        self.control.settimeout(READY_S)
+        try:
+            said = self.control.recv(16)
+        finally:
+            self.control.settimeout(None)
+        if said != READY:
+            raise EOFError(f"the zygote ended before it served ({said!r})")
+        self._serving = True
+
+    def end(self) -> None:
+        """Kills the zygote, and with it every worker it forked, and reaps it."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def program_of(args) -> dict | None:
@@ -288,6 +323,10 @@ class _Server:
                 __import__(name)
             except Exception:  # an optional part missing: its workers import it themselves
                 pass
+        try:
+            self.control.send(READY)
+        except OSError:
+            return 0
         self.sel.register(self.control, selectors.EVENT_READ, ("control", None))
         self.sel.register(self.alive_r, selectors.EVENT_READ, ("launcher", None))
         while True:
@@ -334,9 +373,16 @@ class _Server:
                 raise
             finally:
                 os.close(ready_r)
-            self.workers[pid] = (agent, pidfd, spec["env"])
             _note(spec["env"], pid)
-            _send(agent, f"PID {pid}".encode())
+            try:
+                _send(agent, f"PID {pid}".encode())
+            except OSError:  # the agent gave up waiting: it must not run beside the one it starts instead
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                _note(spec["env"], pid, gone=True)
+                os.close(pidfd)
+                raise
+            self.workers[pid] = (agent, pidfd, spec["env"])
             agent.settimeout(None)
             self.sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
             self.sel.register(agent, selectors.EVENT_READ, ("agent", pid))
