@@ -17,8 +17,10 @@ from click.testing import CliRunner
 
 from deploy.cli import cli
 from local_job import local_hosts
+from procs import alive
 from test_deploy_local import LONG_ARGS, _records, _wait_for
 from trainer import launch
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,6 +138,33 @@ def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_by_the_n
     assert list(tmp_path.iterdir()) == [earlier]
     with launch.torch_log_dir(["--log-dir", "/var/log/mine", "--", "x"]) as given:
         assert given == []  # the operator's own choice, left to them
+
+
+def test_a_teed_launcher_killed_alone_leaves_its_folder_held_by_its_child_torchrun_until_that_ends(
+        tmp_path, monkeypatch):
+    """A launcher that copies its job's output (the run's log) runs torchrun as its child, in a
+    session of its own; killed alone (kill -9), its child runs on and writes into the folder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    child = ("import os, sys, time\nprint(os.getpid(), flush=True)\n"
+             "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n")
+    teed = subprocess.Popen(
+        [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+         "from trainer import launch\nwith launch.torch_log_dir(['--', 'x']) as d:\n    print(d[1], flush=True)\n"
+         "    launch.run_teed(None, [sys.executable, '-c', sys.argv[2], sys.argv[3]], keep=(d.held,))\n",
+         str(tmp_path / "tmp"), child, str(tmp_path / "end")],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    folder, torchrun = Path(teed.stdout.readline().strip()), int(teed.stdout.readline())
+    teed.kill()
+    teed.wait(timeout=60)
+    try:
+        launch._remove_unheld(str(tmp_path / "tmp"))
+        assert folder.is_dir()  # its torchrun runs: kept
+    finally:
+        (tmp_path / "end").touch()
+    wait_until(lambda: not alive(torchrun), 30, "the child to end", interval=0.05)
+    launch._remove_unheld(str(tmp_path / "tmp"))
+    assert not folder.exists()
 
 
 @pytest.mark.parametrize("when", ["before its maker opened it", "before its maker locked it"])

@@ -207,12 +207,13 @@ def keep_rendezvous_open_on_failure() -> None:
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def run_teed(directory: str | None, argv: list[str], mask: Mask | None = None) -> int:
+def run_teed(directory: str | None, argv: list[str], mask: Mask | None = None, keep: tuple[int, ...] = ()) -> int:
     """Runs ``argv`` with its output (stdout and stderr, in order) printed here and appended to
     ``directory/log``; then appends ``TIME CODE`` to ``directory/exits``. Its exit code (128+N
     after signal N), as a shell reports it. With ``mask``, the output is masked before either:
     no secret value the job prints reaches a log at rest (the run's, Docker's, Slurm's, the
     host runtime's), in any spelling ``mask`` knows. ``directory`` None: printed here only.
+    ``keep``: descriptors the child inherits (the lock of torch's log directory, :func:`torch_log_dir`).
 
     A container's own log goes with the container (a relaunch removes it); this copy stays with
     the run on the shared volume, and a node lost mid-run keeps its lines up to the loss. Signals
@@ -224,7 +225,7 @@ def run_teed(directory: str | None, argv: list[str], mask: Mask | None = None) -
     # agent, hit again while it handles the first SIGTERM, drops its workers' last lines and leaves
     # a traceback in the log. What outlives this process is the run's own (kill_run's marker).
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+                             start_new_session=True, pass_fds=keep)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda number, frame: child.send_signal(number))
     copy = _append(os.path.join(directory, "log")) if directory else None
@@ -283,10 +284,18 @@ _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 """How a log directory is opened to be locked: never through a link."""
 
 
+class LogDirArgs(list):
+    """torchrun's ``--log-dir DIR`` options, and ``held``: the descriptor whose lock holds DIR (None:
+    none made here). A child that runs torchrun with them inherits it: the lock is held while either
+    runs (a launcher killed alone leaves its child torchrun writing there)."""
+
+    held: int | None = None
+
+
 @contextlib.contextmanager
 def torch_log_dir(args: list[str]):
-    """``["--log-dir", DIR]`` for torchrun, DIR new and private to this run and removed with
-    everything in it at the end; ``[]`` when the options (before ``--``) name a log directory.
+    """``["--log-dir", DIR]`` for torchrun (:class:`LogDirArgs`), DIR new and private to this run and
+    removed with everything in it at the end; ``[]`` when the options (before ``--``) name a log directory.
 
     torchrun otherwise makes a new ``$TMPDIR/torchelastic_*`` per run and leaves it: each
     worker's raw output (with --tee), secrets a program printed included, piling up. A launcher
@@ -294,12 +303,14 @@ def torch_log_dir(args: list[str]):
     next launcher on this machine removes every such directory that no running launcher holds.
     """
     if "--" in args and option(args[:args.index("--")], "--log-dir") is not None:
-        yield []
+        yield LogDirArgs()
         return
     _remove_unheld(tempfile.gettempdir())
     directory, held = _held_directory()
+    given = LogDirArgs(["--log-dir", directory])
+    given.held = held
     try:
-        yield ["--log-dir", directory]
+        yield given
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         os.close(held)
@@ -351,8 +362,10 @@ def main() -> None:
         # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
         if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat.py)
             os.environ[heartbeat.STALL_RECORD_ENV] = directory
-        with torch_log_dir(argv) if "--" in argv else contextlib.nullcontext([]) as log_dir:
-            sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask))
+        with torch_log_dir(argv) if "--" in argv else contextlib.nullcontext(LogDirArgs()) as log_dir:
+            keep = () if log_dir.held is None else (log_dir.held,)
+            sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask,
+                              keep))
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
     # MASTER_ADDR in that round, which group rank 0 only publishes in its first round: the
