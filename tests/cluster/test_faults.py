@@ -495,7 +495,8 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
     assert resumed["checkpoint"] == stop["checkpoint"] and resumed["step"] == stop["step"]
     redone = stop["step"] - resumed["step"]
     after = [r["step"] for r in records(fresh_nas) if r["kind"] == "train" and r["time"] > relaunched]
-    assert min(after) == stop["step"] + 1
+    # a stop that reached the job at its last step (a loaded machine's) leaves nothing to train
+    assert sorted(after)[:1] == ([stop["step"] + 1] if stop["step"] < STEPS else [])
     assert records(fresh_nas)[-1]["kind"] == "final"
     _assert_same_weights(reference, _weights(fresh_nas))
     record_fault(fault="the whole job stopped (stop: SIGTERM, checkpoint) and launched again", finished=True,

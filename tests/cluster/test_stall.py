@@ -1,6 +1,6 @@
 """A hung job on the real cluster (3 nodes x 2 processes in Docker): one rank stops taking part
 and the others wait in their all-reduce. `status` must call every node stalled at the step where
-it stopped, within job.stall_timeout + 15 s, and `doctor` must name the sleeping rank. With
+it stopped, in every status asked once job.stall_timeout has passed since the last beat, and `doctor` must name the sleeping rank. With
 job.on_stall: restart, the built-in trainer hung by a stopped rank resumes and ends bit-identical;
 its heartbeats reach `status` from inside its containers (their /dev/shm is the node's: --ipc host)."""
 
@@ -29,7 +29,7 @@ STALL_TIMEOUT = 5
 STATUS_EVERY = 2
 """Seconds between two `status` asked while waiting: each is an operator process and an SSH round to
 every node, over a second of a core here, taken from the job the test waits on. Asked every 0.5 s
-they kept a core busy for the whole wait; the bounds (the stall timeout + 15 s) hold the extra 1.5 s."""
+they kept a core busy for the whole wait."""
 
 
 def _states(cluster, hosts: Path) -> list[dict]:
@@ -52,15 +52,11 @@ def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_
         assert all(n["state"] == "running" and n["stalled"] is None for n in moving)
         assert sorted(b["rank"] for n in moving for b in n["heartbeats"]) == list(range(6))
 
-        stalled = wait_until(lambda: (lambda s: s if all(n["stalled"] for n in s) else None)(
-            _states(cluster, hosts)), 120, "every node stalled", interval=STATUS_EVERY)
-        seen = time.time()
+        stalled, seen = _shown_stalled(cluster, hosts, 120)
         for n in stalled:
             assert n["state"] == "running" and n["stalled"]["last_step"] == 4, n
             assert {b["step"] for b in n["heartbeats"]} == {4}  # every rank ended step 4; none went on
-        since = max(n["stalled"]["since"] for n in stalled)  # the last beat on any node
-        detect = seen - since
-        assert detect <= STALL_TIMEOUT + 15, f"the stall was shown {detect:.1f} s after the last beat"
+        detect = seen - max(n["stalled"]["since"] for n in stalled)  # since the last beat on any node
         table = ok(ddp(cluster, hosts, "status")).stdout
         assert table.count("stalled ") == 3 and table.count("last step 4 since") == 3
 
@@ -110,6 +106,32 @@ def _all_stalled(cluster, hosts: Path, nodes=("node1", "node2", "node3")):
     return states if all(n["stalled"] for n in states if n["node"] in nodes) else None
 
 
+DUE_SLACK = 2
+"""A status reads each heartbeat's age in whole seconds on the node, and a node is stalled once that
+age is over the timeout: one asked up to about a second past the timeout may not show it yet."""
+
+
+def _shown_stalled(cluster, hosts: Path, timeout: float) -> tuple[list[dict], float]:
+    """`status --json` asked every STATUS_EVERY s until it shows every node stalled: that answer,
+    and when it came. The stall is shown in bounded time: every status asked more than
+    job.stall_timeout after the last beat on any node shows it (the answer's ``since``), however
+    long a status takes on a loaded machine (a bound on when it came would measure that instead)."""
+    not_yet: list[float] = []
+
+    def look():
+        asked = time.time()
+        states = _all_stalled(cluster, hosts)
+        if states is None:
+            not_yet.append(asked)
+        return states
+    stalled = wait_until(look, timeout, "every node stalled", interval=STATUS_EVERY)
+    seen = time.time()
+    due = max(n["stalled"]["since"] for n in stalled) + STALL_TIMEOUT + DUE_SLACK
+    late = [asked - due for asked in not_yet if asked > due]
+    assert not late, f"a status asked {max(late) + STALL_TIMEOUT + DUE_SLACK:.1f} s after the last beat did not show the stall"
+    return stalled, seen
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the_one_rank_behind_it(
         cluster, fresh_nas, tmp_path, record_fault, fault):
@@ -124,11 +146,9 @@ def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the
     os.mkfifo(fresh_nas / "ckpt" / "stuck.fifo")
     try:
         ok(ddp(cluster, hosts, "launch"))
-        stalled = wait_until(lambda: _all_stalled(cluster, hosts), 180, "every node stalled", interval=STATUS_EVERY)
-        seen = time.time()
+        stalled, seen = _shown_stalled(cluster, hosts, 180)
         assert all(n["state"] == "running" and n["stalled"]["last_step"] == 4 for n in stalled), stalled
         detect = seen - max(n["stalled"]["since"] for n in stalled)
-        assert detect <= STALL_TIMEOUT + 15, f"the stall was shown {detect:.1f} s after the last beat"
         asked = time.monotonic()
         found = ok(ddp(cluster, hosts, "doctor", "--json"))
         diagnosed = time.monotonic() - asked
