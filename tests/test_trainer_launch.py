@@ -190,15 +190,9 @@ def _teed_process(tmp_path, script: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _teed(tmp_path, script: str, *, signal_after: float | None = None):
+def _teed(tmp_path, script: str):
     """trainer.launch's run_teed around ``python -c script``, in a process of its own."""
     proc = _teed_process(tmp_path, script)
-    if signal_after is not None:
-        import signal
-        import time
-
-        time.sleep(signal_after)
-        proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     return proc.returncode, out
 
@@ -223,8 +217,11 @@ def test_sigterm_reaches_the_job_through_the_tee_and_its_planned_stop_is_logged(
     script = ("import signal, sys, time\n"
               "def stop(n, f):\n    print('stopped by SIGTERM', flush=True); sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, stop); print('ready', flush=True); time.sleep(60)")
-    rc, out = _teed(tmp_path, script, signal_after=2)
-    assert rc == 0 and "stopped by SIGTERM" in (tmp_path / "log").read_text()
+    proc = _teed_process(tmp_path, script)
+    assert proc.stdout.readline().strip() == "ready"  # its handler in place, and the tee's (set before it started)
+    proc.send_signal(__import__("signal").SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped by SIGTERM" in (tmp_path / "log").read_text()
 
 
 def test_a_sigterm_to_the_launchers_whole_group_reaches_the_job_once(tmp_path):
