@@ -261,7 +261,10 @@ class _Run:
         elif kind == "LOST":
             name, _, why = rest.partition(" ")
             lost = self.by_name.get(name)
-            if lost is not None and not lost.cause_known:
+            # A sender's word counts while it is one: not once it was passed over itself (its relay,
+            # slow to hear so, may still try its old next node), and not of a node that holds the
+            # whole stream already (its relay may have ended and closed its port)
+            if lost is not None and not lost.cause_known and link.failure is None and lost.received < size:
                 self._give_up(lost, f"passed over by {link.name}: {why}", tell=True, names_cause=True)
         elif kind == "OUT":
             link.out.append(rest)
