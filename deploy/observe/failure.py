@@ -171,21 +171,23 @@ def _lost(says: str | None) -> bool:
     return bool(says and _LOST_PEER.search(says))
 
 
-def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> dict[str, str]:
-    """The summary block of the rank that failed first on this node. torchrun's Root Cause is the
-    worker whose process it saw end first, and the others are the ones it saw end as it stopped
-    them: a rank that raised can take longer to end (its traceback, its teardown) than the rank its
-    end cut off takes to fail, more so on a loaded machine. So when the Root Cause's own words are
-    a broken connection, a listed rank whose own error is something else failed before it."""
-    words = program_error(log, _number(cause.get("rank")))[0] if _number(cause.get("rank")) is not None else None
-    if not _lost(words):
-        return cause
-    for block in listed:
+def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> tuple[dict[str, str], str | None]:
+    """The summary block of the rank that failed first on this node, and that rank's own words.
+    torchrun's Root Cause is the worker whose process it saw end first, and the others are the ones
+    it saw end as it stopped them: a rank that raised can take longer to end (its traceback, its
+    teardown) than the rank its end cut off takes to fail, more so on a loaded machine. So when the
+    Root Cause's own words are a broken connection, a listed rank whose own error is something else
+    failed before it."""
+    def own(block: dict[str, str]) -> str | None:
         rank = _number(block.get("rank"))
-        own = program_error(log, rank)[0] if rank is not None and block is not cause else None
-        if own and not _lost(own):
-            return block
-    return cause
+        return None if rank is None else program_error(log, rank)[0]
+
+    words = own(cause)
+    if _lost(words):
+        for block in listed:
+            if block is not cause and (theirs := own(block)) and not _lost(theirs):
+                return block, theirs
+    return cause, words
 
 
 def first_failure(logs: dict[str, str]) -> Failure | None:
@@ -199,10 +201,11 @@ def first_failure(logs: dict[str, str]) -> Failure | None:
             if says:
                 found.append(Failure(node, prefixed, None, None, says))
             continue
-        block = _first_of(log, cause, listed)
+        block, own = _first_of(log, cause, listed)
         failed = _number(block.get("rank"))
-        failed = prefixed if failed is None else failed
-        own = program_error(log, failed)[0] if failed is not None else None
+        if failed is None:
+            failed = prefixed
+            own = program_error(log, failed)[0] if failed is not None else None
         if own or (prefixed is not None and failed is not None and prefixed != failed and _lost(says)):
             # its own words; without them, another rank's broken connection is what the failed
             # rank's end did to it, not its words
