@@ -139,7 +139,10 @@ def test_on_a_terminal_status_follow_redraws_a_table_and_ends_with_the_verdict(d
     assert ddp(hosts, "stop").exit_code == 0
 
 
-def test_one_ctrl_c_while_launch_starts_the_nodes_stops_what_it_started(tmp_path):
+INTERRUPT_ATTEMPTS = 3  # launches interrupted, of which the last is the one asserted on
+
+
+def test_one_ctrl_c_while_launch_starts_the_nodes_stops_what_it_started(ddp, tmp_path):
     import signal
     import subprocess
 
@@ -161,16 +164,12 @@ def test_one_ctrl_c_while_launch_starts_the_nodes_stops_what_it_started(tmp_path
             break
         # a loaded machine let the start's second pass before the signal landed: the job started
         # whole, which is not the case asked about; stop it and interrupt another launch
-        stopped = subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), "stop"], text=True,
-                                 capture_output=True, env=env, timeout=120)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        stopped = ddp(hosts, "stop")
+        assert stopped.exit_code == 0, stopped.output
     assert launch.returncode == 130, out + err
     assert "interrupted: stopped every node it had started" in err and "started localtest" not in out
     assert not (run_dir / "pid").exists()
     _wait_for(lambda: not _tagged(run_dir), "the run's processes to end", 10)
-
-
-INTERRUPT_ATTEMPTS = 3  # launches interrupted, of which the last is the one asserted on
 
 
 def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
