@@ -83,6 +83,15 @@ def test_the_cli_start_benchmark_runs_each_command_and_reports_its_cpu():
     assert all(0 < row["cpu_s"] <= row["cpu_s_max"] for row in got.values()), got
 
 
+def test_the_exit_benchmark_ends_each_process_both_ways_and_reports_the_cpu_of_each():
+    r = subprocess.run([sys.executable, str(BENCH / "bench_exit.py"), "--smoke"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["cases"]
+    assert list(got) == ["import torch"]
+    assert all(len(v) == 1 and v[0] > 0 for v in got["import torch"]["core_s"].values()), got
+
+
 def test_the_flight_recorder_benchmark_runs():
     r = subprocess.run([sys.executable, str(BENCH / "bench_flight.py"), "--smoke"], capture_output=True, text=True,
                        timeout=180)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import data
+from . import data, exits
 from .build import build
 from .checkpoint import CheckpointError, CheckpointManager, Found, save_final_model
 from .config import ConfigError, TrainConfig, load_config
@@ -171,4 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.main(main)  # sys.exit(main()), without the interpreter's teardown of torch

@@ -31,7 +31,7 @@ import threading
 import time
 
 from .compat import binds_stores
-from . import heartbeat, snapshot_hint, zygote
+from . import exits, heartbeat, snapshot_hint, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -411,4 +411,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exits.main(main)  # main(), without the interpreter's teardown of torch

@@ -38,6 +38,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from . import exits
 from .dist import DistEnv, DistSetupError, setup, teardown
 
 SLOW_FRACTION = 0.5
@@ -325,4 +326,4 @@ def run(args: argparse.Namespace, nccl_log: Path | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.main(main)  # sys.exit(main()), without the interpreter's teardown of torch

@@ -29,6 +29,8 @@ import time
 import traceback
 import warnings
 
+from . import exits  # the standard library alone
+
 INFINIBAND = "/dev/infiniband"
 PREFIX = "PROBE "
 """The answer's line: ``PROBE {json}``."""
@@ -250,4 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.main(main)  # sys.exit(main()), without the interpreter's teardown of torch

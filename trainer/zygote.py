@@ -20,7 +20,7 @@ launcher) is applied with ``torch.set_num_threads``. It runs its module or scrip
 of this bundle's ``trainer`` modules imported yet (the program's own ``trainer`` is found first,
 as with ``-m``); an uncaught exception prints its traceback and exits 1, ``SystemExit`` its code,
 an uncaught ``KeyboardInterrupt`` ends it by SIGINT, as Python does; threads that are not daemons
-are joined and ``atexit`` runs before it exits.
+are joined and ``atexit`` runs before it exits (trainer/exits.py: without the interpreter's teardown).
 
 Lifetimes: the zygote ends when the launcher does (its end of a pipe closes) and kills any worker
 left; a worker dies with the zygote (``PR_SET_PDEATHSIG``); a worker whose agent drops its handle
@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 
+from . import exits
 from .heartbeat import HEARTBEAT_DIR_ENV, WORKERS_DIR
 
 ENABLE_ENV = "DDP_PREFORK"
@@ -462,7 +463,7 @@ class _Server:
                         pass
             code = _run(spec)
         finally:
-            os._exit(code)
+            exits.end(code)
 
 
 def _note(env: dict, pid: int, gone: bool = False) -> None:
@@ -491,9 +492,7 @@ def _note(env: dict, pid: int, gone: bool = False) -> None:
 
 def _run(spec: dict) -> int:
     """The worker's program, as ``python -u`` runs it; returns its exit code."""
-    import atexit
     import runpy
-    import traceback
 
     os.chdir(spec["cwd"])
     os.environ.clear()
@@ -509,8 +508,8 @@ def _run(spec: dict) -> int:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     program = spec["program"]
-    code = 0
-    try:
+
+    def program_main() -> None:
         if "module" in program:
             sys.path.insert(0, os.getcwd())
             sys.argv = [program["module"], *program["argv"]]
@@ -520,48 +519,5 @@ def _run(spec: dict) -> int:
             sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
             sys.argv = [script, *program["argv"]]
             runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except KeyboardInterrupt as exc:
-        traceback.print_exception(exc.with_traceback(_own_frames(exc.__traceback__)))
-        code = -signal.SIGINT
-    except BaseException as exc:
-        exc.with_traceback(_own_frames(exc.__traceback__))
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        code = 1
-    try:
-        threading._shutdown()  # as the interpreter does at exit: threads that are not daemons end first
-    except Exception:
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    if code == -signal.SIGINT:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return code
 
-
-def _own_frames(tb):
-    """A traceback from the program's first frame on, as the interpreter prints it for ``python
-    SCRIPT`` (not this module's frames, nor runpy's)."""
-    first = tb
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
-                              or os.path.basename(tb.tb_frame.f_code.co_filename) == "runpy.py"):
-        tb = tb.tb_next
-    return tb or first
-
-
-def _exit_code(value) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    try:
-        sys.stderr.write(f"{value}\n")
-    except Exception:
-        pass
-    return 1
+    return exits.finish(program_main, skip=(__file__,))
