@@ -5,8 +5,13 @@ checkpoint every 8), once per model in turn, ``--rounds`` times, so that every m
 machine. The figure is the machine's busy CPU seconds over the job (/proc/stat: the launcher, its
 zygote and its workers, all of which end with it), and the job's wall time.
 
-Run: python bench/bench_job_cpu.py [--rounds 3] [--models convnet,lenet] [--out results/job_cpu.json]
-Prints JSON: per shape and model, every round's busy CPU and wall seconds and their medians.
+Given ``--old TREE`` (a checkout of another commit: ``git worktree add /tmp/job-old HEAD~1``), every
+job also runs from that tree, right before or after this one's (the order alternating round by
+round), so that a change to the trainer is measured side by side on the same machine.
+
+Run: python bench/bench_job_cpu.py [--rounds 3] [--models convnet,lenet] [--old TREE] [--out results/job_cpu.json]
+Prints JSON: per shape and model (and tree: ``this``, ``old``), every round's busy CPU and wall
+seconds and their medians.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ def busy_cpu_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_job(work: Path, model: str, shape: list[str]) -> tuple[float, float, int]:
-    """(busy CPU s, wall s, training steps recorded) of one job in an empty directory."""
+def run_job(work: Path, model: str, shape: list[str], root: Path = ROOT) -> tuple[float, float, int]:
+    """(busy CPU s, wall s, training steps recorded) of one job of the trainer in ``root``, in an
+    empty directory."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    env = {**os.environ, "DDP_PREFORK": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DDP_PREFORK": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     argv = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "2", "--",
             "--dataset", "synthetic", "--model", model, *shape,
             "--ckpt-dir", str(work / "ckpt"), "--data-dir", str(work / "data")]
@@ -60,23 +66,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="convnet,lenet")
+    p.add_argument("--old", type=Path, default=None, help="another tree whose trainer runs the same jobs")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
     models = args.models.split(",")
-    rows: dict = {shape: {m: {"busy_cpu_s": [], "wall_s": []} for m in models} for shape in SHAPES}
+    trees = {"this": ROOT, **({"old": args.old.resolve()} if args.old else {})}
+    rows: dict = {shape: {m: {t: {"busy_cpu_s": [], "wall_s": []} for t in trees} for m in models} for shape in SHAPES}
     with tempfile.TemporaryDirectory(prefix="ddp-bench-job-") as tmp:
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for shape, flags in SHAPES.items():
                 for model in models:
-                    busy, wall, steps = run_job(Path(tmp) / "job", model, flags)
-                    row = rows[shape][model]
-                    row["busy_cpu_s"].append(round(busy, 2))
-                    row["wall_s"].append(round(wall, 2))
-                    row["steps_logged"] = steps
+                    for tree in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                        busy, wall, steps = run_job(Path(tmp) / "job", model, flags, trees[tree])
+                        row = rows[shape][model][tree]
+                        row["busy_cpu_s"].append(round(busy, 2))
+                        row["wall_s"].append(round(wall, 2))
+                        row["steps_logged"] = steps
     for shape in rows.values():
-        for row in shape.values():
-            row["median_busy_cpu_s"] = statistics.median(row["busy_cpu_s"])
-            row["median_wall_s"] = statistics.median(row["wall_s"])
+        for model, by_tree in shape.items():
+            for row in by_tree.values():
+                row["median_busy_cpu_s"] = statistics.median(row["busy_cpu_s"])
+                row["median_wall_s"] = statistics.median(row["wall_s"])
+            if args.old is None:
+                shape[model] = by_tree["this"]  # one tree: the record's shape as before
     record = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({os.cpu_count()} cores)",
               "python": platform.python_version(), "rounds": args.rounds, "shapes": rows}
     text = json.dumps(record, indent=1)

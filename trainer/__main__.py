@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -132,6 +133,10 @@ def torch_seed_per_rank(cfg: TrainConfig, env: DistEnv) -> None:
 def main(argv: list[str] | None = None) -> int:
     startup = Startup()
     startup.mark("imports")
+    # torch's modules live as long as the process: left out of the collector's full collections,
+    # which would walk their objects (about 0.2 s of a core each, a pause of the step it falls in;
+    # bench/RESULTS.md); what the run allocates from here on is collected as usual
+    gc.freeze()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     stop = StopSignal().install()  # before joining: a stop during set-up still ends at a step boundary
     try:

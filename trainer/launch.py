@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import glob
 import os
 import shutil
@@ -376,6 +377,7 @@ def main() -> None:
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     from torch.distributed.run import main as torchrun
 
+    gc.freeze()  # torch's objects, alive as long as the agent, out of its collections (and its zygote's)
     # The workers forked from a zygote of this process, which has torch (trainer/zygote.py): forked
     # here, before any thread starts and before torch is patched below for the agent alone.
     forks = zygote.Zygote.start() if zygote.wanted() else None
