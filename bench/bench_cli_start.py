@@ -53,7 +53,8 @@ def local_hosts(directory: Path, python: str) -> Path:
     return hosts
 
 
-def _cpu_children() -> float:
+def cpu_children() -> float:
+    """User + system CPU seconds of this process's children that ended and were waited for."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
@@ -61,9 +62,9 @@ def _cpu_children() -> float:
 def one_run(tree: Path, args: list[str], python: str) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of ``python ARGS`` run in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "DDP_DEPLOY_LOG": os.devnull}
-    cpu, wall = _cpu_children(), time.perf_counter()
+    cpu, wall = cpu_children(), time.perf_counter()
     r = subprocess.run([python, *args], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wall, cpu = time.perf_counter() - wall, _cpu_children() - cpu
+    wall, cpu = time.perf_counter() - wall, cpu_children() - cpu
     if r.returncode != 0:
         raise SystemExit(f"{tree}: {' '.join(args)} failed: {r.stderr.decode(errors='replace')[-2000:]}")
     return cpu, wall

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cli_start import cpu_children  # noqa: E402
 
 CASES = {
     "import torch": "import torch",
@@ -50,16 +52,11 @@ def programs(case: str) -> dict[str, str]:
     return {"teardown": body, "exits": f"{body}\nfrom trainer import exits; exits.main(lambda: None)"}
 
 
-def _cpu_children() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def run_once(code: str, args: list[str], env: dict, cwd: str) -> float:
-    before = _cpu_children()
+    before = cpu_children()
     subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return _cpu_children() - before
+    return cpu_children() - before
 
 
 def main() -> int:
