@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_deploy_chain import SECRET, STALL, Relay, _connect_as_sender, _inv, _keeper, _saved, _sha, _whole
+from test_deploy_chain import (SECRET, STALL, Relay, _closed_port, _connect_as_sender, _inv, _keeper, _saved, _sha,
+                               _whole)
 
 from deploy.images import chain
 from deploy.node import node_relay
@@ -357,6 +358,37 @@ def test_a_relay_stuck_mid_forward_while_it_still_reports_is_passed_over_within_
     _loaded_everywhere_but(run, stream, {"b"})
     assert re.fullmatch(rf"forwarded nothing to c for {3 * STALL:g} s while holding verified bytes \d+-\d+ "
                         r"\(a stuck relay\): passed over", run.by_name["b"].failure), run.by_name["b"].failure
+
+
+
+@pytest.mark.parametrize("keeps_output", [False, True], ids=["ignores-its-stop", "a-child-holds-its-output"])
+def test_a_node_told_to_stop_whose_relay_never_ends_is_ended_within_the_bound(tmp_path, monkeypatch, keeps_output):
+    """b's port refuses a (a firewall), so a passes over it and this machine tells b's relay to stop;
+    b runs a program that ignores that (and, in the second case, leaves a process holding its output
+    when it is killed). The row still ends within the silence bound, b's program killed, b named."""
+    monkeypatch.setattr(chain, "SILENCE_FLOOR", 0.0)  # the bound is then stall_seconds
+    held = tmp_path / "held.pid"
+    keep = f"sleep 600 & echo $! > {held}; " if keeps_output else ""
+    killed = []
+
+    def b_ignores_its_stop(link):
+        if link.name == "b":
+            link.session.close()
+            link.session = run.remote.start("b", ("sh", "-c", f"{keep}echo LISTEN 1; exec sleep 600"), None)
+            assert link.session.readline() == b"LISTEN 1\n"
+            link.port = _closed_port()
+            killed.append(link.session)
+
+    run, remote, stream = _chain(tmp_path, ("a", "b", "c"), on_start=b_ignores_its_stop)
+    try:
+        with remote:
+            _go_within(run, 20 + MARGIN)
+    finally:
+        if held.exists():
+            os.kill(int(held.read_text()), signal.SIGKILL)
+    _loaded_everywhere_but(run, stream, {"b"})
+    assert "cannot connect to 127.0.0.2:" in run.by_name["b"].failure, run.by_name["b"].failure
+    assert killed[0].p.poll() is not None
 
 
 # ---------------------------------------------------------------------- proofs bound to their hop

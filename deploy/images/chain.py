@@ -18,7 +18,9 @@ over: the node before it forwards to the one after it, from what that one alread
 failed node is named at the end (a later ``deploy`` gives it the image). If the first node
 fails, this machine feeds the next one itself. A relay that still reports but has forwarded nothing
 of what it holds while the whole row stood still for ``max(3 x stall, STUCK_FLOOR)`` is passed over the
-same way, so a stuck relay thread never makes ``deploy`` wait for ever.
+same way, so a stuck relay thread never makes ``deploy`` wait for ever; and a relay passed over (told
+to stop) or refusing that has not ended within the silence bound is killed and its part ended, whatever
+still holds its output.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Link:
     err: list[str] = field(default_factory=list)
     load_exit: int | None = None
     failure: str | None = None
+    failed_at: float | None = None
+    """When this machine first saw ``failure`` while the relay's session was still open."""
     ended: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -282,6 +286,15 @@ class _Run:
         for link in row:
             if link.alive and time.time() - link.heard > limit:
                 self._give_up(link, f"no word from the node for {limit:g} s (link down or node stopped)")
+            elif link.failure is not None and not link.ended.is_set():
+                # Told to stop, or it refused: its relay ends within a tick. One that has not within
+                # the silence limit (it ignored the stop, or hangs on its way out) is killed here and
+                # its part ended, whatever still holds its output, so the row's end never waits on it.
+                if link.failed_at is None:
+                    link.failed_at = time.time()
+                elif time.time() - link.failed_at > limit:
+                    self._close(link)
+                    link.ended.set()
         # A relay's heartbeat says it lives, not that its forwarding does: one that holds bytes it
         # has not sent on while nothing anywhere in the row moves is stuck, and the node before it
         # (or this machine) passes over it as over a silent one.
@@ -312,6 +325,10 @@ class _Run:
                 return
             except Exception:
                 pass
+        self._close(link)
+
+    @staticmethod
+    def _close(link: Link) -> None:
         try:
             link.session.close()
         except Exception:
