@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -353,6 +354,19 @@ def test_a_node_busy_with_processes_still_fails_the_launch_of_a_job_that_fails_a
         os.killpg(crowd.pid, signal.SIGKILL)
         crowd.wait()
 
+
+
+def test_a_node_slow_to_clear_what_a_failed_command_left_still_fails_the_launch_at_once(ddp, tmp_path, monkeypatch):
+    """The same race made certain: the supervisor's one grep over the node's processes (deploy/node/
+    kill_run.sh) takes 3 s here, past launch's second, and the failure is still reported at once
+    (the supervisor says the command ended before it clears what it left)."""
+    hosts = _failing_at_once(tmp_path)
+    slow = tmp_path / "slow-bin"
+    slow.mkdir()
+    (slow / "grep").write_text(f'#!/bin/sh\ncase " $* " in *" -lzxF "*) sleep 3 ;; esac\nexec {shutil.which("grep")} "$@"\n')
+    (slow / "grep").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow}:{os.environ['PATH']}")
+    _assert_failed_at_once(ddp, hosts)
 
 def test_launch_refuses_before_starting_anything_when_a_check_fails(ddp, tmp_path):
     hosts = _inventory(tmp_path, TRAIN_ARGS)

@@ -83,11 +83,14 @@ RECORD_STOP = r"""record_stop() {
 # command left (torchrun's workers live in sessions of their own) is killed first, as a
 # container's end takes every process in it. A signal to the
 # group (stop) ends the supervisor too, so a stopped job is never started again. Waits for the
-# pid file, then 1 s more so that an immediate failure (bad interpreter) is reported.
+# pid file, then 1 s more so that an immediate failure (bad interpreter) is reported: the supervisor
+# writes "ending" (the last exit code) as soon as the command ended for good, before it kills what
+# the command left and writes "exit", so however long that takes on a busy node, a command that
+# ended within the second is reported.
 HOST_START = r"""run=$1; kept=$2; shift 2
 if [ -e "$run/pid" ]; then echo "a previous run is recorded in $run (run: ddp-deploy stop)" >&2; exit 3; fi
 mkdir -p "$run" "$kept" || exit 1
-rm -f "$run/exit" "$run/restarts"
+rm -f "$run/exit" "$run/ending" "$run/restarts"
 ln -sfn "$kept/log" "$run/log" || exit 1
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
 """ + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (trainer/heartbeat.py)
@@ -96,6 +99,7 @@ setsid sh -c '""" + KILL_RUN + r"""
 run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
   "$@" >> "$kept/log" 2>&1 < /dev/null; rc=$?
+  { [ $rc = 0 ] || [ $n -ge "$max" ]; } && echo $rc > "$run/ending.tmp" && mv "$run/ending.tmp" "$run/ending"
   echo "$(date +%s) $rc" >> "$kept/exits"
   kill_run "$run" $$
   { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
@@ -106,8 +110,11 @@ echo $rc > "$run/exit"' "$run" "$kept" "$@" < /dev/null > /dev/null 2>&1 &
 i=0; while [ ! -s "$run/pid" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 [ -s "$run/pid" ] || { echo "process did not start" >&2; exit 1; }
 sleep 1
-if [ -e "$run/exit" ] && [ "$(cat "$run/exit")" != 0 ]; then
-  echo "exited with $(cat "$run/exit") at once: $(tail -n 3 "$run/log" | tr '\n' ' ')" >&2; exit 1
+if [ -e "$run/ending" ]; then
+  i=0; while [ ! -e "$run/exit" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+  if [ "$(cat "$run/ending")" != 0 ]; then
+    echo "exited with $(cat "$run/ending") at once: $(tail -n 3 "$run/log" | tr '\n' ' ')" >&2; exit 1
+  fi
 fi
 cat "$run/pid"
 """
@@ -174,7 +181,7 @@ elif [ -e "$run/pid" ]; then
   if [ -n "$said" ]; then echo "stopped$said"; else echo "cleared (had exited $(cat "$run/exit"))"; fi
 else echo absent
 fi
-rm -f "$run/pid" "$run/exit"
+rm -f "$run/pid" "$run/exit" "$run/ending"
 """
 
 # A shell function: launch_id CONTAINER prints the run id (runs.py) in the container's DDP_LAUNCH_ID,
