@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -106,23 +107,38 @@ def pytest_runtest_teardown(item):
 
 
 NODE_LOG_LINES = 60
+NODE_LOG_HEAD = 40
+CXX_FRAME = re.compile(r"frame #\d+: |Exception raised from |<omitting python frames>")
+"""The lines of a C++ stack that c10 prints under its errors: dropped from a log shown in a report."""
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that used ``fresh_nas`` shows the last lines of every node's kept log of every
-    run it made (the NAS is emptied after it, and CI keeps no tmp_path): the evidence of what each
-    node did, in the report itself."""
+    """A failed test that used ``fresh_nas`` shows the first and last lines of every node's kept log
+    of every run it made, C++ stack frames left out, and the supervisor's exit records (the NAS is
+    emptied after it, and CI keeps no tmp_path): the evidence of what each node did, in the report
+    itself (a restarted node's first end is at the head of its log)."""
     report = yield
     nas = getattr(item, "funcargs", {}).get("fresh_nas")
     if call.when == "call" and report.failed and nas is not None:
         for log in sorted(Path(nas).glob("*/.ddp-deploy/*/runs/*/*/log")):
-            try:
-                lines = log.read_text(errors="replace").splitlines()[-NODE_LOG_LINES:]
-            except OSError as e:
-                lines = [f"(not read: {e})"]
-            report.sections.append((f"kept log {log.relative_to(nas)}", "\n".join(lines)))
+            report.sections.append((f"kept log {log.relative_to(nas)}", kept_log_excerpt(log)))
     return report
+
+
+def kept_log_excerpt(log: Path) -> str:
+    """A node's kept log as a failure report shows it: its supervisor's exit records, its first
+    ``NODE_LOG_HEAD`` and last ``NODE_LOG_LINES`` lines, C++ stack frames left out."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if not CXX_FRAME.match(line)]
+        exits = log.with_name("exits")
+        ends = [e for e in exits.read_text(errors="replace").splitlines() if e] if exits.exists() else []
+    except OSError as e:
+        return f"(not read: {e})"
+    if len(lines) > NODE_LOG_HEAD + NODE_LOG_LINES:
+        lines = [*lines[:NODE_LOG_HEAD], f"[... {len(lines) - NODE_LOG_HEAD - NODE_LOG_LINES} lines ...]",
+                 *lines[-NODE_LOG_LINES:]]
+    return "\n".join([*([f"exits (time, code): {' | '.join(ends)}"] if ends else []), *lines])
 
 
 @pytest.fixture
