@@ -146,21 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DistSetupError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
-    finished = False
+    finished, code = False, 1  # code: what a teardown that hangs ends the process with (an error's 1)
     try:
         require_cuda_for_sync_bn(cfg, env)
         run(cfg, env, stop, startup)
-        finished = True
+        finished, code = True, 0
     except Stopped as exc:
-        finished = True  # every rank stopped at the same step: they leave together
+        finished, code = True, STOPPED_EXIT  # every rank stopped at the same step: they leave together
         if env.is_local_main:
             print(f"trainer: {exc}", file=sys.stderr, flush=True)
         return STOPPED_EXIT
     except (ResumeMismatch, DistSetupError) as exc:
+        code = 2
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     except SplitError as exc:  # the same on every rank, before any collective: they leave together
-        finished = True
+        finished, code = True, 2
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     except (data.DatasetUnavailable, CheckpointError) as exc:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        teardown(env, finished)
+        teardown(env, finished, hung_exit=code)
     return 0
 
 

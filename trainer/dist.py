@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -162,21 +164,51 @@ _OWN_STORE: dist.TCPStore | None = None
 _LEFT_KEY = "trainer/left"
 
 
-def teardown(env: DistEnv, finished: bool = False) -> None:
+TEARDOWN_S = 120.0
+"""How long leaving the process group may take before the process ends without it (rank 0 alone
+waits up to 60 s there for the others to sign off)."""
+
+
+def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
     """Leaves the process group; after a finished run, rank 0 (the store's host) leaves last.
 
     DDP's reducer holds the group (and gloo's pending work) in reference cycles; left to the
     interpreter's exit, destroying them there aborts the process now and then ("terminate
     called without an active exception", seen in CI). They are collected here, while Python is
     whole, after every rank of a finished run has reached this point.
+
+    Where that hangs past ``TEARDOWN_S``, the process says so and ends with ``hung_exit``, what it
+    was about to end with, rather than showing as running for ever. Seen once, torch 2.5 on the
+    host runtime: in a finished run a node's worker never ended after the last barrier and never
+    signed off (rank 0 waited its 60 s), so that node's agent never reached the exit barrier and
+    the job failed when the others' had given up on it.
     """
     if env.distributed and dist.is_initialized():
-        if finished:
-            barrier(env)
-        gc.collect()
-        dist.destroy_process_group()
-        if finished and _OWN_STORE is not None:
-            _leave_store_host_last(env)
+        left = threading.Event()
+        threading.Thread(target=_end_if_hung, args=(left, TEARDOWN_S, hung_exit), name="teardown-watch",
+                         daemon=True).start()
+        try:
+            if finished:
+                barrier(env)
+            gc.collect()
+            dist.destroy_process_group()
+            if finished and _OWN_STORE is not None:
+                _leave_store_host_last(env)
+        finally:
+            left.set()
+
+
+def _end_if_hung(left: threading.Event, seconds: float, code: int) -> None:
+    if left.wait(seconds):
+        return
+    print(f"trainer: rank {os.environ.get('RANK', '?')}: leaving the process group took over {seconds:g} s "
+          f"(hung in torch's teardown): this process ends without it, with exit {code}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _leave_store_host_last(env: DistEnv, timeout_s: float = 60) -> None:

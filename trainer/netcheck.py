@@ -321,7 +321,7 @@ def run(args: argparse.Namespace, nccl_log: Path | None) -> int:
         print(f"netcheck: error: rank {env.rank}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
     finally:
-        teardown(env, finished)
+        teardown(env, finished, hung_exit=0 if finished else 1)
     return 0
 
 

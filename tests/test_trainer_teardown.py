@@ -1,0 +1,64 @@
+"""trainer/dist.py's teardown: leaving the process group, bounded. A rank whose teardown hangs
+(here torch's destroy_process_group never returning; under torch 2.5 a finished run's worker once
+never ended after its last barrier) ends with the code it was about to end with and says so, instead of
+showing as running while the rest of the job waits on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A one-rank gloo group; argv: the teardown's bound (s), whether destroy_process_group hangs, the
+# code a hung teardown ends with. Prints "LEFT" once teardown returned,
+# "STILL" once past the bound.
+PROGRAM = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    import torch.distributed as dist
+    from trainer import dist as tdist
+    bound, hangs, code = float(sys.argv[2]), sys.argv[3] == "hangs", int(sys.argv[4])
+    tdist.TEARDOWN_S = bound
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if hangs:
+        dist.destroy_process_group = lambda *a, **k: time.sleep(600)
+    env = tdist.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                        backend="gloo")
+    print("TEARING DOWN", flush=True)
+    tdist.teardown(env, finished=True, hung_exit=code)
+    print("LEFT", flush=True)
+    time.sleep(bound * 1.5)  # past the bound: a teardown that returned is not ended by its watch
+    print("STILL", flush=True)
+""")
+
+
+def _teardown(bound: float, hangs: bool, code: int) -> tuple[subprocess.CompletedProcess, float]:
+    p = subprocess.Popen([sys.executable, "-c", PROGRAM, str(ROOT), str(bound), "hangs" if hangs else "returns",
+                          str(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "TEARING DOWN\n", p.stderr.read()
+    began = time.monotonic()
+    out, err = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.monotonic() - began
+
+
+@pytest.mark.parametrize("code", [0, 75])
+def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_the_code_it_was_ending_with_and_says_so(code):
+    r, took = _teardown(2.0, True, code)
+    assert r.returncode == code, r.stderr
+    assert "LEFT" not in r.stdout
+    assert ("trainer: rank ?: leaving the process group took over 2 s (hung in torch's teardown): this process "
+            f"ends without it, with exit {code}") in r.stderr
+    assert took >= 2.0
+
+
+def test_a_teardown_that_returns_leaves_the_process_running_past_the_bound():
+    r, _ = _teardown(1.0, False, 9)
+    assert (r.returncode, r.stdout.split()) == (0, ["LEFT", "STILL"]), r.stderr
+    assert "hung" not in r.stderr
