@@ -53,7 +53,7 @@ def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_the_code_it_was_e
     r, took = _teardown(2.0, True, code)
     assert r.returncode == code, r.stderr
     assert "LEFT" not in r.stdout
-    assert ("trainer: rank ?: leaving the process group took over 2 s (hung in torch's teardown): this process "
+    assert ("trainer: rank 0: leaving the process group took over 2 s (hung in torch's teardown): this process "
             f"ends without it, with exit {code}") in r.stderr
     assert took >= 2.0
 

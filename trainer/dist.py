@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import flight
+from . import exits, flight
 from .compat import binds_stores
 
 
@@ -185,7 +185,7 @@ def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
     """
     if env.distributed and dist.is_initialized():
         left = threading.Event()
-        threading.Thread(target=_end_if_hung, args=(left, TEARDOWN_S, hung_exit), name="teardown-watch",
+        threading.Thread(target=_end_if_hung, args=(left, TEARDOWN_S, env.rank, hung_exit), name="teardown-watch",
                          daemon=True).start()
         try:
             if finished:
@@ -198,17 +198,13 @@ def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
             left.set()
 
 
-def _end_if_hung(left: threading.Event, seconds: float, code: int) -> None:
+def _end_if_hung(left: threading.Event, seconds: float, rank: int, code: int) -> None:
     if left.wait(seconds):
         return
-    print(f"trainer: rank {os.environ.get('RANK', '?')}: leaving the process group took over {seconds:g} s "
+    print(f"trainer: rank {rank}: leaving the process group took over {seconds:g} s "
           f"(hung in torch's teardown): this process ends without it, with exit {code}", file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+    exits.flush()
+    exits.end(code)
 
 
 def _leave_store_host_last(env: DistEnv, timeout_s: float = 60) -> None:

@@ -48,12 +48,17 @@ def finish(call: Callable[[], object], skip: tuple[str, ...] = ()) -> int:
     except Exception:
         pass
     atexit._run_exitfuncs()
+    flush()
+    return code
+
+
+def flush() -> None:
+    """The standard streams flushed, as the interpreter does last (a closed or broken one skipped)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    return code
 
 
 def end(code: int) -> NoReturn:

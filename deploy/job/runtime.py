@@ -99,10 +99,11 @@ setsid sh -c '""" + KILL_RUN + r"""
 run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
 while :; do
   "$@" >> "$kept/log" 2>&1 < /dev/null; rc=$?
-  { [ $rc = 0 ] || [ $n -ge "$max" ]; } && echo $rc > "$run/ending.tmp" && mv "$run/ending.tmp" "$run/ending"
+  last=no; { [ $rc = 0 ] || [ $n -ge "$max" ]; } && last=yes
+  [ $last = yes ] && echo $rc > "$run/ending.tmp" && mv "$run/ending.tmp" "$run/ending"
   echo "$(date +%s) $rc" >> "$kept/exits"
   kill_run "$run" $$
-  { [ $rc = 0 ] || [ $n -ge "$max" ]; } && break
+  [ $last = yes ] && break
   n=$((n+1)); echo $n > "$run/restarts"
   echo "ddp-deploy: exited with $rc; starting it again ($n of $max restarts)" >> "$kept/log"; sleep 1
 done
