@@ -56,8 +56,9 @@ def kept_log(node, ckpt="/ckpt"):
 def _docker(argv):
     """A docker node's start command after the step that makes the run's directory for it."""
     argv = list(argv)
-    assert argv[:2] == ["sh", "-c"] and argv[4:6] == ["chown", f"/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/{argv[5][-1]}"]
-    return argv[6:]
+    assert argv[:2] == ["sh", "-c"] and argv[4:7] == ["1000", "/nas/ckpt", ".ddp-deploy"]
+    assert argv[7:9] == ["demo", "RUN_ID"] and argv[9] in "abc"
+    return argv[10:]
 
 
 def _inv(text=THREE_NODES, **replace):
@@ -220,7 +221,7 @@ def test_stop_status_logs_target_the_job_container():
     assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
     assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
     assert plan.status_argv(inv, a)[4:] == ("demo-a", f"/dev/shm/ddp-heartbeat-docker-demo@a-{DEMO_WHERE}",
-                                            "/nas/ckpt/.ddp-deploy/demo", "a")
+                                            "/nas/ckpt/.ddp-deploy/demo", "a", "1000")
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
     assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
 

@@ -20,7 +20,7 @@ from test_deploy_local import TRAIN_ARGS, _inventory
 
 def _inv(ckpt: Path, keep: int = 2):
     return loads(f"""
-job: {{name: demo, keep_runs: {keep}}}
+job: {{name: demo, keep_runs: {keep}, runtime: host}}
 rendezvous: {{node: a}}
 nodes:
   - {{name: a, address: 198.18.0.11}}

@@ -21,7 +21,10 @@ out = Screen(highlight=False, soft_wrap=True)  # tables at full width where stdo
 
 
 def show(node: str, argv) -> None:
-    click.echo(f"[{node}] {command_line(argv)}")
+    """A node's command as its shell receives it, each line under the node's name (a node program
+    spans lines)."""
+    for line in command_line(argv).split("\n"):
+        click.echo(f"[{node}] {line}")
 
 
 def warn(text: str) -> None:

@@ -35,6 +35,11 @@ RUN_SUBDIR = ".ddp-deploy"
 # No single quote in it: the supervisor's script below is one quoted word.
 KILL_RUN = node_program("kill_run.sh")
 
+# Shell functions: tool_dir ROOT NAME... makes and checks a directory only this tool writes, below
+# the checkpoint directory ROOT; job_root ROOT makes ROOT the job's to write into, but not to rename
+# what this tool keeps there.
+TOOL_DIR = node_program("tool_dir.sh")
+
 # reuse|keep, the probe command's key, the image's name, then the probe's argv: a CPU node's good
 # probe answer kept for the next launch in the same image with the same command.
 PROBE_KEPT = node_program("probe_kept.sh")
@@ -56,8 +61,10 @@ LAST_METRICS = node_program("last_metrics.sh")
 STOPPED_LINE = node_program("stopped_line.sh")
 
 # A shell function: record_stop KEPT SCOPE MODE BY TIME [said], stdin: the end of what the program
-# printed in this run. Keeps the stop with the run: KEPT/stopped, one line "TIME SCOPE MODE STEP BY"
-# (runs.Stop reads it), STEP the step the program said it checkpointed at ("-": it said none). Only
+# printed in this run. Keeps the stop with the run: KEPT.stopped, one line "TIME SCOPE MODE STEP BY"
+# (runs.Stop reads it), STEP the step the program said it checkpointed at ("-": it said none). It
+# sits beside the node's directory of the run, in the run's, which only this tool writes: the
+# node's own is the job's, where a link it planted would take this write anywhere. Only
 # the number is kept of the program's line: its text is the job's, and may hold anything. Prints
 # what the program said (STOPPED_LINE), and that the stop is not recorded where KEPT cannot be
 # written. With a 6th word "said": nothing is kept or printed unless the program said it stopped
@@ -66,7 +73,7 @@ RECORD_STOP = r"""record_stop() {
   said=$(""" + STOPPED_LINE + r""")
   [ "$6" = said ] && [ -z "$said" ] && return 0
   step=$(printf '%s\n' "$said" | sed -n -E 's/.*stopped by .* at step ([0-9]{1,18})([^0-9].*)?$/\1/p')
-  if [ -n "$1" ] && { echo "$5 $2 $3 ${step:--} $4" > "$1/stopped.tmp" && mv "$1/stopped.tmp" "$1/stopped"; } 2>/dev/null
+  if [ -n "$1" ] && { echo "$5 $2 $3 ${step:--} $4" > "$1.stopped.tmp" && mv "$1.stopped.tmp" "$1.stopped"; } 2>/dev/null
   then printf '%s' "$said"
   else printf '%s (the stop is not recorded%s)' "$said" "${1:+ in $1}"; fi
 }
@@ -120,11 +127,14 @@ fi
 cat "$run/pid"
 """
 
+# A shell function: as_job COMMAND... runs COMMAND with the job's rights (as_job.sh: job_uid).
+AS_JOB_LIB = node_program("as_job.sh")
+
 # A shell function: progress HEARTBEAT_DIR LOG. The evidence of progress of a running job on this
 # node, its ages in seconds as this node's clock has them: "beat LOCAL_RANK AGE LINE" for each
 # rank's heartbeat file (trainer/heartbeat.py; LINE: its first line's digits and spaces, the file
 # being the job's), and "quiet AGE", the time since the run's log was last written.
-PROGRESS = node_program("progress.sh")
+PROGRESS = AS_JOB_LIB + node_program("progress.sh")
 
 # A shell function: last_stall KEPT prints "stall LINE", the last stall the node's launcher kept
 # in the run's directory KEPT (trainer/heartbeat.py, Watchdog; job.on_stall: stop ends a node so).
@@ -190,11 +200,11 @@ rm -f "$run/pid" "$run/exit" "$run/ending"
 LAUNCH_ID = node_program("launch_id.sh")
 
 # $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
-# the node. The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
+# the node, $5 = the job's uid (its files are read with its rights: as_job.sh). The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
 # named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
 # such container" is absent: any other failure of the engine (busy) fails the command, so it reads
 # as a node that did not answer this time, never as a job that ended.
-DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4
+DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4; job_uid=$5
 s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
   case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
   echo "$s" >&2; exit 1; }
@@ -212,17 +222,20 @@ exit 0
 """
 
 # $1 = container, $2 = grace in seconds (0: remove at once), $3 = who stops it (user@host), $4 =
-# the job's directory (as the node sees it), $5 = the node, $6 = the job's heartbeat dir. Idempotent. `docker stop` sends
+# the checkpoint directory, $5 = the tool's directory in it, $6 = the job, $7 = the node, $8 = the
+# job's heartbeat dir. Idempotent. The stop is kept only where every directory above its record is
+# this tool's alone (tool_dir). `docker stop` sends
 # SIGTERM to the container's torchrun (the checkpoint of a planned stop, trainer/stopping.py)
 # and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
 # container's DDP_LAUNCH_ID), with what it printed on stopping; so has one that had ended before
 # the stop began and whose program said it stopped (as in HOST_STOP).
-DOCKER_STOP = RECORD_STOP + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; job=$4; node=$5; beats=$6
+DOCKER_STOP = RECORD_STOP + TOOL_DIR + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; root=$4; sub=$5; name=$6; node=$7
+beats=$8
 if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   started=${s#* }; s=${s%% *}
-  run=$(launch_id "$c") && kept=$job/runs/$run/$node || kept=""
+  run=$(launch_id "$c") && tool_dir "$root" "$sub" "$name" runs "$run" 2>/dev/null && kept=$root/$sub/$name/runs/$run/$node || kept=""
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
   # what this start of the container printed (STOPPED_LINE takes the stop's line from its end)
   said=""; this_start() { docker logs --since "$started" --tail 20000 "$c" 2>&1; }
@@ -233,6 +246,18 @@ if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.Star
   docker rm -f "$c" > /dev/null && drop_beats "$beats" && echo "stopped$said"
 else echo absent; fi
 """
+
+
+# $1 = the job's uid ("": this user), then a command that reads what the job wrote (and this tool's
+# records beside it, which anyone may read): run with the job's rights where this shell is root, as
+# as_job.sh does, in the shell's place (a followed log ends with the session).
+AS_JOB = ('u=$1; shift; if [ -n "$u" ] && [ "$(id -u)" = 0 ] && [ "$u" != 0 ]; then '
+          'exec setpriv --reuid="$u" --regid="$u" --clear-groups -- "$@"; fi; exec "$@"')
+
+
+def as_job_argv(inv: Inventory, argv: tuple[str, ...]) -> tuple[str, ...]:
+    """``argv``, run on a node with the rights of the job's user (AS_JOB)."""
+    return ("sh", "-c", AS_JOB, "sh", runtime(inv).job_uid, *argv)
 
 
 def operator() -> str:
@@ -274,10 +299,11 @@ IN_DIR = node_program("in_dir.sh")
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only, the working directory)."""
 
-# $1 = "chown" or "nochown" (plan.MAKE_DIRS), $2 = a directory, then a command: makes the
-# directory (the run's, where a container's launcher copies its output), then runs the command.
-IN_NEW_DIR = ('mode=$1; dir=$2; shift 2; mkdir -p "$dir" || exit 1; '
-              'if [ "$mode" = chown ] && [ "$(id -u)" = 0 ]; then chown 1000:1000 "$dir" || exit 1; fi; exec "$@"')
+# The node's directory of the run, made for the job's launcher, then the command (in_new_dir.sh).
+IN_NEW_DIR = TOOL_DIR + node_program("in_new_dir.sh")
+
+JOB_UID = "1000"
+"""The image's user (Dockerfile): the docker runtime's job runs as it."""
 
 # $1 = container, then the command that runs it: a leftover of an interrupted run goes first.
 REPLACE_CONTAINER = 'docker rm -f "$1" > /dev/null 2>&1; shift; exec "$@"'
@@ -357,6 +383,9 @@ class Runtime:
     name = ""
     dirs_mode = "nochown"
     """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
+    job_uid = ""
+    """The user the job runs as, where it is not the SSH user's (as_job.sh): what the job wrote is
+    read with its rights, never root's."""
 
     def __init__(self, inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> None:
         self.inv = inv
@@ -447,6 +476,7 @@ class Runtime:
 class DockerRuntime(Runtime):
     name = "docker"
     dirs_mode = "chown"
+    job_uid = JOB_UID
 
     def job_dirs(self) -> tuple[str, str]:
         s = self.inv.storage
@@ -520,7 +550,8 @@ class DockerRuntime(Runtime):
             argv += ["-e", name]
         # The launcher keeps a copy of its output and its exit codes with the run (trainer.launch.run_teed).
         argv += ["-e", f"{LOG_DIR_ENV}={self.kept_dir(node, self.inv.storage.checkpoints.container)}"]
-        return [*self.secrets_prefix(), "sh", "-c", IN_NEW_DIR, "sh", self.dirs_mode, self.kept_dir(node),
+        return [*self.secrets_prefix(), "sh", "-c", IN_NEW_DIR, "sh", self.job_uid, self.inv.storage.checkpoints.host,
+                RUN_SUBDIR, self.inv.job.name, self.run, node.name,
                 *argv, *self._run(node, env, facts), self.inv.image.name, *launcher]
 
     def run_argv(self, node, launcher, env, facts):
@@ -544,11 +575,11 @@ class DockerRuntime(Runtime):
 
     def status_argv(self, node):
         return ("sh", "-c", DOCKER_STATUS, "sh", self.container(node), heartbeat_dir(self.inv, node),
-                job_dir(self.inv), node.name)
+                job_dir(self.inv), node.name, self.job_uid)
 
     def stop_argv(self, node, grace=0, by=None):
-        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(), job_dir(self.inv),
-                node.name, heartbeat_dir(self.inv, node))
+        return ("sh", "-c", DOCKER_STOP, "sh", self.container(node), str(grace), by or operator(),
+                self.inv.storage.checkpoints.host, RUN_SUBDIR, self.inv.job.name, node.name, heartbeat_dir(self.inv, node))
 
     def diagnose_argv(self, node):
         # as root in the container, which has CAP_SYS_PTRACE for this (start_argv): py-spy reads the workers

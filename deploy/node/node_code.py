@@ -206,6 +206,21 @@ def build(store, snapshot, entries, received=()):
         remove_tree(work)  # another sync of the same snapshot won the race
 
 
+def own_dirs(store, owners=None):
+    """Fails unless each of the store's directories that exists (the tool's directory above it, the
+    store, its objects and snapshots) is a directory, not a link, that only its owner can write, and
+    (``owners``) belongs to one of them. The store sits in the job's checkpoint directory: a part the
+    job replaced would take this program's writes, chmods and links wherever it points."""
+    for path in (os.path.dirname(store), store, os.path.join(store, "objects"), os.path.join(store, "snapshots")):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022 or (owners is not None and st.st_uid not in owners):
+            fail("%s is not the code store's own directory (owner %d, mode %o): a job may have replaced it; "
+                 "move it aside and sync again" % (path, st.st_uid, st.st_mode))
+
+
 def remove_tree(path):
     for root, dirs, files in os.walk(path):
         os.chmod(root, 0o755)
@@ -216,7 +231,9 @@ def main():
     if len(sys.argv) != 4 or sys.argv[1] not in ("need", "put"):
         fail("usage: node_code need|put STORE SNAPSHOT")
     mode, store, snapshot = sys.argv[1:]
+    own_dirs(store)
     learn_owners(store)
+    own_dirs(store, OWNERS)
     if mode == "need":
         need(store, snapshot)
         return
