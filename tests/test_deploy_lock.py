@@ -674,3 +674,101 @@ def test_unlock_shows_a_holder_whose_owner_file_holds_escape_sequences_as_text(d
     assert r.exit_code == 0, r.output
     assert "\x1b" not in r.output and "\x07" not in r.output
     assert "\\x1b]52;c;cm0gLXJmIH4=\\x07eve" in r.stdout and "[red]j[/red]" in r.stdout
+
+
+# An owner file any local user can plant: read bounded, shown as text, cut, never a crash.
+
+SURVEY = """
+import resource, sys
+from deploy.inventory import load
+from deploy.job import lock
+from deploy.nodes.remote import Remote
+
+inv = load(sys.argv[1])
+with Remote(inv) as remote:
+    seen = lock.survey(inv, remote).locks["here"]
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB
+print(seen.holder())
+"""
+
+
+def _survey_peak(hosts: Path) -> tuple[int, str]:
+    """The operator's peak memory (KiB) while it surveys the lock, and how it names the holder."""
+    r = subprocess.run([sys.executable, "-c", SURVEY, str(hosts)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    peak, holder = r.stdout.split("\n", 1)
+    return int(peak), holder.strip()
+
+
+def _planted(path: Path, size: int) -> None:
+    """A lock directory whose owner file is ``size`` bytes: a few of text, then a sparse hole."""
+    path.mkdir()
+    with open(path / "owner", "wb") as f:
+        f.write(b"planted by another user ")
+        f.truncate(size)
+    (path / "heartbeat").touch()
+
+
+def test_a_planted_50_mb_owner_file_is_read_bounded_and_shown_cut(ddp, tmp_path, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _planted(fleet_lock_path, 16 << 10)
+    small, _ = _survey_peak(hosts)
+    shutil.rmtree(fleet_lock_path)
+    _planted(fleet_lock_path, 50 << 20)
+    big, holder = _survey_peak(hosts)
+    assert big - small < 8 << 10, (small, big)  # KiB: of the 50 MB it read no more than of the 16 KiB
+    assert holder.startswith("an owner file that names no ddp-deploy (planted by another user")
+    assert len(holder) < 300, holder
+
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1 and len(r.stderr) < 600, r.stderr[:600]
+    assert "here is locked by an owner file that names no ddp-deploy (planted by another user" in r.stderr
+    r = ddp(hosts, "unlock", "--force")
+    assert r.exit_code == 0, r.output[:600]
+    assert not fleet_lock_path.exists()
+
+
+def test_the_node_side_programs_read_the_owner_file_only_through_its_bounded_reader():
+    assert f'head -c {lock.OWNER_MAX} "$1/owner"' in lock.LOOK
+    for name, program in (("LOOK", lock.LOOK), ("TAKE", lock.TAKE), ("BEAT", lock.BEAT), ("RELEASE", lock.RELEASE)):
+        readers = [line for line in program.splitlines() if "/owner" in line and not line.lstrip().startswith("#")]
+        unbounded = [line for line in readers if "head -c" not in line and ("cat " in line or "grep " in line)]
+        assert unbounded == [], (name, unbounded)
+
+
+GARBAGE = {
+    "binary": bytes(range(256)) * 8,
+    "a JSON list": b'["launch", "job"]',
+    "nested past the parser's depth": b"[" * 12000,
+    "an infinite pid": b'{"user": "u", "host": "h", "pid": 1e999, "command": "launch", "job": "j", "hosts": "/h",'
+                       b' "started": "s"}',
+    "a pid of 4000 digits": b'{"user": "u", "host": "h", "pid": ' + b"9" * 4000 + b', "command": "launch", '
+                            b'"job": "j", "hosts": "/h", "started": "s"}',
+    "fields that are not text": b'{"user": {"a": 1}, "host": ["h"], "pid": 1, "command": null, "job": 3, '
+                                b'"hosts": "/h", "started": "s"}',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_an_owner_file_that_names_no_owner_is_shown_as_text_and_cleared_by_a_forced_unlock(
+        ddp, tmp_path, fleet_lock_path, kind):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    fleet_lock_path.mkdir()
+    (fleet_lock_path / "owner").write_bytes(GARBAGE[kind])
+    (fleet_lock_path / "heartbeat").touch()
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 1 and r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert len(r.stderr.splitlines()) == 1 and len(r.stderr) < 800, r.stderr
+    assert "here is locked by an owner file that names no ddp-deploy (" in r.stderr
+    r = ddp(hosts, "unlock", "--force")
+    assert r.exit_code == 0, r.output[:800]
+    assert "here: removed the lock of an owner file that names no ddp-deploy (" in r.stdout
+    assert not fleet_lock_path.exists()
+
+
+def test_an_owner_whose_fields_are_long_is_named_with_each_field_cut(tmp_path, fleet_lock_path, this_machine):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, user="u" * 3000, job="j" * 3000, pid=10**3000)
+    holder = _seen(hosts).holder()
+    assert len(holder) < 6 * lock.SHOWN and "u" * (lock.SHOWN - 1) + "…@" in holder, holder

@@ -58,9 +58,16 @@ MACHINE_ID = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 """Where this machine's id is (systemd's, then D-Bus's): unique per installation, unlike hostnames."""
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 """A new one at every boot: a holder from an earlier boot has ended, whatever its pid says now."""
+OWNER_MAX = 16384
+"""Bytes of a node's owner file read (held.sh's ``owner``, the same number): any local user can
+plant a file of any size at the lock's path in /tmp. The tool's own owner files are a few hundred
+bytes, at most 12 KiB (a hosts path of PATH_MAX bytes, JSON-escaped); a longer one is no owner."""
+SHOWN = 100
+"""Characters of an owner's field, or of an owner file that is not one, shown in a message."""
 
 # $1 = lock directory. Prints "held TAKEN QUIET" (seconds since the lock was taken and since its
-# last heartbeat, on this node's clock) and then the owner file; fails when there is no lock.
+# last heartbeat, on this node's clock) and then the owner file's first OWNER_MAX bytes; fails when
+# there is no lock. Every program below reads the owner file through its ``owner``.
 _HELD = node_program("held.sh")
 
 # $1 = lock directory. What `held` prints, or "free".
@@ -86,7 +93,7 @@ echo "${err:-$lock is there and cannot be read}" >&2; exit 1
 
 # $1 = lock directory, $2 = token. Refreshes the heartbeat of our own lock only; where the lock
 # is no longer ours, prints "lost" and then what LOOK prints about the node's lock now.
-BEAT = _HELD + r"""if grep -qsF -e "$2" "$1/owner"; then touch "$1/heartbeat"
+BEAT = _HELD + r"""if owner "$1" | grep -qF -e "$2"; then touch "$1/heartbeat"
 else echo lost; held "$1" || echo free
 fi
 """
@@ -94,7 +101,7 @@ fi
 # $1 = lock directory, $2 = the token of the lock to remove ("" = a lock with no valid owner).
 # Prints removed, gone (no lock) or kept (another lock is there now). The lock is renamed aside
 # before its files are removed, so nobody sees it half removed.
-RELEASE = node_program("release.sh")
+RELEASE = _HELD + node_program("release.sh")
 
 
 def path(node: Node) -> str:
@@ -192,14 +199,23 @@ class Owner:
 
     @classmethod
     def decode(cls, text: str) -> "Owner | None":
+        """The owner a node's owner file names; None for anything else (any local user can write
+        one): not JSON, nested past the parser's depth, a field missing or not text, a pid that is
+        no integer."""
+        if len(text) > OWNER_MAX:
+            return None
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                return None
             # Fields a later version adds are ignored; those an earlier one lacked take their default.
             values = {f.name: data[f.name] if f.default is MISSING else data.get(f.name, f.default)
                       for f in fields(cls)}
+            if not all(isinstance(v, str) for k, v in values.items() if k != "pid"):
+                return None
             return cls(**{**values, "pid": int(values["pid"])})
-        except (ValueError, TypeError, KeyError):
-            return None
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError):
+            return None  # OverflowError: a pid of 1e999 (inf); RecursionError: [[[[...]]]]
 
 
 @dataclass(frozen=True)
@@ -214,6 +230,8 @@ class Seen:
     """Seconds since it was taken (the node's clock)."""
     quiet: int
     """Seconds since its last heartbeat (the node's clock)."""
+    text: str = ""
+    """The owner file's start as read (at most OWNER_MAX bytes), shown where it names no owner."""
 
     def stale(self) -> str | None:
         """Why nobody holds this lock any more, or None while its holder may still run."""
@@ -223,9 +241,13 @@ class Seen:
 
     def holder(self) -> str:
         o = self.owner
-        who = (f"{o.command} of job {o.job} by {o.user}@{o.host} (pid {o.pid}"
-               + (", on another machine of that name" if o.elsewhere() else "") + ")" if o is not None
-               else "a ddp-deploy that has written no owner file (yet)")
+        if o is not None:
+            who = (f"{_cut(o.command)} of job {_cut(o.job)} by {_cut(o.user)}@{_cut(o.host)} (pid {_cut(str(o.pid))}"
+                   + (", on another machine of that name" if o.elsewhere() else "") + ")")
+        elif self.text.strip():
+            who = f"an owner file that names no ddp-deploy ({_cut(' '.join(self.text.split()))})"
+        else:
+            who = "a ddp-deploy that has written no owner file (yet)"
         return f"{who}, started {_ago(self.age)} ago"
 
     def describe(self) -> str:
@@ -238,7 +260,12 @@ def parse(node: str, stdout: str) -> Seen | None:
     words = head.split()
     if words[:1] != ["held"] or len(words) != 3:
         return None
-    return Seen(node, Owner.decode(rest), int(words[1]), int(words[2]))
+    return Seen(node, Owner.decode(rest), int(words[1]), int(words[2]), rest[:OWNER_MAX])
+
+
+def _cut(text: str, most: int = SHOWN) -> str:
+    """``text`` at most ``most`` characters long, its cut marked."""
+    return text if len(text) <= most else text[:most - 1] + "…"
 
 
 def _alive(pid: int) -> bool:

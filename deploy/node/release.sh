@@ -1,6 +1,7 @@
+# owner() comes from held.sh, which precedes this file (lock.RELEASE).
 lock=$1; gone="$lock.gone.$$"
 if [ ! -d "$lock" ]; then echo gone
-elif { [ -n "$2" ] && grep -qsF -e "$2" "$lock/owner"; } || { [ -z "$2" ] && ! grep -qs '"token"' "$lock/owner"; }; then
+elif { [ -n "$2" ] && owner "$lock" | grep -qF -e "$2"; } || { [ -z "$2" ] && ! owner "$lock" | grep -q '"token"'; }; then
   rm -rf "$gone" || exit 1
   if err=$(mv -T "$lock" "$gone" 2>&1); then rm -rf "$gone" && echo removed
   elif [ ! -e "$lock" ]; then echo gone  # another release took it meanwhile
