@@ -47,6 +47,30 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
+# Upper bounds of the inventory's numbers. A value past one is a typo or a hostile file, never a
+# fleet, and would otherwise be planned (argv and device lists that long, that many restarts) or
+# waited on.
+MAX_PER_NODE = 1024
+"""Processes, GPUs, GPU ids and job.stages per node: the largest machines have 8 to 16 GPUs and a
+few hundred cores; a process per core of such a machine stays within it."""
+MAX_NODES = 16384
+"""Nodes of a job (slurm.nodes, job.min_nodes): the largest clusters have about 10,000."""
+MAX_RESTARTS = 1000
+"""job.max_restarts: a job that has restarted that often is in a crash loop, not recovering."""
+MAX_KEEP_RUNS = 10000
+"""job.keep_runs: runs kept on the shared volume, each one listed by ``runs``."""
+WEEK = 7 * 24 * 3600
+"""The longest wait, in seconds (join_timeout, last_call_timeout, stall_timeout): a rendezvous or
+a step that has not come in a week will not."""
+MAX_CONNECT_TIMEOUT = 3600
+"""ssh.connect_timeout: every call to a node that does not answer waits this long; an hour is gone."""
+MAX_FREE_GB = 1_000_000
+"""storage.min_free_gb: a petabyte; more (``.inf`` too) is a typo that fails every node's check."""
+MAX_NUMBER = 4096
+"""Characters of a YAML integer read at all: Python refuses to read one of over 4300 digits (an
+error without the field's name). Shorter ones reach their field's own bound, which names it."""
+
+
 def _safe_name(v: str) -> str:
     if not _SAFE.fullmatch(v):
         raise ValueError("only letters, digits, '_', '.' and '-' are allowed")
@@ -155,7 +179,7 @@ def _env_value(v: str) -> str:
 def _stall_timeout(v):
     if v is None or v == "auto":
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 7 * 24 * 3600:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= WEEK:
         raise ValueError("must be a number of seconds (more than 0, at most a week), auto or null")
     return float(v)
 
@@ -173,6 +197,7 @@ Arg = Annotated[str, AfterValidator(_no_nul)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
 Port = Annotated[int, Field(ge=1, le=65535)]
+GpuId = Annotated[int, Field(ge=0, lt=MAX_PER_NODE)]
 ModuleName = Annotated[str, AfterValidator(_module)]
 ScriptPath = Annotated[str, AfterValidator(_script)]
 
@@ -188,10 +213,10 @@ class Job(_Model):
     """Container name prefix and default rendezvous id."""
     runtime: Literal["docker", "host"] = "docker"
     """docker: one container per node; host: torchrun straight on the node."""
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(default=3, ge=0, le=MAX_RESTARTS)
     """torchrun --max-restarts; with docker, also how often a node's container is started again
     after its torchrun died (``--restart on-failure:N``), so a killed node rejoins the job."""
-    min_nodes: int | None = Field(default=None, ge=1)
+    min_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     """The fewest nodes the job may train on (torchrun ``--nnodes MIN:MAX``). A node lost for good
     then costs a rendezvous round, not the job: the others go on without it from the newest
     checkpoint, and take it in again when it is back (or ``ddp-deploy join`` starts it). The
@@ -207,12 +232,12 @@ class Job(_Model):
     counted against max_restarts; ``stop``: it kills its workers and ends the node's part of the
     job, nothing started again. Each stall is kept with the run, with the stacks the ranks were in
     (docs/failures.md, "When a job hangs")."""
-    stages: int = Field(default=1, ge=1)
+    stages: int = Field(default=1, ge=1, le=MAX_PER_NODE)
     """Devices per process (model parallelism): the built-in trainer splits its model into this
     many stages (``--stages``), a program of your own reads ``DDP_STAGES``. On a GPU node each
     process gets this many of the node's GPUs, in order (gpus: 8 and stages: 2 run 4 processes);
     on a CPU node the stages share the CPU."""
-    keep_runs: int = Field(default=20, ge=1)
+    keep_runs: int = Field(default=20, ge=1, le=MAX_KEEP_RUNS)
     """How many runs ``launch`` keeps on the shared volume (their logs, records, exit codes and
     TensorBoard files; ``ddp-deploy runs``): the oldest beyond it are removed, never the new one."""
 
@@ -234,9 +259,9 @@ class Rendezvous(_Model):
     port: Port = 29400
     id: SafeName | None = None
     """Rendezvous id; defaults to job.name."""
-    join_timeout: int = Field(default=600, ge=1)
+    join_timeout: int = Field(default=600, ge=1, le=WEEK)
     """Seconds torchrun waits for all nodes (--rdzv-conf join_timeout=)."""
-    last_call_timeout: int | None = Field(default=None, ge=1)
+    last_call_timeout: int | None = Field(default=None, ge=1, le=WEEK)
     """Elastic jobs (job.min_nodes): once min_nodes are in a round, how long it still waits for
     more (--rdzv-conf last_call_timeout=). It must end before join_timeout does, or a round
     without a lost node times out; default: a third of join_timeout, at most 30 s."""
@@ -254,7 +279,7 @@ class SshOverrides(_Model):
     key: LocalPath | None = None
     known_hosts: LocalPath | None = None
     host_key_policy: Literal["strict", "accept-new"] | None = None
-    connect_timeout: int | None = Field(default=None, ge=1)
+    connect_timeout: int | None = Field(default=None, ge=1, le=MAX_CONNECT_TIMEOUT)
 
 
 class Ssh(_Model):
@@ -267,7 +292,7 @@ class Ssh(_Model):
     known_hosts: LocalPath = "~/.ssh/known_hosts"
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     """strict: unknown or changed host keys are refused; accept-new: record unknown ones."""
-    connect_timeout: int = Field(default=10, ge=1)
+    connect_timeout: int = Field(default=10, ge=1, le=MAX_CONNECT_TIMEOUT)
     """Seconds a node may stay silent: to connect, and once connected, to answer a keepalive."""
     config: LocalPath | None = "~/.ssh/config"
     """OpenSSH client config read for each node's ssh host (Host aliases: HostName, User, Port,
@@ -288,12 +313,12 @@ class Node(_Model):
     address: Address
     connection: Literal["ssh", "local"] = "ssh"
     """ssh, or local: run on this machine without SSH (like ansible_connection=local)."""
-    gpus: int = Field(default=0, ge=0)
+    gpus: int = Field(default=0, ge=0, le=MAX_PER_NODE)
     """0 = CPU node (gloo); >0: a GPU node (CUDA + NCCL), nvidia-smi must list at least that many."""
-    procs: int | None = Field(default=None, ge=1)
+    procs: int | None = Field(default=None, ge=1, le=MAX_PER_NODE)
     """Processes on this node; defaults to len(gpu_ids), else gpus, or 1 on a CPU node (divided by
     job.stages: each process then has that many GPUs)."""
-    gpu_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    gpu_ids: Annotated[tuple[GpuId, ...], Field(max_length=MAX_PER_NODE)] | None = None
     """GPU indices (as nvidia-smi numbers them) this job uses, one per process (job.stages per
     process, in order); default: the first ``procs`` (x stages) GPUs."""
     interface: SafeName | None = None
@@ -361,11 +386,11 @@ class Slurm(_Model):
     allocated node started by srun, the rendezvous on the allocation's first node."""
 
     login: SlurmLogin
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=MAX_NODES)
     """How many nodes to allocate (sbatch --nodes)."""
-    procs_per_node: int | None = Field(default=None, ge=1)
+    procs_per_node: int | None = Field(default=None, ge=1, le=MAX_PER_NODE)
     """Processes per node; default: gpus_per_node, or 1 without GPUs."""
-    gpus_per_node: int = Field(default=0, ge=0)
+    gpus_per_node: int = Field(default=0, ge=0, le=MAX_PER_NODE)
     """GPUs per node (sbatch --gpus-per-node); 0: a CPU job (gloo)."""
     partition: SafeName | None = None
     account: SafeName | None = None
@@ -445,7 +470,7 @@ class Mount(_Model):
 class Storage(_Model):
     data: Mount
     checkpoints: Mount
-    min_free_gb: float = Field(default=1, ge=0)
+    min_free_gb: float = Field(default=1, ge=0, le=MAX_FREE_GB)
 
 
 # Chosen by the tool: the device and backend from nodes[].gpus, so that a GPU node never trains on
@@ -543,7 +568,7 @@ class Inventory(_Model):
     job: Job
     rendezvous: Rendezvous = Field(default_factory=Rendezvous)
     ssh: Ssh = Field(default_factory=Ssh)
-    nodes: tuple[Node, ...] = ()
+    nodes: Annotated[tuple[Node, ...], Field(max_length=MAX_NODES)] = ()
     """The SSH fleet; or slurm: instead."""
     slurm: Slurm | None = None
     image: Image = Field(default_factory=Image)
@@ -883,22 +908,30 @@ def _too_large(label: str) -> InventoryError:
                                                   "(is this the right file?)")])
 
 
+_INT_TAG = "tag:yaml.org,2002:int"
+
+
 def _bounded(root: yaml.Node, label: str) -> None:
-    """Refuses a document nested too deeply or whose aliases expand to too many values, before
-    anything walks it expanded (counted once per distinct node: cheap whatever the expansion)."""
+    """Refuses a document nested too deeply, whose aliases expand to too many values or that holds
+    an integer too long to read, before anything walks it expanded (counted once per distinct node:
+    cheap whatever the expansion)."""
     sizes: dict[int, int] = {}
 
-    def size(node: yaml.Node, depth: int) -> int:
+    def size(node: yaml.Node, depth: int, loc: tuple = ()) -> int:
         if depth > MAX_DEPTH:
             raise InventoryError([Issue(label, "", node.start_mark.line + 1, f"nested more than {MAX_DEPTH} levels deep")])
         if id(node) in sizes:
             return sizes[id(node)]
         if isinstance(node, yaml.MappingNode):
-            n = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+            n = 1 + sum(size(k, depth + 1, loc) + size(v, depth + 1, loc + (k.value,)) for k, v in node.value)
         elif isinstance(node, yaml.SequenceNode):
-            n = 1 + sum(size(v, depth + 1) for v in node.value)
+            n = 1 + sum(size(v, depth + 1, loc + (i,)) for i, v in enumerate(node.value))
         else:
             n = 1
+            if node.tag == _INT_TAG and len(node.value) > MAX_NUMBER:
+                raise InventoryError([Issue(label, field_path(loc), node.start_mark.line + 1,
+                                            f"a number of {len(node.value)} characters, more than the {MAX_NUMBER} "
+                                            "any number may have (quote it if it is text)")])
         sizes[id(node)] = n
         if n > MAX_VALUES:
             raise InventoryError([Issue(label, "", node.start_mark.line + 1,
@@ -940,8 +973,18 @@ def _message(err: dict) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if "input" in err and kind not in ("missing",) and not isinstance(err["input"], (dict, list)):
-        msg += f", got {err['input']!r}"
+        msg += f", got {_shown(err['input'])}"
     return msg
+
+
+SHOWN = 40
+"""Characters of a refused value shown in its error: the line names the field and the limit."""
+
+
+def _shown(value) -> str:
+    """``value`` as the file had it, cut to SHOWN characters with its length where longer."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN - 1]}… ({len(text)} characters)"
 
 
 def _index_lines(node: yaml.Node, loc: tuple, lines: dict, dupes: list, label: str) -> None:

@@ -24,6 +24,8 @@ def _generated(tmp_path: Path, kind: str) -> Path:
         path.write_bytes(b"job: {name: x}\nnote: " + b"x" * (64 << 20) + b"\n")
     elif kind == "very_deep":
         path.write_text("job: " + "[" * 20000 + "]" * 20000 + "\n")
+    elif kind == "long_number":  # Python reads no integer of over 4300 digits
+        path.write_text("job: {name: x}\nnodes:\n  - {name: a, address: 10.0.0.1, procs: " + "9" * 100_000 + "}\n")
     elif kind == "binary":
         path.write_bytes(bytes(range(256)) * 64)
     else:
@@ -35,6 +37,7 @@ def _generated(tmp_path: Path, kind: str) -> Path:
     ("billion_laughs", "aliases expand to more than"),
     ("huge", "larger than 1024 KiB"),
     ("very_deep", "nested more than"),
+    ("long_number", "nodes[0].procs: a number of 100000 characters, more than the 4096"),
     ("binary", "not UTF-8 text"),
     ("not_utf8", "not UTF-8 text (byte 0xe9"),
     ("python_tag", "no language-specific tags"),

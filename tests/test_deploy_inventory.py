@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from deploy.inventory import load
+from deploy.inventory import load, loads
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(__file__).resolve().parent / "hosts_corpus"
@@ -157,3 +157,91 @@ def test_image_transfer_settings_that_cannot_work_are_refused_with_the_field(fie
     from deploy.inventory import Image
     with pytest.raises(ValidationError, match=words):
         Image(**fields)
+
+
+# Every count and duration of hosts.yaml has an upper bound: past it, exit 2 naming the field and the limit.
+
+BOUNDED = """job:
+  name: j
+  runtime: host{job}
+rendezvous:
+  node: a{rendezvous}
+ssh:
+  user: ops{ssh}
+storage:
+  data: {{host: /d, container: /data}}
+  checkpoints: {{host: /c, container: /ckpt}}{storage}
+nodes:
+  - name: a
+    address: 127.0.0.1{node}
+"""
+SLURM = """job:
+  name: j
+  runtime: host
+storage:
+  data: {{host: /d, container: /data}}
+  checkpoints: {{host: /c, container: /ckpt}}
+slurm:
+  login: {{address: 127.0.0.1}}
+  nodes: 1{slurm}
+"""
+LINE = {"job": 4, "rendezvous": 6, "ssh": 8, "storage": 11, "node": 14, "slurm": 10}
+"""The line an extra key of each part lands on in BOUNDED (SLURM for slurm)."""
+DIGITS_4000 = "9" * 4000
+
+
+@pytest.mark.parametrize("part, key, value, field, limit", [
+    ("job", "max_restarts", "1001", "job.max_restarts", "less than or equal to 1000"),
+    ("job", "keep_runs", "10001", "job.keep_runs", "less than or equal to 10000"),
+    ("job", "stages", "1025", "job.stages", "less than or equal to 1024"),
+    ("job", "min_nodes", "16385", "job.min_nodes", "less than or equal to 16384"),
+    ("job", "stall_timeout", "604801", "job.stall_timeout", "at most a week"),
+    ("rendezvous", "join_timeout", "604801", "rendezvous.join_timeout", "less than or equal to 604800"),
+    ("rendezvous", "last_call_timeout", "604801", "rendezvous.last_call_timeout", "less than or equal to 604800"),
+    ("ssh", "connect_timeout", "3601", "ssh.connect_timeout", "less than or equal to 3600"),
+    ("node", "ssh: {connect_timeout: 3601}", None, "nodes[0].ssh.connect_timeout", "less than or equal to 3600"),
+    ("node", "procs", "1025", "nodes[0].procs", "less than or equal to 1024"),
+    ("node", "procs", DIGITS_4000, "nodes[0].procs", "less than or equal to 1024"),
+    ("node", "gpus", "1025", "nodes[0].gpus", "less than or equal to 1024"),
+    ("node", "gpus", DIGITS_4000, "nodes[0].gpus", "less than or equal to 1024"),
+    ("node", "gpus: 8\n    gpu_ids: [1024]", None, "nodes[0].gpu_ids[0]", "less than 1024"),
+    ("node", f"gpus: 8\n    gpu_ids: [{', '.join(['0'] * 1025)}]", None, "nodes[0].gpu_ids", "at most 1024 items"),
+    ("storage", "min_free_gb", "1e7", "storage.min_free_gb", "less than or equal to 1000000"),
+    ("storage", "min_free_gb", ".inf", "storage.min_free_gb", "less than or equal to 1000000"),
+    ("slurm", "nodes", "16385", "slurm.nodes", "less than or equal to 16384"),
+    ("slurm", "procs_per_node", "1025", "slurm.procs_per_node", "less than or equal to 1024"),
+    ("slurm", "gpus_per_node", DIGITS_4000, "slurm.gpus_per_node", "less than or equal to 1024"),
+    ("node", "procs", "9" * 5000, "nodes[0].procs", "more than the 4096 any number may have"),
+])
+def test_a_count_or_duration_past_its_upper_bound_is_refused_naming_the_field_and_the_limit(
+        tmp_path, part, key, value, field, limit):
+    line = f"{key}: {value}" if value is not None else key
+    if part == "slurm":
+        text = SLURM.format(slurm="" if key == "nodes" else f"\n  {line}")
+        if key == "nodes":
+            text = text.replace("nodes: 1", line)
+    else:
+        extra = {p: "" for p in LINE if p != "slurm"}
+        extra[part] = f"\n    {line}" if part == "node" else f"\n  {line}"
+        text = BOUNDED.format(**extra)
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(text)
+    at = LINE[part] + line.count("\n") - (1 if part == "slurm" and key == "nodes" else 0)
+    for verb in (["validate"], ["launch", "--dry-run"]):
+        result = CliRunner().invoke(cli, ["--hosts", str(hosts), *verb], env={"DDP_DEPLOY_LOG": str(tmp_path / "log")})
+        assert result.exit_code == 2, (verb, result.output[:2000])
+        errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+        assert any(ln.startswith(f"error: {hosts}:{at}: {field}: ") and limit in ln for ln in errors), errors
+        assert all(len(ln) < 400 for ln in errors), errors  # a long value is cut, not echoed
+
+
+@pytest.mark.parametrize("part, line", [
+    ("job", "max_restarts: 1000"), ("job", "keep_runs: 10000"), ("job", "stall_timeout: 604800"),
+    ("rendezvous", "join_timeout: 604800"), ("ssh", "connect_timeout: 3600"), ("node", "procs: 1024"),
+    ("storage", "min_free_gb: 1000000"),
+])
+def test_a_count_or_duration_at_its_upper_bound_is_taken(tmp_path, part, line):
+    extra = {p: "" for p in LINE if p != "slurm"}
+    extra[part] = f"\n    {line}" if part == "node" else f"\n  {line}"
+    inv = loads(BOUNDED.format(**extra))
+    assert inv is not None
