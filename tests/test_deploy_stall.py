@@ -64,7 +64,9 @@ def test_the_launcher_empties_its_own_directory_and_refuses_a_link_or_a_file_in_
     mine = tmp_path / "beats"
     assert heartbeat.prepare(str(mine)) == str(mine) and mine.is_dir()
     (mine / "0").write_text("9 9 9\n")
-    assert heartbeat.prepare(str(mine)) == str(mine) and list(mine.iterdir()) == []  # a run's beats are its own
+    # a run's beats are its own; the launcher that made it is named there (`doctor` finds its workers by it)
+    assert heartbeat.prepare(str(mine)) == str(mine) and [p.name for p in mine.iterdir()] == [heartbeat.LAUNCHER_FILE]
+    assert (mine / heartbeat.LAUNCHER_FILE).read_text().split()[0] == str(os.getpid())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "keep").write_text("theirs")

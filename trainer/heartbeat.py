@@ -46,6 +46,10 @@ DIAGNOSIS_BYTES = 1 << 20
 WORKERS_DIR = "workers"
 """Under the heartbeat directory: ``LOCAL_RANK`` holding ``PID RANK`` of each worker the launcher's
 zygote forked (trainer/zygote.py), whose /proc environment is the launcher's."""
+LAUNCHER_FILE = "launcher"
+"""In the heartbeat directory: ``PID START`` of the launcher that made it (:func:`prepare`), its pid in
+its own pid namespace and its start (/proc/PID/stat's 22nd field, clock ticks after boot, which a pid
+reused later never has): every worker of the job descends from that process, torchrun's agent."""
 LINE_BYTES = 46
 """A beat's line: step (20 digits), rank (10), gap in ms (13), the spaces and the newline: fixed,
 so that a write in place never leaves a longer line's end behind."""
@@ -112,30 +116,50 @@ class Heartbeat:
 
 def prepare(directory: str | None) -> str | None:
     """The launcher's part: ``directory`` made (or emptied: a run's beats are its own), private to
-    this user; None (beats off, with a warning) where it is not ours to use: another user's, a link."""
+    this user, and this process named in it (:data:`LAUNCHER_FILE`); None (beats off, with a warning)
+    where it is not ours to use: another user's, a link."""
     if not directory:
         return None
     try:
         os.mkdir(directory, 0o755)
-        return directory
     except FileExistsError:
-        pass
+        try:
+            st = os.lstat(directory)
+        except OSError as exc:
+            return _off(directory, exc.strerror or str(exc))
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return _off(directory, "it exists and is not this user's directory")
+        _empty(directory)
     except OSError as exc:
         return _off(directory, exc.strerror or str(exc))
-    try:
-        st = os.lstat(directory)
-    except OSError as exc:
-        return _off(directory, exc.strerror or str(exc))
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return _off(directory, "it exists and is not this user's directory")
-    _empty(directory)
+    _name_launcher(directory)
     return directory
 
 
-def _empty(directory: str, workers_too: bool = True) -> None:
-    """Every file in ``directory`` removed, as far as it can be; and, ``workers_too``, in its
-    ``workers/`` (trainer/zygote.py: which worker the launcher's zygote forked for each local rank)."""
+def _name_launcher(directory: str) -> None:
+    """This process named in ``directory`` as the one the job's workers descend from: how `doctor`
+    tells them from any other process that sets the same environment."""
+    here = _stat(os.getpid())
+    why = "this system has no /proc" if here is None else None
+    if here is not None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            with os.fdopen(os.open(os.path.join(directory, LAUNCHER_FILE), flags, 0o644), "w") as fh:
+                fh.write(f"{os.getpid()} {here[1]}\n")
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    if why is not None:
+        sys.stderr.write(f"trainer.launch: warning: the launcher is not named in {directory} ({why}): "
+                         "`ddp-deploy doctor` finds no worker of this node\n")
+
+
+def _empty(directory: str, workers_too: bool = True, keep: tuple[str, ...] = ()) -> None:
+    """Every file in ``directory`` but those named in ``keep`` removed, as far as it can be; and,
+    ``workers_too``, in its ``workers/`` (trainer/zygote.py: which worker the launcher's zygote forked
+    for each local rank)."""
     for name in os.listdir(directory):
+        if name in keep:
+            continue
         try:
             os.unlink(os.path.join(directory, name))
         except IsADirectoryError:
@@ -211,10 +235,15 @@ def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | N
 
 # A node program (doctor runs it through the job's runtime, the Watchdog here on a stall):
 # $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
-# on this node, found by exact identity: its environment holds DDP_HEARTBEAT_DIR=$1 (set for the
-# started job alone) and LOCAL_RANK (torchrun's workers; the launcher and torchrun have none); or,
-# forked by the launcher's zygote (trainer/zygote.py), whose environment is the launcher's, it is
-# named in $1/workers/LOCAL_RANK and its environment holds DDP_HEARTBEAT_DIR=$1.
+# on this node, found by what the kernel says of it, as _marked does: it runs with the job's uid
+# alone (real, effective, saved and filesystem: this script's, or as root, `docker exec -u 0` in the
+# job's container, that of this pid namespace's first process, the container's launcher; a node's is
+# init, root), and it descends from the launcher named in $1/launcher ("PID START", while it is that
+# process) or from what runs this script (the launcher's own watchdog). Among those: its environment
+# holds DDP_HEARTBEAT_DIR=$1 and LOCAL_RANK (torchrun's workers; the launcher and torchrun have
+# none); or, forked by the launcher's zygote (trainer/zygote.py), whose environment is the
+# launcher's, it is named in $1/workers/LOCAL_RANK and its environment holds DDP_HEARTBEAT_DIR=$1.
+# Any process may set that environment: it narrows the search, it proves nothing.
 # Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped; read again
 # for up to 3 s while another tracer holds the worker, t), then, unless it is stopped (py-spy
 # would wait on it), "stack PID JSON", py-spy's dump of its threads on one line (or its error;
@@ -252,12 +281,35 @@ worker() {  # PID RANK LOCAL_RANK
   echo "stack $1 $dump"
 }
 dir=$1
+uid_of() {  # PID: its uid, where its real, effective, saved and filesystem uids are one
+  awk '/^Uid:/ { if ($2 == $3 && $2 == $4 && $2 == $5) print $2; exit }' "/proc/$1/status" 2>/dev/null
+}
+uid=$(id -u); [ "$uid" = 0 ] && uid=$(uid_of 1)
+roots=" "; [ "$PPID" -gt 0 ] && roots=" $PPID "
+if [ -f "$1/launcher" ] && [ ! -L "$1/launcher" ] && read -r lpid lstart _ 2>/dev/null < "$1/launcher"; then
+  case "$lpid.$lstart" in
+    *[!0-9.]*|.*|*.) ;;
+    *) if [ "$(awk '{ sub(/.*\) /, ""); print $20 }' "/proc/$lpid/stat" 2>/dev/null)" = "$lstart" ] &&
+          [ "$(uid_of "$lpid")" = "$uid" ]; then roots="$roots$lpid "; fi ;;
+  esac
+fi
+ours() {  # PID: it runs with the job's uid, and one of $roots is in its chain of parents (/proc/PID/stat)
+  [ -n "$uid" ] && [ "$(uid_of "$1")" = "$uid" ] || return 1
+  awk -v p="$1" -v roots="$roots" 'BEGIN {
+    for (n = 0; n < 4096 && p > 0; n++) {
+      f = "/proc/" p "/stat"; if ((getline s < f) <= 0) exit 1; close(f)
+      sub(/.*\) /, "", s); split(s, w, " "); p = w[2]
+      if (index(roots, " " p " ")) exit 0
+    }
+    exit 1 }'
+}
 for p in /proc/[0-9]*; do
   pid=${p#/proc/}
   grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
   rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
   lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
   [ -n "$lrank" ] || continue
+  ours "$pid" || continue
   worker "$pid" "$rank" "$lrank"
 done
 # workers forked by the launcher's zygote: their /proc environment is the launcher's (marker, no
@@ -272,6 +324,7 @@ if [ -d "$1/workers" ] && [ ! -L "$1/workers" ]; then
     case $rank in ''|*[!0-9]*) rank="" ;; esac
     case $seen in *" $pid "*) continue ;; esac
     grep -qzxF -e "$marker" "/proc/$pid/environ" 2>/dev/null || continue
+    ours "$pid" || continue
     worker "$pid" "$rank" "$lrank"
   done
 fi
@@ -319,9 +372,9 @@ def read_beats(directory: str, now: float | None = None) -> list[tuple[int, int 
 
 
 def workers(directory: str) -> list[int]:
-    """The pids of this node's workers of the job, by exact identity: their environment holds
-    ``DDP_HEARTBEAT_DIR=directory`` and a ``LOCAL_RANK`` (torchrun's workers and what they started;
-    not the launcher), or the launcher's zygote named them (:func:`ranked`)."""
+    """The pids of this node's workers of the job, by identity (:func:`_marked`): those whose
+    environment holds a ``LOCAL_RANK`` (torchrun's workers and what they started; not the launcher),
+    or the launcher's zygote named them (:func:`ranked`)."""
     marked = _marked(directory)
     found = [m.pid for m in marked if m.local is not None]
     return found + [pid for _, pid in _named(directory, marked) if pid not in found]
@@ -339,15 +392,30 @@ def ranked(directory: str) -> dict[int, int]:
 
 
 class _Marked:
-    __slots__ = ("pid", "local", "parent", "inner")
+    __slots__ = ("pid", "local", "parent", "inner", "uid", "start")
 
-    def __init__(self, pid: int, local: int | None, parent: int, inner: int) -> None:
-        self.pid, self.local, self.parent, self.inner = pid, local, parent, inner
+    def __init__(self, pid: int, local: int | None, parent: int, inner: int, uid: int | None, start: int) -> None:
+        self.pid, self.local, self.parent, self.inner, self.uid, self.start = pid, local, parent, inner, uid, start
 
 
 def _marked(directory: str) -> list[_Marked]:
-    """Every process but this one whose /proc environment holds ``DDP_HEARTBEAT_DIR=directory``:
-    its LOCAL_RANK (None without one), its parent, and its pid in its own pid namespace."""
+    """This node's processes of the job, by what the kernel says of them: each runs with the job's uid
+    alone (:func:`_job_uid`) and descends from the launcher named in ``directory`` (:data:`LAUNCHER_FILE`)
+    or from this process (the launcher's own watchdog), and its /proc environment holds
+    ``DDP_HEARTBEAT_DIR=directory``. Any process may set that environment: it only narrows the search.
+    For each: its LOCAL_RANK (None without one), its parent, and its pid in its own pid namespace."""
+    every = _with_marker(directory)
+    launcher = _launcher(directory, every)
+    uid = _job_uid(launcher)
+    if uid is None:
+        return []
+    roots = {os.getpid()} | ({launcher.pid} if launcher is not None and launcher.uid == uid else set())
+    parents = {m.pid: m.parent for m in every}
+    return [m for m in every if m.uid == uid and _descends(m.pid, roots, parents)]
+
+
+def _with_marker(directory: str) -> list[_Marked]:
+    """Every process but this one whose /proc environment holds ``DDP_HEARTBEAT_DIR=directory``."""
     marker = f"{HEARTBEAT_DIR_ENV}={directory}".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -362,11 +430,113 @@ def _marked(directory: str) -> list[_Marked]:
             with open(f"/proc/{entry}/status", "rb") as fh:
                 status = dict(line.split(b":", 1) for line in fh.read().splitlines() if b":" in line)
             inner = status.get(b"NSpid", b"").split() or [entry.encode()]
-            found.append(_Marked(int(entry), int(rank) if rank.isdigit() else None,
-                                 int(status.get(b"PPid", b"0").strip() or 0), int(inner[-1])))
+            here = _stat(int(entry))
+            if here is None:
+                continue
+            found.append(_Marked(int(entry), int(rank) if rank.isdigit() else None, here[0], int(inner[-1]),
+                                 _one_uid(status.get(b"Uid", b"")), here[1]))
         except (OSError, ValueError):
             continue
     return found
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent, start) of process ``pid`` from /proc/PID/stat: its parent's pid and its start in clock
+    ticks after boot; None once it has ended. Read after the command name, which may hold anything."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _one_uid(field: bytes) -> int | None:
+    """The uid of a /proc/PID/status ``Uid:`` line (real, effective, saved, filesystem) where all four
+    are one; None where they differ (a setuid program), which is no job's process."""
+    uids = field.split()
+    return int(uids[0]) if len(uids) == 4 and len(set(uids)) == 1 and uids[0].isdigit() else None
+
+
+def _uid_of(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            line = next((line for line in fh if line.startswith(b"Uid:")), b"")
+    except OSError:
+        return None
+    return _one_uid(line[4:])
+
+
+def _launcher(directory: str, marked: list[_Marked]) -> _Marked | None:
+    """The launcher named in ``directory`` (:data:`LAUNCHER_FILE`), while it runs: among ``marked``,
+    the one process whose pid in its own namespace and start are those written there."""
+    path = os.path.join(directory, LAUNCHER_FILE)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        with open(path, "rb") as fh:
+            words = fh.read(64).split()
+    except OSError:
+        return None
+    if len(words) < 2 or not words[0].isdigit() or not words[1].isdigit():
+        return None
+    same = [m for m in marked if m.inner == int(words[0]) and m.start == int(words[1])]
+    return same[0] if len(same) == 1 else None
+
+
+def _job_uid(launcher: _Marked | None) -> int | None:
+    """The uid the job's processes run with: this process's (doctor runs as the job's user, the
+    watchdog in its launcher). As root: that of the first process of the launcher's pid namespace,
+    where that namespace is this one or a container's made in this user namespace (only a privileged
+    runtime makes one: a user without privileges makes a pid namespace only inside a user namespace
+    of their own). A container's first process is its launcher (``docker exec -u 0`` runs doctor in
+    it); this namespace's, on a node, is init: root."""
+    me = os.getuid()
+    if me != 0:
+        return me
+    first: int | None = 1
+    if launcher is not None and _namespace(launcher.pid, "pid") != _namespace("self", "pid") \
+            and _namespace(launcher.pid, "user") == _namespace("self", "user"):
+        first = _first_in(_namespace(launcher.pid, "pid"))
+    return None if first is None else _uid_of(first)
+
+
+def _namespace(pid: int | str, kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return None
+
+
+def _first_in(namespace: str | None) -> int | None:
+    """The pid (as this machine's /proc numbers it) of the process that is 1 in pid namespace ``namespace``."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and namespace is not None and _namespace(entry, "pid") == namespace:
+            try:
+                with open(f"/proc/{entry}/status", "rb") as fh:
+                    inner = next((line[6:].split() for line in fh if line.startswith(b"NSpid:")), [])
+            except OSError:
+                continue
+            if inner and inner[-1] == b"1":
+                return int(entry)
+    return None
+
+
+def _descends(pid: int, roots: set[int], parents: dict[int, int]) -> bool:
+    """Whether one of ``roots`` is an ancestor of ``pid`` (its chain of parents, from ``parents`` or
+    /proc). A process whose parent ended has been given to another (init, or a child subreaper):
+    it descends from that one since."""
+    seen = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        parent = parents.get(pid)
+        if parent is None:
+            here = _stat(pid)
+            parent = here[0] if here is not None else 0
+        if parent in roots:
+            return True
+        pid = parent
+    return False
 
 
 def _named(directory: str, marked: list[_Marked]) -> list[tuple[int, int]]:
@@ -488,7 +658,7 @@ class Watchdog:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        _empty(self.directory)  # the next beats are the new workers'
+        _empty(self.directory, keep=(LAUNCHER_FILE,))  # the next beats are the new workers'
         self.actions += 1
         if self.action == "stop":
             self.end()
