@@ -4,21 +4,24 @@ import sys
 
 import pytest
 
-from trainer.launch import bind_rendezvous_store, option, torchrun_args
+from trainer.launch import bind_rendezvous_store, option, relays_output, torchrun_args
 from fakes import free_port
 
 
 def test_arguments_after_the_separator_go_to_the_trainer_and_before_it_to_torchrun():
     args = torchrun_args(["--nnodes", "3", "--rdzv-backend", "c10d", "--", "--epochs", "1"], {})
     cut = args.index("-m")
-    assert args[:cut] == ["--tee", "3", "--nnodes", "3", "--rdzv-backend", "c10d"]  # teed, rank in front
+    assert args[:cut] == ["--nnodes", "3", "--rdzv-backend", "c10d"]  # no --tee: the launcher relays the output
     assert args[cut:] == ["-m", "trainer", "--epochs", "1"]
+    assert relays_output(["--nnodes", "3", "--", "--epochs", "1"])
+    assert not relays_output(["--epochs", "1"])  # standalone: the workers print as they do under torchrun
 
 
-def test_the_options_own_tee_or_redirects_are_kept_as_given():
-    for own in (["--tee", "1"], ["--redirects=3"], ["-r", "2"]):
+def test_the_options_own_tee_or_redirects_are_kept_as_given_and_torchrun_writes_the_output():
+    for own in (["--tee", "1"], ["--redirects=3"], ["-r", "2"], ["-t", "3"]):
         args = torchrun_args([*own, "--nnodes", "1", "--", "--epochs", "1"], {})
         assert args[:len(own)] == own and args.count("--tee") == (own[0] == "--tee")
+        assert not relays_output([*own, "--nnodes", "1", "--", "--epochs", "1"])
 
 
 def test_without_separator_it_runs_standalone_with_every_argument_for_the_trainer():
@@ -87,14 +90,14 @@ def test_a_master_addr_that_is_not_this_node_is_a_clear_setup_error(monkeypatch)
 
 def test_entry_runs_another_module_through_the_same_launcher_and_is_not_passed_to_torchrun():
     args = torchrun_args(["--nnodes", "2", "--entry", "trainer.netcheck", "--", "--size-mb", "1"], {})
-    assert args == ["--tee", "3", "--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
-    assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["--tee", "3", "-m", "trainer.netcheck"]
+    assert args == ["--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
+    assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["-m", "trainer.netcheck"]
 
 
 def test_script_runs_a_script_path_through_the_same_launcher():
     args = torchrun_args(["--nnodes", "2", "--script", "train.py", "--", "--epochs", "1"], {})
-    assert args == ["--tee", "3", "--nnodes", "2", "train.py", "--epochs", "1"]
-    assert torchrun_args(["--script=sub/t.py", "--"], {}) == ["--tee", "3", "sub/t.py"]
+    assert args == ["--nnodes", "2", "train.py", "--epochs", "1"]
+    assert torchrun_args(["--script=sub/t.py", "--"], {}) == ["sub/t.py"]
 
 
 def test_a_program_option_without_a_value_is_a_usage_error():

@@ -22,7 +22,7 @@ from waiting import wait_until
 ROOT = Path(__file__).resolve().parents[1]
 
 # argv: a JSON spec {"torch": bool, "args": [...], "env": {...}, "cwd": ..., "out": ..., "err": ...}
-# (the worker's output files); prints "PID n", then
+# (the worker's output files; "held": an inheritable descriptor open before the zygote forks); prints "PID n", then
 # "EXIT code" once the worker ends (as torchrun's agent polls it), and follows "kill" on stdin.
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
@@ -35,6 +35,9 @@ DRIVER = textwrap.dedent("""
     for name in ("handshake_s", "ready_s"):
         if name in spec:
             setattr(zygote, name.upper(), spec[name])
+    if spec.get("held"):  # as the launcher holds its log folder's lock, handed down by its tee (pass_fds)
+        held = os.open(spec["cwd"], os.O_RDONLY | os.O_DIRECTORY)
+        os.set_inheritable(held, True)
     z = zygote.Zygote.start(preload=tuple(spec.get("preload", ())))
     os.chdir(spec["cwd"])
     out, err = open(spec["out"], "w"), open(spec["err"], "w")  # as torchrun redirects a worker's
@@ -205,6 +208,36 @@ def test_a_zygote_that_never_serves_is_killed_before_torchrun_starts_the_worker_
     assert said.strip() == "FAILED TimeoutError zygote gone", said + problems  # so it forks nothing later
     assert not (tmp_path / "ran").exists()
 
+
+OPEN_FDS = """
+import os
+fds = []
+for name in os.listdir("/proc/self/fd"):
+    try:
+        os.fstat(int(name))  # the listing's own descriptor is closed by now
+        fds.append(int(name))
+    except OSError:
+        pass
+print("fds", sorted(fds), flush=True)
+"""
+
+
+def test_a_forked_worker_holds_no_descriptor_above_stderr_as_torchruns_own_start_gives_none(tmp_path):
+    """torchrun starts a worker with ``close_fds``: the launcher's descriptors (its log folder's lock,
+    inherited from its tee; the zygote's sockets and pipes) are not the worker's, nor a daemon's it leaves."""
+    _program(tmp_path, "fds.py", OPEN_FDS)
+    held = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    os.set_inheritable(held, True)
+    try:  # torchrun's start (subprocess, close_fds) from a process holding an inheritable descriptor
+        torchruns = subprocess.run([sys.executable, "-u", "-m", "fds"], cwd=tmp_path, capture_output=True, text=True,
+                                   start_new_session=True, timeout=60)
+    finally:
+        os.close(held)
+    assert torchruns.stdout == "fds [0, 1, 2]\n", torchruns.stderr
+    driver = _drive(tmp_path, ["-u", "-m", "fds"], held=True)
+    _pid(driver)
+    code, out, err = _ended(driver)
+    assert code == 0 and out == torchruns.stdout, out + err
 
 def test_a_worker_dies_with_its_launcher(tmp_path):
     _program(tmp_path, "sleeper.py", "import time\ntime.sleep(120)\n")

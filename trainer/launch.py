@@ -17,6 +17,7 @@ listens on ADDR alone: torch's TCPStore otherwise binds every address of the mac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import gc
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from string import Template
 
 from .compat import binds_stores
 from . import exits, heartbeat, snapshot_hint, zygote
@@ -47,26 +49,38 @@ def default_nproc() -> str:
 DEFAULT_ENTRY = "trainer"
 
 
-# Each worker's lines, echoed by torchrun (--tee), start with its global rank: `logs` shows and
+# Each worker's lines, printed by the launcher (Relay), start with its global rank: `logs` shows and
 # filters them by rank. torch prints an uncaught exception's lines with the same prefix.
 RANK_PREFIX = "[rank${rank}]: "
 
 
 def torchrun_args(args: list[str], environ: dict[str, str]) -> list[str]:
     """The arguments torchrun receives (its options, then ``-m MODULE`` and that module's flags).
-    On a fleet (options before ``--``) every worker's output is teed with its rank in front,
-    unless the options choose their own ``--tee`` or ``--redirects``."""
+    On a fleet (options before ``--``) every worker's output reaches this process's through a pipe
+    and is printed with its rank in front (:class:`Relay`), unless the options choose their own
+    ``--tee`` or ``--redirects``."""
     if "--" in args:
         cut = args.index("--")
         launcher, trainer = args[:cut], args[cut + 1:]
-        if not any(option(launcher, name) for name in ("--tee", "--redirects")) and not any(
-                a.split("=")[0] in ("-t", "-r") for a in launcher):
-            launcher = ["--tee", "3", *launcher]
     else:
         nproc = environ.get("NPROC_PER_NODE") or default_nproc()
         launcher, trainer = ["--standalone", "--nproc-per-node", nproc], args
     launcher, program = _take_program(launcher)
     return [*launcher, *program, *trainer]
+
+
+def torch_writes_output(args: list[str]) -> bool:
+    """Whether the options (before ``--``) have torchrun write its workers' output into files:
+    ``--tee`` or ``--redirects``, the operator's own choice."""
+    options = args[:args.index("--")] if "--" in args else []
+    return any(option(options, name) for name in ("--tee", "--redirects")) or any(
+        a.split("=")[0] in ("-t", "-r") for a in options)
+
+
+def relays_output(args: list[str]) -> bool:
+    """On a fleet (options before ``--``), unless torchrun writes its workers' output itself: each
+    worker's lines reach this process through pipes, printed with the worker's prefix (:class:`Relay`)."""
+    return "--" in args and not torch_writes_output(args)
 
 
 # Our options -> how torchrun names the program: a module (-m), or a script path as is.
@@ -276,6 +290,125 @@ def _warn(message: str) -> None:
     sys.stderr.flush()
 
 
+PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+TORCH_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
+"""torchrun's prefix of a teed worker's lines when neither its option nor PREFIX_TEMPLATE_ENV gives one."""
+RELAY_LINE_BYTES = 1 << 16
+"""A line longer than this is printed in parts, each with the worker's prefix."""
+RELAY_DRAIN_S = 10.0
+"""How long the launcher waits, once torchrun is done, for the workers' last lines: a pipe stays open
+while a process the program left (a daemon in a session of its own) still holds it."""
+
+
+class Relay:
+    """Each worker's stdout and stderr are pipes to this process (torchrun's agent), whose lines it
+    prints on its own stdout and stderr, each behind the worker's prefix (torchrun's
+    ``--log-line-prefix-template`` or PREFIX_TEMPLATE_ENV): what torchrun's ``--tee`` prints, without
+    the files ``--tee`` reads the lines from.
+
+    ``--tee`` has each worker write into ``LOG_DIR/.../stdout.log`` and ``stderr.log`` and the agent
+    follow those files: all a worker prints, a secret value included, rests there for the whole run,
+    and after the launcher is SIGKILLed until another launcher removes them; no mask applies before
+    the worker has written the file. Through a pipe, the output is only ever in the kernel's pipe
+    buffer and in this process, and :func:`run_teed` masks it before any log holds it. The pipes'
+    write ends are the worker's stdout and stderr whether torchrun's ``Popen`` or the zygote
+    (trainer/zygote.py) starts it. ``tails``: with ``keep_tails``, the last bytes of each output, for
+    :func:`explain_snapshot_writes`.
+    """
+
+    def __init__(self, template: str, keep_tails: bool = False) -> None:
+        self.template = template
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self.tails: list[collections.deque] | None = [] if keep_tails else None
+
+    def prefix(self, env: dict) -> bytes:
+        """The prefix of a worker's lines, from its environment, as torchrun's agent makes it."""
+        return Template(self.template).safe_substitute(
+            role_name=env.get("ROLE_NAME", ""), rank=env.get("RANK", ""), local_rank=env.get("LOCAL_RANK", ""),
+            hostname=socket.gethostname()).encode()
+
+    def install(self) -> None:
+        """torchrun's agent starts each worker with pipes to this relay as its stdout and stderr,
+        unless torchrun opened files for them (``--tee``, ``--redirects``: the operator's choice)."""
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+
+        popen = sh.SubprocessHandler._popen
+
+        def piped(handler, args, env):
+            if handler._stdout is not None or handler._stderr is not None:
+                return popen(handler, args, env)
+            prefix = self.prefix(env)
+            (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+            handler._stdout, handler._stderr = open(out_w, "wb", buffering=0), open(err_w, "wb", buffering=0)
+            try:
+                proc = popen(handler, args, env)
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            finally:  # the worker holds the write ends: a pipe ends once it and its children are gone
+                handler._stdout.close()
+                handler._stderr.close()
+                handler._stdout = handler._stderr = None
+            self._follow(out_r, sys.stdout, prefix)
+            self._follow(err_r, sys.stderr, prefix)
+            return proc
+
+        sh.SubprocessHandler._popen = piped
+
+    def _follow(self, fd: int, stream, prefix: bytes) -> None:
+        tail = None
+        if self.tails is not None:
+            tail = collections.deque()
+            self.tails.append(tail)
+        thread = threading.Thread(target=self._copy, args=(fd, stream.buffer, prefix, tail), name="worker-output",
+                                  daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _copy(self, fd: int, out, prefix: bytes, tail: collections.deque | None) -> None:
+        kept = 0
+        with open(fd, "rb") as pipe:
+            for line in iter(lambda: pipe.readline(RELAY_LINE_BYTES), b""):
+                line = line if line.endswith(b"\n") else line + b"\n"
+                if tail is not None:
+                    tail.append(line)
+                    kept += len(line)
+                    while kept > snapshot_hint.TAIL_BYTES and len(tail) > 1:
+                        kept -= len(tail.popleft())
+                if out is None:
+                    continue
+                try:
+                    with self.lock:
+                        out.write(prefix + line)
+                        out.flush()
+                except (OSError, ValueError):
+                    # This process's output is gone (its tee killed): the lines are dropped, and the
+                    # worker, whose writes would fill the pipe, is never held up by it.
+                    out = None
+
+    def drain(self, timeout: float = RELAY_DRAIN_S) -> None:
+        """Waits for the workers' last lines: up to ``timeout`` for a pipe a process still holds."""
+        end = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+    def lines(self) -> list[str]:
+        """The kept tails' lines (none without ``keep_tails``)."""
+        return [line.decode(errors="replace") for tail in self.tails or () for line in list(tail)]
+
+
+def explain_snapshot_writes(lines: list[str]) -> None:
+    """A line per failed write into the code snapshot that the workers' last lines show
+    (trainer/snapshot_hint.py); nothing without a snapshot."""
+    if not os.environ.get(snapshot_hint.SNAPSHOT_ENV):
+        return
+    for path in snapshot_hint.written_paths(lines, os.getcwd())[:snapshot_hint.MAX_LINES]:
+        sys.stderr.write(snapshot_hint.message(path, os.environ.get("DDP_CKPT_DIR")) + "\n")
+    sys.stderr.flush()
+
+
 TORCH_LOG_PREFIX = "ddp-torchlog-"
 """torchrun's log directories of launchers of this version, in $TMPDIR: each held (``flock``) by
 the launcher that made it for as long as it runs. Versions before it named theirs
@@ -295,18 +428,27 @@ class LogDirArgs(list):
 
 @contextlib.contextmanager
 def torch_log_dir(args: list[str]):
-    """``["--log-dir", DIR]`` for torchrun (:class:`LogDirArgs`), DIR new and private to this run and
-    removed with everything in it at the end; ``[]`` when the options (before ``--``) name a log directory.
+    """torchrun's ``--log-dir`` (:class:`LogDirArgs`): ``[]`` when the options (before ``--``) name a
+    log directory; ``/dev/null`` unless they have torchrun write the workers' output (``--tee``,
+    ``--redirects``); else a directory new and private to this run, removed with everything in it
+    at the end.
 
-    torchrun otherwise makes a new ``$TMPDIR/torchelastic_*`` per run and leaves it: each
-    worker's raw output (with --tee), secrets a program printed included, piling up. A launcher
-    killed before it could remove its own (``stop --now``, the OOM killer) leaves it too: the
-    next launcher on this machine removes every such directory that no running launcher holds.
+    With ``/dev/null`` torchrun writes no file: the workers' output reaches this process through
+    pipes (:class:`Relay`), and a worker has no error file (``TORCHELASTIC_ERROR_FILE`` empty): the
+    one torch's ``@record`` writes holds the exception's message, which a secret may be part of;
+    the worker prints its traceback all the same. A directory torchrun makes itself otherwise, a new
+    ``$TMPDIR/torchelastic_*`` per run, is left: each worker's raw output, secrets a program printed
+    included, piling up. A launcher killed before it could remove its own (``stop --now``, the OOM
+    killer) leaves it too: the next launcher on this machine removes every such directory that no
+    running launcher holds.
     """
     if "--" in args and option(args[:args.index("--")], "--log-dir") is not None:
         yield LogDirArgs()
         return
     _remove_unheld(tempfile.gettempdir())
+    if not torch_writes_output(args):
+        yield LogDirArgs(["--log-dir", os.devnull])
+        return
     directory, held = _held_directory()
     given = LogDirArgs(["--log-dir", directory])
     given.held = held
@@ -373,7 +515,7 @@ def main() -> None:
     # round times out and the job dies. Unshared, every round publishes it; the workers' own
     # store is then made by the trainer (trainer.dist), bound to the node's address.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX)
+    os.environ.setdefault(PREFIX_TEMPLATE_ENV, RANK_PREFIX)
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     from torch.distributed.run import main as torchrun
 
@@ -398,6 +540,11 @@ def main() -> None:
     os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
     if watchdog is not None:
         watchdog.start()
+    relay = None
+    if relays_output(argv):
+        template = option(args, "--log-line-prefix-template") or os.environ.get(PREFIX_TEMPLATE_ENV)
+        relay = Relay(template or TORCH_PREFIX_TEMPLATE, keep_tails=bool(os.environ.get(snapshot_hint.SNAPSHOT_ENV)))
+        relay.install()  # after the zygote's: the relay's pipes are what the zygote hands its workers
     with torch_log_dir(argv) as log_dir:
         try:
             torchrun([*log_dir, *args])
@@ -409,7 +556,11 @@ def main() -> None:
             raise
         finally:  # a write into the code snapshot: say so, where the worker's error may name no path
             heartbeat.remove(beats)
-            snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))
+            if relay is not None:
+                relay.drain()
+                explain_snapshot_writes(relay.lines())
+            else:
+                snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))
 
 
 if __name__ == "__main__":

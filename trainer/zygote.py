@@ -12,7 +12,8 @@ returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``, ``poll(
 ``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
 the agent's ``killpg`` reaches it and its children (and a worker the zygote has reaped already
 is closed without one: its group is gone). It gets the agent's standard input and the
-output files torchrun opened for it, its environment, working directory and arguments exactly;
+output torchrun gave it (its files, or the launcher's pipes), no other descriptor (as ``close_fds``),
+its environment, working directory and arguments exactly;
 ``python -u`` (torchrun's) is kept as unbuffered standard streams; ``OMP_NUM_THREADS`` (which
 torchrun sets for the workers, and which the OpenMP runtime read when torch was loaded in the
 launcher) is applied with ``torch.set_num_threads``. It runs its module or script as ``python -u
@@ -273,14 +274,15 @@ def install(zygote: Zygote) -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
 
     popen = sh.SubprocessHandler._popen
+    failed: list[BaseException] = []  # (not torch's _popen put back: what wraps this one stays in place)
 
     def forked(self, args, env):
-        if program_of(args) is not None:
+        if not failed and program_of(args) is not None:
             try:
                 return zygote.spawn(args, env, 0, _fd(self._stdout, 1), _fd(self._stderr, 2))
             except (OSError, EOFError, ValueError) as exc:
                 sys.stderr.write(f"trainer.launch: warning: workers start on their own (the zygote: {exc})\n")
-                sh.SubprocessHandler._popen = popen
+                failed.append(exc)
         return popen(self, args, env)
 
     sh.SubprocessHandler._popen = forked
@@ -458,17 +460,26 @@ class _Server:
             for i, fd in enumerate(stdio):
                 if fd != i:
                     os.dup2(fd, i)
-            keep = set(range(3))
-            for fd in [*stdio, agent.fileno(), self.control.fileno(), self.alive_r, self.sel.fileno(),
-                       *(p for _, p, _ in self.workers.values()), *(a.fileno() for a, _, _ in self.workers.values())]:
-                if fd not in keep:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            _close_above_stderr()
             code = _run(spec)
         finally:
             exits.end(code)
+
+
+def _close_above_stderr() -> None:
+    """Closes every descriptor but 0, 1 and 2, as torchrun's ``Popen`` (``close_fds``) starts a worker:
+    the zygote's sockets, pipes and pidfds, and whatever the launcher held when it forked the zygote
+    (its log folder's lock, handed down by its tee) are not the worker's, nor a daemon's it leaves."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number up to the limit
+        fds = list(range(3, os.sysconf("SC_OPEN_MAX")))
+    for fd in fds:
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own, closed already
+                pass
 
 
 def _note(env: dict, pid: int, gone: bool = False) -> None:
