@@ -19,13 +19,15 @@ from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 from ..inventory import Inventory, Node
 from ..node import node_program
 from .payload import payload
-from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
+from .runtime import TOOL_DIR, CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
 from .stall import Beat, Stall, StallRecord, ended_state, judge
 
-# $1 = "chown" or "nochown", then the directories. Creates them; for the docker runtime and
-# when root, hands them to uid 1000 (the image's `trainer` user); otherwise they must be writable.
-MAKE_DIRS = node_program("make_dirs.sh")
+# $1 = "chown" or "nochown", $2 = the data directory, $3 = the checkpoint directory. Creates them;
+# for the docker runtime and when root, the data directory is handed to uid 1000 (the image's
+# `trainer` user) and the checkpoint directory made the job's to write into but not to rename what
+# the tool keeps there (job_root); otherwise they must be writable.
+MAKE_DIRS = TOOL_DIR + node_program("make_dirs.sh")
 
 
 @dataclass(frozen=True)
