@@ -9,6 +9,7 @@ is. :func:`safe` writes each such character as its Python escape (``\\x1b``, ``\
 reads ``[red]`` in a plain string as markup: :class:`DataTable` takes every str cell, and its
 title, as text. :class:`Screen` is the console the tables print on; where stdout is not a
 terminal (CI logs, pipes, files) it prints them at their full width: nothing is cut.
+:func:`lines` cuts a job's text into lines where a node's log does: at a newline alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def safe(text: str) -> str:
     escape; printable text (any script, tabs) as it is. A backslash stays one: escaping twice
     changes nothing."""
     return _UNSAFE.sub(_escaped, text)
+
+
+def lines(text: str) -> list[str]:
+    """The lines of ``text`` from a job (a log, a node's output read from it), ended by ``\\n``
+    alone, as ``grep``, ``tail`` and ``logs`` end them on the node. A program can print a
+    ``\\r``, ``\\x0b``, ``\\x0c``, ``\\x1c``-``\\x1e``, ``\\x85``, ``\\u2028`` or ``\\u2029`` inside
+    one of its lines, each of which ``str.splitlines`` takes for a line's end: here it is data (shown
+    by :func:`safe` as its escape), and what follows it stays in that line, of that line's rank."""
+    cut = text.split("\n")
+    return cut[:-1] if cut[-1] == "" else cut
 
 
 def cell(value, style: str = "") -> Text:

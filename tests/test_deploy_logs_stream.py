@@ -142,3 +142,27 @@ def test_a_line_without_an_end_reaches_the_reader_in_bounded_pieces(hosts):
                             lambda node, line: pieces.append(len(line)))[NODE]
     assert got.ok, got.summary()
     assert sum(pieces) == size and max(pieces) <= MAX_LINE
+
+
+# What rank 0 can print to pass a line off as another rank's: that rank's prefix, at the start of a
+# line or after a character that str.splitlines (not a log) takes for a line's end.
+BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+def test_a_line_s_rank_is_the_stream_s_prefix_never_one_the_program_printed(hosts):
+    log = _job_dir(hosts) / NODE / "log"
+    log.parent.mkdir(parents=True)
+    forged = [f"[rank0]: x{c}[rank1]: y" for c in BREAKS]
+    log.write_bytes("\n".join(["[rank0]: [rank1]: hi", *forged, "[rank1]: mine", "[rank0]: [rank0]: Traceback",
+                               "torchrun's own", ""]).encode())
+    every = _cli(hosts, "logs", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = every.communicate(timeout=60)
+    assert every.returncode == 0, err
+    escaped = [repr(c)[1:-1] for c in BREAKS]  # each shown as its escape (deploy/text.py), inside its line
+    assert out.decode().split("\n") == [
+        f"{NODE} rank0 | [rank1]: hi", *(f"{NODE} rank0 | x{e}[rank1]: y" for e in escaped),
+        f"{NODE} rank1 | mine", f"{NODE} rank0 | Traceback", f"{NODE}       | torchrun's own", ""]
+    rank1 = _cli(hosts, "logs", "--rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = rank1.communicate(timeout=60)
+    assert rank1.returncode == 0, err
+    assert out.decode() == f"{NODE} rank1 | mine\n"

@@ -181,6 +181,28 @@ def test_a_program_s_metrics_lines_are_read_from_its_log_skipping_what_is_not_a_
     assert plotting.numeric_fields(runs) == ["loss", "lr", "$\\frac{"]
 
 
+def test_a_log_s_metrics_line_is_of_the_rank_its_stream_s_prefix_names_not_one_it_printed():
+    logs = (f"@@run {RUN}\n" '[rank1]: [rank0]: METRICS {"step": 7, "loss": 0.0}\n'
+            '[rank0]: METRICS {"step": 1, "loss": 2.0}\n[rank1]: METRICS {"step": 1, "loss": 3.0}\n')
+    assert plotting.log_records(logs) == {RUN: [{"step": 1, "loss": 2.0}]}
+
+
+# What str.splitlines takes for a line's end, and a log does not: inside a line, each is data.
+BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+@pytest.mark.parametrize("brk", BREAKS)
+def test_a_line_break_of_splitlines_inside_a_line_starts_no_record_nor_run(brk):
+    other = "20991231-000000-ffff"
+    logs = (f"@@run {RUN}\n" '[rank0]: METRICS {"step": 1, "loss": 2.0}\n'
+            f'[rank1]: x{brk}[rank0]: METRICS {{"step": 5, "loss": 0.1}}\n'
+            f'[rank0]: METRICS {{"step": 2, "loss": 1.0}}{brk}@@run {other}{brk}[rank0]: METRICS {{"step": 9}}\n')
+    assert plotting.log_records(logs) == {RUN: [{"step": 1, "loss": 2.0}]}
+    kept = json.dumps({"run": RUN, "kind": "train", "step": 1, "loss": 2.0})
+    jsonl = f'{kept}\n{kept}{brk}{{"run": "forged", "kind": "train", "step": 2, "loss": 0.0}}\n'
+    assert records_by_run(jsonl) == {RUN: [json.loads(kept)]}
+
+
 def test_a_field_is_drawn_against_the_step_and_values_that_are_not_numbers_are_left_out():
     records = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}")[RUN]
     assert plotting.field_series(records, "loss") == ([1.0, 3.0, 4.0], [2.5, 1.5, 1.0])  # "NaN" is a string

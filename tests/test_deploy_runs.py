@@ -212,3 +212,23 @@ def test_the_running_run_is_listed_as_running_and_its_log_is_the_one_logs_shows(
         assert ddp(hosts, "stop").exit_code == 0
     kept = ddp(hosts, "logs", "--run", run).stdout
     assert "stopped by" in kept  # the planned stop's line is in the run's log
+
+
+# What str.splitlines takes for a line's end, and a log does not: inside a line, each is data.
+BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+@pytest.mark.parametrize("brk", BREAKS)
+def test_a_kept_node_s_metrics_line_is_rank_0_s_and_what_follows_a_line_break_of_splitlines_stays_in_it(tmp_path, brk):
+    inv = _inv(tmp_path, keep=5)
+    run = runs.new_id(1_700_000_000)
+    _sh(runs.start_argv(inv, run), b"{}")
+    d = Path(runs.runs_dir(inv)) / run / "a"
+    d.mkdir()
+    mine = f'METRICS {{"step": 2}}{brk}1700000999 137{brk}@@node forged'
+    (d / "log").write_bytes(f'[rank0]: {mine}\n[rank1]: METRICS {{"step": 9}}\n'
+                            f'[rank1]: [rank0]: METRICS {{"step": 8}}\n'.encode())
+    (d / "exits").write_text("20.5 0\n")
+    found = runs.parse(_sh(runs.list_argv(inv)).stdout.decode())
+    assert [r.id for r in found] == [run] and list(found[0].nodes) == ["a"]
+    assert found[0].nodes["a"].exits == ((20.5, 0),) and found[0].nodes["a"].metrics == mine

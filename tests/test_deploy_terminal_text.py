@@ -179,6 +179,46 @@ def test_a_plain_progress_line_escapes_the_state():
     assert view.line("n1", NodeState("exited(1\x1b[2J)")) == "n1  exited(1\\x1b[2J)"
 
 
+# ---------------------------------------------------------------- whose line it is
+
+# What str.splitlines takes for a line's end, and a log does not: inside a line, each is data.
+BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
+
+def test_status_takes_its_columns_from_rank_0_s_metrics_lines_alone(ddp, hosts, tmp_path):
+    mine = 'METRICS {"kind": "train", "epoch": 1, "epochs": 2, "step": 5, "loss": 0.5}'
+    _ended(tmp_path, "0", f"[rank0]: {mine}\n"
+                          '[rank1]: METRICS {"kind": "train", "epoch": 2, "epochs": 2, "step": 999, "loss": 9}\n'
+                          '[rank1]: [rank0]: METRICS {"kind": "train", "step": 998}\n[rank1]: done\n')
+    data = _strict(ddp(hosts, "status", "--json").stdout)[0]
+    assert (data["metrics"], data["epoch"], data["step"], data["loss"]) == (mine, 1, 5, 0.5)
+
+
+def test_a_job_whose_only_metrics_lines_are_another_rank_s_shows_no_progress(ddp, hosts, tmp_path):
+    _ended(tmp_path, "0", '[rank1]: METRICS {"kind": "train", "step": 999}\n[rank0]: x\n')
+    data = _strict(ddp(hosts, "status", "--json").stdout)[0]
+    assert data["metrics"] == "" and data["step"] is None
+
+
+def test_a_program_run_without_torchrun_s_prefixes_still_shows_its_progress(ddp, hosts, tmp_path):
+    _ended(tmp_path, "0", 'METRICS {"kind": "train", "step": 3}\n')
+    assert _strict(ddp(hosts, "status", "--json").stdout)[0]["step"] == 3
+
+
+def test_the_first_failure_is_of_the_rank_whose_stream_said_it_not_of_the_prefix_it_printed(ddp, hosts, tmp_path):
+    # torchrun's tee ends a line at a "\r" too: rank 0's "x\r[rank1]: ..." reaches the log so
+    _ended(tmp_path, "1", "[rank0]: x\n[rank0]: [rank1]: trainer: error: boom\n")
+    r = ddp(hosts, "status")
+    assert r.exit_code == 0, r.output
+    assert "here rank 0 failed first: [rank1]: trainer: error: boom" in r.stdout
+
+
+@pytest.mark.parametrize("brk", BREAKS)
+def test_a_line_break_of_splitlines_inside_a_failed_rank_s_line_is_shown_escaped_in_that_line(brk):
+    found = failure.first_failure({"here": f"[rank0]: x{brk}[rank1]: trainer: error: boom\n"})
+    assert found.describe() == f"here rank 0 failed first: x{repr(brk)[1:-1]}[rank1]: trainer: error: boom"
+
+
 # ---------------------------------------------------------------- rich markup
 
 def test_markup_in_a_state_a_program_name_or_a_node_directory_is_printed_literally(ddp, hosts, tmp_path):

@@ -95,3 +95,13 @@ def test_the_status_scripts_report_restarts_for_both_runtimes(tmp_path, monkeypa
         parsed = plan.parse_status(got.stdout)
         assert parsed == NodeState(state, TRAINER_LINE, 3)
         assert parsed.running == (state == "restarting")
+
+
+def test_a_line_s_rank_is_its_first_prefix_the_one_torchrun_s_tee_put_there():
+    assert view.split_rank("[rank3]: text") == (3, "text")
+    assert view.split_rank("[rank0]: [rank1]: hi") == (0, "[rank1]: hi")  # rank 0 printed "[rank1]: hi"
+    assert view.split_rank("[rank1]: [rank1]: Traceback") == (1, "Traceback")  # torch's second prefix
+    assert view.split_rank("[rank0]: x\r[rank1]: y") == (0, "x\r[rank1]: y")
+    assert view.split_rank("[rank0]:") == (0, "")  # an empty line, its end stripped
+    assert view.split_rank("torchrun's own [rank1]: x") == (None, "torchrun's own [rank1]: x")
+    assert view.split_rank("[rank1]:x")[0] is None and view.split_rank("[rank\u0663]: x")[0] is None

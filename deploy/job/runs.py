@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..inventory import Inventory
 from ..node import node_program
+from ..text import lines
 from .plan import NodeState
 from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
 from .stall import STOPPED as STALL_STOPPED
@@ -111,7 +112,7 @@ def parse_diagnoses(stdout: str) -> dict[tuple[str, int], str]:
     """What STALL_DIAGNOSES printed: (node, time) -> the node's DIAGNOSE output for that stall."""
     found: dict[tuple[str, int], list[str]] = {}
     node, key = None, None
-    for line in stdout.splitlines():
+    for line in lines(stdout):
         if line.startswith("@@node "):
             node, key = line[7:].strip(), None
         elif line.startswith("@@stall ") and node is not None:
@@ -382,7 +383,9 @@ class Run:
 
 
 def parse(stdout: str) -> list[Run]:
-    """The runs LIST_RUNS printed, oldest first."""
+    """The runs LIST_RUNS printed, oldest first. A line ends at a newline alone (text.lines): the
+    last METRICS line of a node is the job's text, and what it holds after a ``\\r`` (``@@node``,
+    ``TIME CODE``) stays in it, never a line of its own."""
     runs: list[Run] = []
     run_id, record_lines, nodes, node, exits, metrics = None, [], {}, None, [], ""
     stops: dict[str, Stop | None] = {}
@@ -399,7 +402,7 @@ def parse(stdout: str) -> list[Run]:
             record = _json("\n".join(record_lines) or "{}")
             runs.append(Run(run_id, record if isinstance(record, dict) else {}, dict(nodes)))
 
-    for line in stdout.splitlines():
+    for line in lines(stdout):
         if line.startswith("@@run "):
             close_run()
             run_id, record_lines, nodes, node, exits, metrics = line[6:].strip(), [], {}, None, [], ""

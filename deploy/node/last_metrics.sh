@@ -1,1 +1,1 @@
-grep -E '^(\[rank[0-9]+\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank[0-9]+\]: )*//'
+grep -a -E '^(\[rank0\]: )*METRICS ' | tail -n 1 | sed -E 's/^(\[rank0\]: )*//'

@@ -1,1 +1,1 @@
-awk '/: stopped by / { said = $0 } /^(\[rank[0-9]+\]: )*METRICS .*"kind": "resumed"/ { said = "" } END { if (said != "") print said }' | sed -E 's/^(\[rank[0-9]+\]: )*/: /'
+awk '/: stopped by / { said = $0 } /^(\[rank0\]: )*METRICS .*"kind": "resumed"/ { said = "" } END { if (said != "") print said }' | sed -E 's/^\[rank([0-9]+)\]: (\[rank\1\]: )*//; s/^/: /'

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..text import safe
+from ..text import lines as log_lines, safe
 from .view import split_rank
 
 ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -85,7 +85,7 @@ class LeftEarly(Failure):
 def _summary(log: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
     """torchrun's failure summary in ``log``: the fields (time, rank, exitcode) of its Root Cause
     block, or None, and of every block it lists, the Root Cause's included."""
-    lines = log.splitlines()
+    lines = log_lines(log)
     start = next((i for i, line in enumerate(lines) if "ChildFailedError" in line or ROOT_CAUSE in line), None)
     blocks: list[dict[str, str]] = []
     cause, in_cause = None, False
@@ -108,7 +108,7 @@ def program_error(log: str, only: int | None = None) -> tuple[str | None, int | 
     """The program's first error line in ``log`` (before torchrun's failure summary), and the
     rank whose prefix it carried, if any; ``only``: of that rank's lines alone."""
     in_traceback, traceback_rank = False, None
-    for raw in log.splitlines():
+    for raw in log_lines(log):
         if ROOT_CAUSE in raw or "ChildFailedError" in raw:
             break
         rank, line = split_rank(raw)
@@ -143,7 +143,7 @@ def _left_early(log: str) -> tuple[list[int], str | None]:
     with torchrun's failure summary, the ranks that printed lines, no error, and that the summary
     (which lists every rank that failed or that torchrun stopped) leaves out; with its exit
     barrier's timeout, every rank that printed and no error. Neither: none (it may still run)."""
-    lines = log.splitlines()
+    lines = log_lines(log)
     start = next((i for i, line in enumerate(lines) if "ChildFailedError" in line or ROOT_CAUSE in line), None)
     left_at = None
     if start is None:

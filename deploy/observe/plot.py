@@ -18,13 +18,14 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainer.output import PREFIX, RANK_PREFIXES
+from trainer.output import PREFIX
 
 from ..errors import InputError, RuntimeFailure
 from ..inventory import Inventory
 from ..job.runs import RUN_ID, runs_dir
 from ..node import node_program
-from ..text import safe
+from ..text import lines, safe
+from .view import split_rank
 
 NO_RUN = "(no run id)"
 """The group of records without a run id: the trainer run by hand, or before runs had ids."""
@@ -61,7 +62,7 @@ def sources_argv(inv: Inventory) -> tuple[str, ...]:
 def parse_sources(stdout: str) -> tuple[list[str], str]:
     """What :data:`SOURCES` printed: (the kept runs' ids, the text of metrics.jsonl)."""
     head, _, text = stdout.partition("@@jsonl\n")
-    return [line for line in head.splitlines() if RUN_ID.fullmatch(line)], text
+    return [line for line in lines(head) if RUN_ID.fullmatch(line)], text
 
 
 def log_metrics_argv(inv: Inventory, runs: Sequence[str]) -> tuple[str, ...]:
@@ -76,16 +77,16 @@ def wanted_runs(known: Sequence[str], wanted: Sequence[str]) -> list[str]:
 def log_records(stdout: str) -> dict[str, list[dict]]:
     """The records of each run in what :data:`LOG_METRICS` printed, in log order: those of the
     lowest rank that printed any (rank 0 prints them; a program printing them on every rank
-    would draw each curve once per rank), lines without a rank only where no rank printed.
-    Runs without a record are left out."""
+    would draw each curve once per rank), lines without a rank only where no rank printed. A
+    line's rank is its first prefix's (:func:`view.split_rank`): ``[rank1]: [rank0]: METRICS``
+    is rank 1's text, no METRICS line. Runs without a record are left out."""
     runs: dict[str, dict[int | None, list[dict]]] = {}
     current = None
-    for line in stdout.splitlines():
+    for line in lines(stdout):
         if line.startswith("@@run "):
             current = runs.setdefault(line[6:].strip(), {})
             continue
-        m = RANK_PREFIXES.match(line)
-        rest = line[m.end():] if m else line
+        rank, rest = split_rank(line)
         if current is None or not rest.startswith(PREFIX):
             continue
         try:
@@ -93,7 +94,7 @@ def log_records(stdout: str) -> dict[str, list[dict]]:
         except ValueError:
             continue
         if isinstance(record, dict):
-            current.setdefault(int(m[1]) if m else None, []).append(record)
+            current.setdefault(rank, []).append(record)
     return {run: by_rank[min(by_rank, key=lambda r: (r is None, r or 0))] for run, by_rank in runs.items() if by_rank}
 
 
@@ -160,10 +161,11 @@ def masked(by_run: dict[str, list[dict]], redact: Callable[[str], str]) -> dict[
 def records_by_run(text: str) -> dict[str, list[dict]]:
     """The records in ``text``, grouped by their ``run`` (:data:`NO_RUN` without one), each group
     in file order, the groups in order of their first record. Lines that are not a JSON object
-    (a torn last line, a stray message) are skipped."""
+    (a torn last line, a stray message) are skipped: a line ends at a newline alone, so a record
+    after a ``\\r`` in another's line is that line's text, no record of its own."""
     runs: dict[str, list[dict]] = {}
-    for line in text.splitlines():
-        line = RANK_PREFIXES.sub("", line.strip(), count=1)
+    for line in lines(text):
+        line = split_rank(line.strip())[1]
         if line.startswith(PREFIX):
             line = line[len(PREFIX):]
         try:

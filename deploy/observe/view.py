@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass
 
 from rich.table import Table
-
-from trainer.output import RANK_PREFIXES
 
 from ..job.plan import NodeState
 from ..job.stall import Stall
@@ -29,10 +28,26 @@ from ..text import DataTable, cell, safe
 METRICS_PREFIX = "METRICS "
 
 
+# torch's prefix of a worker's line (trainer/launch.py RANK_PREFIX), its space gone where the line
+# was empty and its end was stripped. ASCII digits only, and few: a prefix no worker has is text.
+_RANK_PREFIX = re.compile(r"\[rank([0-9]{1,9})\]:(?: |$)")
+
+
 def split_rank(line: str) -> tuple[int | None, str]:
-    """``"[rank3]: text"`` -> (3, "text"); a line of torchrun's own -> (None, line)."""
-    m = RANK_PREFIXES.match(line)  # a worker's line starts with its global rank, once or more
-    return (int(m[1]), line[m.end():]) if m else (None, line)
+    """``"[rank3]: text"`` -> (3, "text"); a line of torchrun's own -> (None, line).
+
+    The rank is the first prefix's: torchrun's tee puts it in front of every line of a worker's
+    stream, so it says whose stream the line came from. What comes after it is the program's, which
+    can print ``[rank1]: `` too: that is text of the first prefix's rank, never a line of rank 1.
+    The same rank's prefix again (torch prefixes an uncaught traceback's lines once more) is
+    removed with it."""
+    m = _RANK_PREFIX.match(line)
+    if m is None:
+        return None, line
+    rest = line[m.end():]
+    while (again := _RANK_PREFIX.match(rest)) and again[1] == m[1]:
+        rest = rest[again.end():]
+    return int(m[1]), rest
 
 
 def log_label(node: str, rank: int | None) -> str:
