@@ -6,6 +6,7 @@ break its socket to one port."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import resource
@@ -480,3 +481,67 @@ def test_a_spool_file_that_cannot_be_written_fails_the_node_naming_it(tmp_path, 
     assert re.fullmatch(rf"REFUSED cannot write the spool file {tmp_path}/spool/ddp-deploy-chain-\S+: File too large: "
                         r"it must hold the whole stream, free space there", line), line
     assert relay.p.wait(10) == 3
+
+
+# ---------------------------------------------------------------------- a flood of connections
+
+
+class Flood:
+    """Connections to ``port`` begun in bursts, as fast as this process can, each kept open (half
+    silent, half with a sender's hello of their own) until the relay ends it or the flood ends."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.stop, self.opened = port, threading.Event(), 0
+        self.worker = threading.Thread(target=self._open, daemon=True)
+        self.worker.start()
+
+    def _open(self) -> None:
+        held: list[socket.socket] = []
+        while not self.stop.is_set():
+            for i in range(32):
+                s = socket.socket()
+                s.setblocking(False)
+                if s.connect_ex(("127.0.0.1", self.port)) not in (0, errno.EINPROGRESS):
+                    s.close()
+                    continue
+                held.append(s)
+                self.opened += 1
+            for s in held[-32::2]:
+                try:
+                    s.send(f"CHAIN {os.urandom(16).hex()}\n".encode())
+                except OSError:
+                    pass  # not connected yet (the listen queue was full), or ended by the relay
+            if len(held) > 600:  # stay under this process's open files: the oldest go
+                for old in held[:300]:
+                    old.close()
+                del held[:300]
+            time.sleep(0.001)
+        for s in held:
+            s.close()
+
+    def end(self) -> None:
+        self.stop.set()
+        self.worker.join(10)
+
+
+def test_a_flood_of_unproven_connections_does_not_push_a_real_sender_out_of_the_receiver(tmp_path):
+    stream = _whole(_saved(tmp_path, 6))
+    receiver = Relay(tmp_path, stream, index=2, name="c")
+    flood = Flood(receiver.port)
+    try:
+        deadline = time.monotonic() + 10
+        while flood.opened < 4 * node_relay.WAITING_MAX and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flood.opened >= 4 * node_relay.WAITING_MAX  # more than the relay holds, and still coming
+        sender = Relay(tmp_path, stream, index=1, name="b", downstream=[["c", "127.0.0.1", receiver.port, 2]])
+        data = b"".join(d for _, d in stream.pieces(0))
+        sender.p.stdin.write(b"DATA 0 %d\n" % len(data) + data)
+        sender.p.stdin.flush()
+        code, lines = receiver.end()
+        before = flood.opened
+    finally:
+        flood.end()
+    assert (code, lines[-1], f"OUT ID {_sha(stream)}" in lines) == (0, "EXIT 0", True), lines
+    assert before > 8 * node_relay.WAITING_MAX  # the flood went on while the stream went through
+    sender_code, sender_lines = sender.end()
+    assert sender_code == 0 and not any(line.startswith("LOST") for line in sender_lines), sender_lines

@@ -17,7 +17,7 @@ lines of the load command and ``EXIT <code>``, or ``REFUSED <why>`` and exit sta
 
 Between nodes (TCP, opened for this transfer only), every proof an HMAC-SHA256 keyed with the
 transfer's secret over its role, the transfer's id, the hops and both nonces (see ``mac``):
-    sender   -> receiver   ``CHAIN <nonce S>``
+    sender   -> receiver   ``CHAIN <nonce S> <mac("hello", receiver's index, S)>``
     receiver -> sender     ``<nonce R> <mac("down", receiver's index, S, R)>``
     sender   -> receiver   ``<name> <index> <mac("up", sender's index, receiver's index, name, S, R)>``
     receiver -> sender     ``AT <offset>`` (or ``BUSY``: a node nearer the source feeds it)
@@ -28,11 +28,18 @@ receiver sends ``AT <received>`` every half second and ``DONE`` once it and ever
 have everything. A receiver takes a new sender only if it is nearer the source than the current
 one, and tells the one it drops ``TAKEN``: that node was passed over and gives up.
 
+The hello's proof only keeps the sender's place while it connects: a hello without it, or with one
+that is wrong or seen before, is answered all the same (the sender then finds out whom it reached),
+but is one of the unproven. Connections are taken from the start, one thread handshaking them all
+at once; at most ``WAITING_MAX`` unproven ones are held, and one more ends the oldest of them, never
+a connection whose hello was proven (of those, only the transfer's own nodes can make any). So
+however many connections anyone opens, a sender's stays until its handshake ends, and a sender
+whose connection was ended before any answer (a flood ended it before its hello was read; the
+receiver had no plan yet) connects again until its ``stall`` seconds are up.
+
 Whatever a peer sends (nothing, non-ASCII, garbage, a byte at a time) ends that connection only,
-within ``stall`` seconds of its arrival; before the plan arrives no connection is taken at all (they
-wait in the listen queue, at most ``WAITING_MAX``), and at most ``WAITING_MAX`` handshakes run at once
-(one more ends the oldest). A hop that fails in any way, an unexpected error included, is reported
-``LOST`` and the next node is tried; a forwarding thread that ends otherwise fails its node, so no
+within ``stall`` seconds of its arrival (of the plan's, for one that came before it). A hop that
+fails in any way, an unexpected error included, is reported ``LOST`` and the next node is tried; a forwarding thread that ends otherwise fails its node, so no
 node goes on reporting progress with nothing forwarding (the operator also passes over a node that
 holds verified bytes it does not send on: deploy/images/chain.py).
 """
@@ -42,6 +49,7 @@ import hmac
 import json
 import os
 import re
+import selectors
 import socket
 import subprocess
 import sys
@@ -56,7 +64,14 @@ REFUSED_EXIT = 3
 OPERATOR = -1
 """The index of the operator, which feeds the first node over SSH (nearer the source than any node)."""
 WAITING_MAX = 16
-"""Connections in their handshake at once, and the listen queue's length before the plan."""
+"""Unproven connections held at once (before the plan, every connection is unproven)."""
+BACKLOG = 128
+"""The listen queue: connections the kernel holds until the handshake thread takes them."""
+AGAIN = 0.1
+"""Seconds a sender waits before it connects again to a receiver that ended it without a word."""
+CONNECT_TRY = 0.5
+"""Seconds one connection attempt waits for the receiver's answer: where a flood fills its listen
+queue, a new attempt is heard as soon as there is room, not at the kernel's next retransmission."""
 HANDSHAKE_LINE = 512
 """The longest line a peer may send outside the stream (a handshake line is under 150 bytes)."""
 NONCE = re.compile(r"[0-9a-f]{32}")
@@ -107,6 +122,10 @@ class SpoolError(Exception):
     """This node cannot read its own spool file: its fault, not the next node's."""
 
 
+class Closed(ConnectionError):
+    """The peer ended the connection."""
+
+
 class Lines:
     """Line reading on a socket that also carries raw bytes after the handshake."""
 
@@ -117,9 +136,10 @@ class Lines:
     def line(self, deadline=None):
         """One ASCII line; ``deadline`` (a time.time()) bounds the whole line, not each recv, so
         a peer sending a byte at a time cannot hold the connection."""
-        while b"\n" not in self.buf:
-            if len(self.buf) > HANDSHAKE_LINE:
-                raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+        while True:
+            whole = self.buffered()
+            if whole is not None:
+                return whole
             if deadline is not None:
                 left = deadline - time.time()
                 if left <= 0:
@@ -127,8 +147,15 @@ class Lines:
                 self.sock.settimeout(left)
             data = self.sock.recv(4096)
             if not data:
-                raise ConnectionError("closed")
+                raise Closed("closed")
             self.buf += data
+
+    def buffered(self):
+        """The next line if all of it has arrived, else None."""
+        if b"\n" not in self.buf:
+            if len(self.buf) > HANDSHAKE_LINE:
+                raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
+            return None
         line, _, self.buf = self.buf.partition(b"\n")
         if len(line) > HANDSHAKE_LINE:
             raise ConnectionError("a line longer than {} bytes".format(HANDSHAKE_LINE))
@@ -166,12 +193,12 @@ class Relay:
         self.path = None
         self.loader = None
         self.echoes = []
-        self.waiting = []
-        """Accepted connections still in their handshake, oldest first."""
+        self.hellos = set()
+        """The nonces of the proven hellos taken: one replayed is not proven again."""
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("0.0.0.0", 0))
-        self.listener.listen(WAITING_MAX)
+        self.listener.listen(BACKLOG)
 
     # ---------------------------------------------------------------- the plan
 
@@ -196,12 +223,6 @@ class Relay:
                        for stream, tag in ((self.loader.stdout, "OUT"), (self.loader.stderr, "ERR"))]
         for t in self.echoes:
             t.start()
-
-    def wait_plan(self):
-        with self.cond:
-            while self.plan is None and self.failure is None:
-                self.cond.wait(TICK)
-            return self.plan if self.failure is None else None
 
     # ---------------------------------------------------------------- receiving
 
@@ -269,31 +290,122 @@ class Relay:
         self.up_sock = None
 
     def serve(self):
-        """Before the plan, connections wait in the listen queue (no secret to check them with);
-        after it, each has ``stall`` seconds to prove itself."""
-        plan = self.wait_plan()
-        if plan is None:
-            return
-        while True:
+        """Takes every connection as it comes and handshakes all of them in this one thread (each
+        with ``stall`` seconds from its arrival, or from the plan's), so that no number of them
+        holds up a sender's; a sender proven hands its connection to a thread of its own."""
+        sel = selectors.DefaultSelector()
+        self.listener.setblocking(False)
+        sel.register(self.listener, selectors.EVENT_READ)
+        pending = []
+        """Connections in their handshake, oldest first."""
+        planned = False
+        try:
+            while self.failure is None:
+                for key, _ in sel.select(TICK / 5):
+                    if key.fileobj is self.listener:
+                        self._accept(sel, pending)
+                    else:
+                        self._advance(sel, pending, key.data)
+                if self.plan is not None:
+                    now = time.time()
+                    if not planned:  # the plan came: those that waited for it are read now
+                        planned = True
+                        for hs in list(pending):
+                            hs.deadline = now + self.plan["stall"]
+                            self._advance(sel, pending, hs, read=False)
+                    for hs in [hs for hs in pending if hs.deadline < now]:
+                        self._drop(sel, pending, hs)
+        except (OSError, ValueError):
+            pass  # the listener closed: the relay ends
+        finally:
+            for hs in pending:
+                hs.sock.close()
+
+    def _accept(self, sel, pending):
+        for _ in range(WAITING_MAX):  # then the handshakes are read again, however fast connections come
+            unproven = [hs for hs in pending if not hs.proven]
+            if len(unproven) >= WAITING_MAX:
+                self._drop(sel, pending, unproven[0])
             try:
                 sock, _ = self.listener.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            with self.cond:
-                self.waiting.append(sock)
-                if len(self.waiting) > WAITING_MAX:
-                    shut(self.waiting.pop(0))
-            threading.Thread(target=self._upstream, args=(sock, time.time() + plan["stall"]), daemon=True).start()
+            sock.setblocking(False)
+            hs = Handshake(sock, time.time() + self.plan["stall"] if self.plan is not None else float("inf"))
+            pending.append(hs)
+            sel.register(sock, selectors.EVENT_READ, hs)
+            self._advance(sel, pending, hs)  # a sender's hello has mostly come with its connection
 
-    def _upstream(self, sock, deadline):
+    def _drop(self, sel, pending, hs):
+        if hs in pending:  # else already handed to its own thread, which failed to start
+            pending.remove(hs)
+            sel.unregister(hs.sock)
+        hs.sock.close()
+
+    def _advance(self, sel, pending, hs, read=True):
+        """What ``hs`` has sent, as far as it goes; it ends at the first fault, or goes to its own
+        thread once proven."""
         try:
-            try:
-                name, index, lines = self._handshake(sock, deadline)
-            finally:
-                with self.cond:
-                    if sock in self.waiting:
-                        self.waiting.remove(sock)
-            self._receive(sock, deadline, name, index, lines)
+            if read:
+                try:
+                    data = hs.sock.recv(4096)
+                except (BlockingIOError, InterruptedError):
+                    data = None
+                if data == b"":
+                    raise Closed("closed")
+                if data:
+                    hs.lines.buf += data
+                    if len(hs.lines.buf) > 2 * (HANDSHAKE_LINE + 1):  # a sender sends a line, then waits
+                        raise ConnectionError("more than a handshake before its answer")
+            while self.plan is not None:
+                line = hs.lines.buffered()
+                if line is None:
+                    return
+                if hs.theirs is None:
+                    self._answer(hs, line)
+                else:
+                    name, index = self._check(hs, line)
+                    pending.remove(hs)
+                    sel.unregister(hs.sock)
+                    hs.sock.setblocking(True)
+                    threading.Thread(target=self._upstream, args=(hs, name, index), daemon=True).start()
+                    return
+        except Exception:  # whatever the peer did ends this connection and nothing else
+            self._drop(sel, pending, hs)
+
+    def _answer(self, hs, line):
+        """The sender's hello; this node's proof in answer."""
+        plan = self.plan
+        words = line.split()
+        if len(words) not in (2, 3) or words[0] != "CHAIN" or not NONCE.fullmatch(words[1]):
+            raise ConnectionError("not a chain sender's hello")
+        hs.theirs, hs.mine = words[1], os.urandom(16).hex()
+        if len(words) == 3 and words[1] not in self.hellos \
+                and same(words[2], mac(plan, "hello", plan["index"], words[1])):
+            self.hellos.add(words[1])
+            hs.proven = True
+        answer = "{} {}\n".format(hs.mine, mac(plan, "down", plan["index"], hs.theirs, hs.mine)).encode()
+        if hs.sock.send(answer) != len(answer):  # a fresh connection's buffer takes a line whole
+            raise ConnectionError("the answer did not fit")
+
+    def _check(self, hs, line):
+        """The sender's proof: its name and index once it holds the secret for this hop."""
+        plan = self.plan
+        words = line.split()
+        if len(words) != 3 or not NAME.fullmatch(words[0]) or not NUMBER.fullmatch(words[1]) \
+                or not PROOF.fullmatch(words[2]):
+            raise ConnectionError("a malformed proof")
+        name, index = words[0], int(words[1])
+        if not same(words[2], mac(plan, "up", index, plan["index"], name, hs.theirs, hs.mine)):
+            raise ConnectionError("a sender without this transfer's secret, or its proof was for another hop")
+        if index >= plan["index"]:
+            raise ConnectionError("a sender that is not before this node in the row")
+        return name, index
+
+    def _upstream(self, hs, name, index):
+        sock = hs.sock
+        try:
+            self._receive(sock, hs.deadline, name, index, hs.lines)
         except Exception:
             pass  # whatever the peer did ends this connection and nothing else; the chain's own senders report theirs
         finally:
@@ -304,26 +416,6 @@ class Relay:
                 sock.close()
             except OSError:
                 pass
-
-    def _handshake(self, sock, deadline):
-        """The sender's hello, this node's proof, the sender's proof (the module's docstring)."""
-        plan = self.plan
-        lines = Lines(sock)
-        words = lines.line(deadline).split()
-        if len(words) != 2 or words[0] != "CHAIN" or not NONCE.fullmatch(words[1]):
-            raise ConnectionError("not a chain sender's hello")
-        theirs, mine = words[1], os.urandom(16).hex()
-        send_by(sock, deadline, "{} {}\n".format(mine, mac(plan, "down", plan["index"], theirs, mine)))
-        words = lines.line(deadline).split()
-        if len(words) != 3 or not NAME.fullmatch(words[0]) or not NUMBER.fullmatch(words[1]) \
-                or not PROOF.fullmatch(words[2]):
-            raise ConnectionError("a malformed proof")
-        name, index = words[0], int(words[1])
-        if not same(words[2], mac(plan, "up", index, plan["index"], name, theirs, mine)):
-            raise ConnectionError("a sender without this transfer's secret, or its proof was for another hop")
-        if index >= plan["index"]:
-            raise ConnectionError("a sender that is not before this node in the row")
-        return name, index, lines
 
     def _receive(self, sock, deadline, name, index, lines):
         with self.cond:
@@ -386,19 +478,41 @@ class Relay:
             self.next_name = "-"
             self.cond.notify_all()
 
+    def _connect(self, plan, address, port, index):
+        """A connection to node ``index`` at ``address:port`` once both have proven themselves, its
+        lines and the offset it wants; connected again while it ends the connection unanswered."""
+        stall = plan["stall"]
+        deadline = time.time() + stall
+        where = "{}:{}".format(address, port)
+        while True:
+            try:
+                sock = socket.create_connection((address, port), timeout=min(max(deadline - time.time(), 0.001),
+                                                                             CONNECT_TRY))
+            except socket.timeout as e:
+                if time.time() + AGAIN >= deadline:
+                    raise ConnectionError("cannot connect to {}:{} ({}): the nodes must reach each other's ports "
+                                          "during a chain, else use image.transfer: star".format(address, port, e))
+                continue
+            except OSError as e:
+                raise ConnectionError("cannot connect to {}:{} ({}): the nodes must reach each other's ports during "
+                                      "a chain, else use image.transfer: star".format(address, port, e))
+            lines = Lines(sock)
+            try:
+                return sock, lines, self._hello(sock, lines, plan, where, index, deadline)
+            except Unanswered as e:
+                sock.close()
+                if time.time() + AGAIN >= deadline:
+                    raise ConnectionError(str(e))
+                time.sleep(AGAIN)
+            except BaseException:
+                sock.close()
+                raise
+
     def _send_to(self, plan, address, port, index):
         stall, size = plan["stall"], plan["size"]
-        deadline = time.time() + stall
+        sock, lines, pos = self._connect(plan, address, port, index)
+        state = {"heard": time.time(), "done": False, "taken": None, "at": pos}
         try:
-            sock = socket.create_connection((address, port), timeout=stall)
-        except OSError as e:
-            raise ConnectionError("cannot connect to {}:{} ({}): the nodes must reach each other's ports during "
-                                  "a chain, else use image.transfer: star".format(address, port, e))
-        state = {"heard": time.time(), "done": False, "taken": None, "at": 0}
-        try:
-            lines = Lines(sock)
-            pos = self._hello(sock, lines, plan, "{}:{}".format(address, port), index, deadline)
-            state["at"] = pos
 
             def listen():
                 try:
@@ -458,8 +572,10 @@ class Relay:
         """The sender's half of the handshake; the offset the receiver wants the stream from."""
         mine = os.urandom(16).hex()
         try:
-            send_by(sock, deadline, "CHAIN {}\n".format(mine))
+            send_by(sock, deadline, "CHAIN {} {}\n".format(mine, mac(plan, "hello", index, mine)))
             words = lines.line(deadline).split()
+        except (Closed, ConnectionResetError, BrokenPipeError) as e:
+            raise Unanswered("{} gave no proof that it is this transfer's node {} ({})".format(where, index, why(e)))
         except (OSError, ConnectionError) as e:
             raise ConnectionError("{} gave no proof that it is this transfer's node {} ({})"
                                   .format(where, index, why(e)))
@@ -471,6 +587,8 @@ class Relay:
             send_by(sock, deadline, "{} {} {}\n".format(
                 plan["name"], plan["index"], mac(plan, "up", plan["index"], index, plan["name"], mine, words[0])))
             first = lines.line(deadline).split()
+        except (Closed, ConnectionResetError, BrokenPipeError) as e:
+            raise Unanswered("{} ended the handshake ({})".format(where, why(e)))
         except (OSError, ConnectionError) as e:
             raise ConnectionError("{} ended the handshake ({})".format(where, why(e)))
         if first == ["BUSY"]:  # a node nearer the source feeds it: this one was passed over
@@ -579,6 +697,25 @@ class Relay:
 
 class Taken(Exception):
     pass
+
+
+class Unanswered(ConnectionError):
+    """The receiver ended the connection without a word: it may have had no plan yet, or have ended
+    the connection among a flood of others before it read the hello."""
+
+
+class Handshake(object):
+    """A connection in its handshake, as the receiver's thread for them all sees it."""
+
+    def __init__(self, sock, deadline):
+        self.sock = sock
+        self.deadline = deadline
+        self.lines = Lines(sock)
+        self.theirs = None
+        """The sender's nonce, once its hello is read."""
+        self.mine = None
+        self.proven = False
+        """Its hello carried a proof made with the transfer's secret."""
 
 
 def control(relay):
