@@ -164,47 +164,47 @@ def test_a_stop_line_printed_before_the_nodes_own_stop_began_is_still_its_stop(t
     # torchrun then started its workers again, which wait in a rendezvous that never forms
     log = (b"[rank2]: step 15\n" + STOP_LINE + b"torchrun: restarting workers (1 of 3)\n"
            b"[W] rendezvous: waiting for 2 more nodes\n")
-    r = _record_stop(str(tmp_path), log)
+    r = _record_stop(str(tmp_path / "here"), log)
     assert r.stdout == b": trainer: stopped by SIGTERM to another rank at step 16 (epoch 0); checkpoint ckpt-16 written"
-    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful 16 root@op\n"
+    assert (tmp_path / "here.stopped").read_text() == "1764072063 node graceful 16 root@op\n"
 
 
 def test_the_line_of_an_earlier_stop_that_the_job_went_on_from_is_never_taken(tmp_path):
     log = (b"[rank0]: METRICS {}\n" + STOP_LINE + b'[rank0]: METRICS {"kind": "stopped"}\n'
            b'[rank0]: METRICS {"time": 1, "kind": "resumed", "step": 16}\n[rank0]: METRICS {"kind": "train"}\n')
-    r = _record_stop(str(tmp_path), log)
+    r = _record_stop(str(tmp_path / "here"), log)
     assert r.stdout == b""
-    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful - root@op\n"
+    assert (tmp_path / "here.stopped").read_text() == "1764072063 node graceful - root@op\n"
 
 
 def test_a_node_that_had_ended_is_recorded_as_stopped_only_where_its_program_said_so(tmp_path):
-    r = _record_stop(str(tmp_path), b"[rank0]: METRICS {}\ntorchrun: worker failed (exit 1)\n", only_if_said=True)
-    assert r.stdout == b"" and not (tmp_path / "stopped").exists()  # it ended on its own: no stop of it
+    r = _record_stop(str(tmp_path / "here"), b"[rank0]: METRICS {}\ntorchrun: worker failed (exit 1)\n", only_if_said=True)
+    assert r.stdout == b"" and not (tmp_path / "here.stopped").exists()  # it ended on its own: no stop of it
     # the METRICS lines of its last steps and of the stop may come after the stop's line (two pipes)
-    r = _record_stop(str(tmp_path), STOP_LINE + b'[rank0]: METRICS {"kind": "train"}\n[rank0]: METRICS '
+    r = _record_stop(str(tmp_path / "here"), STOP_LINE + b'[rank0]: METRICS {"kind": "train"}\n[rank0]: METRICS '
                      b'{"kind": "stopped"}\n', only_if_said=True)
     assert r.stdout.startswith(b": trainer: stopped by SIGTERM to another rank at step 16")
-    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful 16 root@op\n"
+    assert (tmp_path / "here.stopped").read_text() == "1764072063 node graceful 16 root@op\n"
 
 
 def test_the_stop_record_keeps_only_the_step_number_of_what_the_program_said(tmp_path):
     said = (b"[rank0]: METRICS {}\n[rank0]: trainer: stopped by SIGTERM at step 40 (epoch 1); checkpoint "
             b"ckpt-40 written \x1b]52;c;c2VjcmV0\x07 token=hunter2\n")
-    r = _record_stop(str(tmp_path), said)
-    assert (tmp_path / "stopped").read_text() == "1764072063 node graceful 40 root@op\n"
+    r = _record_stop(str(tmp_path / "here"), said)
+    assert (tmp_path / "here.stopped").read_text() == "1764072063 node graceful 40 root@op\n"
     assert r.stdout.startswith(b": trainer: stopped by SIGTERM at step 40 (epoch 1)")  # shown by `stop`, kept nowhere
-    assert runs.Stop.parse((tmp_path / "stopped").read_text()) == runs.Stop(1764072063, "root@op", True, 40, True)
+    assert runs.Stop.parse((tmp_path / "here.stopped").read_text()) == runs.Stop(1764072063, "root@op", True, 40, True)
 
 
 def test_a_program_that_said_no_step_or_a_huge_one_is_recorded_without_a_step(tmp_path):
     for said in (b"", b"stopped by SIGTERM at step 1234567890123456789012 (epoch 0)\n"):
-        _record_stop(str(tmp_path), said)
-        assert (tmp_path / "stopped").read_text() == "1764072063 node graceful - root@op\n"
+        _record_stop(str(tmp_path / "here"), said)
+        assert (tmp_path / "here.stopped").read_text() == "1764072063 node graceful - root@op\n"
 
 
 def test_a_stop_that_cannot_be_recorded_says_so_and_the_stop_goes_on(tmp_path):
-    r = _record_stop(str(tmp_path / "missing"), b"")
-    assert r.stdout.decode() == f" (the stop is not recorded in {tmp_path / 'missing'})"
+    r = _record_stop(str(tmp_path / "missing" / "here"), b"")
+    assert r.stdout.decode() == f" (the stop is not recorded in {tmp_path / 'missing' / 'here'})"
 
 
 # --- reading the record: runs.parse of what LIST_RUNS prints, and its display ----------------------
@@ -222,8 +222,8 @@ def _kept(tmp_path: Path, nodes: dict[str, dict[str, str]]) -> runs.Run:
     (base / "run.json").write_text(json.dumps({"run": run, "time": START}))
     for node, files in nodes.items():
         (base / node).mkdir()
-        for name, text in files.items():
-            (base / node / name).write_text(text)
+        for name, text in files.items():  # a stop's record sits beside the node's directory, the rest in it
+            (base / f"{node}.stopped" if name == "stopped" else base / node / name).write_text(text)
     listed = subprocess.run(list(runs.list_argv(inv)), capture_output=True, check=True, timeout=30).stdout.decode()
     (found,) = runs.parse(listed)
     return found
@@ -348,12 +348,12 @@ storage:
                           check=True, timeout=60).stdout
     assert said.startswith("stopped Slurm job 77: trainer: stopped by SIGTERM at step 12"), said
     for node in ("n1", "n2"):
-        kept = (job / "runs" / run / node / "stopped").read_text().split()
+        kept = (job / "runs" / run / f"{node}.stopped").read_text().split()
         assert kept[1:] == ["job", "graceful", "12", "alice@desk"] and abs(int(kept[0]) - time.time()) < 60
 
     (tmp_path / "slurm-state").write_text("RUNNING\n")  # launched again, stopped at once: no checkpoint said
     subprocess.run(list(slurm.stop_argv(inv, 0, "alice@desk")), env=env, capture_output=True, check=True, timeout=60)
-    assert (job / "runs" / run / "n1" / "stopped").read_text().split()[1:] == ["job", "now", "-", "alice@desk"]
+    assert (job / "runs" / run / "n1.stopped").read_text().split()[1:] == ["job", "now", "-", "alice@desk"]
 
 
 def test_a_docker_stop_is_kept_with_the_run_named_by_the_containers_launch_id(tmp_path):
@@ -372,7 +372,7 @@ exit 0
     said = subprocess.run(list(runtime.RUNTIMES["docker"](inv).stop_argv(inv.node("a"), 5, "alice@desk")), env=env,
                           capture_output=True, text=True, check=True, timeout=60).stdout
     assert said == "stopped: trainer: stopped by SIGTERM at step 9 (epoch 0)\n"
-    assert (kept / "stopped").read_text().split()[1:] == ["node", "graceful", "9", "alice@desk"]
+    assert (kept.parent / "a.stopped").read_text().split()[1:] == ["node", "graceful", "9", "alice@desk"]
 
 
 def test_runs_and_status_run_show_the_stop_in_place_of_no_exit_recorded(ddp, tmp_path):
@@ -381,7 +381,7 @@ def test_runs_and_status_run_show_the_stop_in_place_of_no_exit_recorded(ddp, tmp
     base = tmp_path / "nas/ckpt/.ddp-deploy/exp.1/runs" / run
     (base / "here").mkdir(parents=True)
     (base / "run.json").write_text(json.dumps({"run": run, "time": START, "program": "script sleeper.py"}))
-    (base / "here/stopped").write_text(f"{START + 63} node graceful 40 root@op\n")
+    (base / "here.stopped").write_text(f"{START + 63} node graceful 40 root@op\n")
     expected = f"stopped by root@op at {_clock(START + 63)} (graceful, checkpoint at step 40)"
 
     table = _ok(ddp(hosts, "runs")).stdout

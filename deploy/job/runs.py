@@ -29,7 +29,8 @@ from ..inventory import Inventory
 from ..node import node_program
 from ..text import lines
 from .plan import NodeState
-from .runtime import LAST_METRICS, job_dir, kept_dir, tail_argv
+from .runtime import (AS_JOB_LIB, LAST_METRICS, RUN_SUBDIR, TOOL_DIR, as_job_argv, job_dir, kept_dir, runtime,
+                      tail_argv)
 from .stall import STOPPED as STALL_STOPPED
 from .stall import StallRecord, ended_state
 
@@ -49,10 +50,10 @@ def tensorboard_dir(inv: Inventory) -> str:
     return f"{inv.storage.checkpoints.host}/tensorboard"
 
 
-# $1 = job dir, $2 = run id, $3 = runs to keep, $4 = TensorBoard dir. stdin: the run's record.
-# Writes runs/ID/run.json and launch.json (the current run) atomically, then removes the oldest
-# runs beyond the count (never this one) and their TensorBoard directories, saying which.
-START_RUN = node_program("start_run.sh")
+# stdin: the run's record (start_run.sh has the arguments). Writes runs/ID/run.json and launch.json
+# (the current run) atomically, then removes the oldest runs beyond the count (never this one) and
+# their TensorBoard directories, saying which.
+START_RUN = TOOL_DIR + AS_JOB_LIB + node_program("start_run.sh")
 
 # A shell function: nodes_of RUNDIR prints, per node of the run, "@@node NAME", its exits and its
 # last METRICS line (what ``parse`` reads; slurm.STATUS uses it too).
@@ -61,7 +62,7 @@ NODES_OF = r"""nodes_of() {
     [ -d "$n" ] || continue
     echo "@@node $(basename "$n")"
     cat "$n/exits" 2>/dev/null
-    [ -e "$n/stopped" ] && { echo; head -c 300 "$n/stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
+    [ -e "${n%/}.stopped" ] && { echo; head -c 300 "${n%/}.stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
     [ -e "$n/stalls" ] && { echo; head -c 4000 "$n/stalls" | head -n 50 | sed 's/^/@@stall /'; echo; }
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
   done
@@ -87,21 +88,23 @@ exit 0
 
 
 def start_argv(inv: Inventory, run: str) -> tuple[str, ...]:
-    return ("sh", "-c", START_RUN, "sh", job_dir(inv), run, str(inv.job.keep_runs), tensorboard_dir(inv))
+    return ("sh", "-c", START_RUN, "sh", runtime(inv).job_uid, inv.storage.checkpoints.host, RUN_SUBDIR,
+            inv.job.name, run, str(inv.job.keep_runs), tensorboard_dir(inv))
 
 
 def list_argv(inv: Inventory, prefix: str = "") -> tuple[str, ...]:
-    return ("sh", "-c", LIST_RUNS, "sh", runs_dir(inv), prefix)
+    return as_job_argv(inv, ("sh", "-c", LIST_RUNS, "sh", runs_dir(inv), prefix))
 
 
 def stall_diagnoses_argv(inv: Inventory, run: str, wanted: list[tuple[str, int]]) -> tuple[str, ...]:
     """The kept diagnoses of ``wanted`` (node, time) in run ``run`` (STALL_DIAGNOSES)."""
-    return ("sh", "-c", STALL_DIAGNOSES, "sh", f"{runs_dir(inv)}/{run}", *(f"{n}/{t}" for n, t in wanted))
+    return as_job_argv(inv, ("sh", "-c", STALL_DIAGNOSES, "sh", f"{runs_dir(inv)}/{run}",
+                             *(f"{n}/{t}" for n, t in wanted)))
 
 
 def log_argv(inv: Inventory, run: str, node: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     """A node's log of a kept run, as ``logs`` reads the running one."""
-    return tail_argv(f"{kept_dir(inv, run, node)}/log", tail=tail, follow=follow)
+    return as_job_argv(inv, tail_argv(f"{kept_dir(inv, run, node)}/log", tail=tail, follow=follow))
 
 
 STALL_WINDOW_S = 120

@@ -6,6 +6,7 @@
 job_uid=$1; root=$2; sub=$3; job=$4; run=$5; node=$6; shift 6
 mkdir -p -- "$root" && job_root "$root" && tool_dir "$root" "$sub" "$job" runs "$run" || exit 1
 dir=$root/$sub/$job/runs/$run/$node
-{ mkdir -m 0755 -- "$dir" 2>/dev/null || [ -d "$dir" ]; } && [ ! -L "$dir" ] || { echo "cannot make $dir" >&2; exit 1; }
+mkdir -m 0755 -- "$dir" 2>/dev/null
+if [ ! -d "$dir" ] || [ -L "$dir" ]; then echo "cannot make $dir" >&2; exit 1; fi
 if [ -n "$job_uid" ] && [ "$(id -u)" = 0 ]; then chown -h "$job_uid:$job_uid" -- "$dir" || exit 1; fi
 exec "$@"

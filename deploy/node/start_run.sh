@@ -2,6 +2,7 @@
 # it, $4 = the job, $5 = the run, $6 = runs to keep, $7 = the TensorBoard directory. stdin: the
 # run's record. The records go where only this tool writes (tool_dir); the TensorBoard files are
 # the job's, removed with its rights (as_job).
+# shellcheck disable=SC2034  # job_uid is read by job_root and as_job
 job_uid=$1; root=$2; sub=$3; name=$4; run=$5; keep=$6; tb=$7
 mkdir -p -- "$root" && job_root "$root" && tool_dir "$root" "$sub" "$name" runs "$run" || exit 1
 job=$root/$sub/$name

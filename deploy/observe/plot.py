@@ -23,6 +23,7 @@ from trainer.output import PREFIX
 from ..errors import InputError, RuntimeFailure
 from ..inventory import Inventory
 from ..job.runs import RUN_ID, runs_dir
+from ..job.runtime import as_job_argv
 from ..node import node_program
 from ..text import lines, safe
 from .view import split_rank
@@ -56,7 +57,7 @@ LOG_METRICS = node_program("log_metrics.sh")
 
 
 def sources_argv(inv: Inventory) -> tuple[str, ...]:
-    return ("sh", "-c", SOURCES, "sh", f"{inv.storage.checkpoints.host}/metrics.jsonl", runs_dir(inv))
+    return as_job_argv(inv, ("sh", "-c", SOURCES, "sh", f"{inv.storage.checkpoints.host}/metrics.jsonl", runs_dir(inv)))
 
 
 def parse_sources(stdout: str) -> tuple[list[str], str]:
@@ -66,7 +67,7 @@ def parse_sources(stdout: str) -> tuple[list[str], str]:
 
 
 def log_metrics_argv(inv: Inventory, runs: Sequence[str]) -> tuple[str, ...]:
-    return ("sh", "-c", LOG_METRICS, "sh", runs_dir(inv), *runs)
+    return as_job_argv(inv, ("sh", "-c", LOG_METRICS, "sh", runs_dir(inv), *runs))
 
 
 def wanted_runs(known: Sequence[str], wanted: Sequence[str]) -> list[str]:
