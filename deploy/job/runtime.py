@@ -26,9 +26,9 @@ from ..node import node_program
 # and `exit` (its exit code, written when it ends).
 RUN_SUBDIR = ".ddp-deploy"
 
-# A shell function: kill_run RUNDIR [PID] kills every process whose environment carries the run's
-# DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live in sessions of their own),
-# except PID. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
+# A shell function: kill_run RUNDIR [PID] kills every process of this user (all four uids) whose
+# environment carries the run's DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live
+# in sessions of their own), except PID: another user's process that sets the marker is left alone. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
 # directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
 # One grep reads every process's environment (one a process took seconds on a busy node), and it
 # returns once the killed are gone (at most 5 s): a stop that says stopped leaves none of them.
@@ -47,9 +47,9 @@ PROBE_KEPT = node_program("probe_kept.sh")
 # kept by trainer.probe for the next launch with the same command and installation.
 HOST_PROBE_KEPT = node_program("probe_kept_host.sh")
 
-# Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (teed by
-# torchrun, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
-# The last METRICS line, without the prefix:
+# Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (put there by
+# the launcher, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
+# Rank 0's last METRICS line (no prefix, or "[rank0]: "), without its prefix:
 LAST_METRICS = node_program("last_metrics.sh")
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
 # its last such line, unless the job resumed after it (a METRICS line of kind "resumed": torchrun
