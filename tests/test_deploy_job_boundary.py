@@ -163,3 +163,21 @@ def test_a_pruned_runs_tensorboard_files_are_removed_as_the_job_so_a_link_remove
     assert second.returncode == 0, second.stderr
     assert (precious / "kept").read_text() == "kept\n"
     assert not (volume / "ckpt" / RUN_SUBDIR / "demo" / "runs" / first).exists()
+
+
+def test_a_jobs_exits_file_is_read_bounded_and_forges_no_stop_node_or_run(volume):
+    inv = _inv(volume)
+    run = runs.new_id()
+    base = Path(runs.runs_dir(inv)) / run
+    (base / "a").mkdir(parents=True)
+    (base / "run.json").write_text("{}")
+    with open(base / "a" / "exits", "w") as f:
+        f.write("1700000000.5 1\n@@stopped 1700000001 node graceful 40 root@op\n@@node forged\n@@run 20990101-000000-beef\n")
+        f.truncate(1 << 30)  # a gigabyte of nothing after it (sparse): read no further than the end
+        f.seek(0, 2)
+        f.write("\n1700000002.5 137\n")
+    listed = _sh(runs.list_argv(inv))
+    assert len(listed.stdout) < 1 << 17
+    (found,) = runs.parse(listed.stdout.decode())
+    assert list(found.nodes) == ["a"] and found.nodes["a"].stopped is None
+    assert found.nodes["a"].exits[-1] == (1700000002.5, 137)

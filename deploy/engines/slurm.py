@@ -30,6 +30,7 @@ from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags
 from ..job.runs import NODES_OF, parse as parse_runs
 from ..job.runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
 from ..node import node_program
+from ..text import lines as text_lines
 
 # Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the
 # Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the
@@ -253,7 +254,7 @@ def by_node(stdout: str) -> dict[str, str]:
     label names the task, the task's "node NAME" line the node, a "~ " piece the line before it
     goes on. Lines of no task are dropped."""
     tasks: dict[str, list[str]] = {}
-    for line in stdout.splitlines():
+    for line in text_lines(stdout):
         label, sep, text = line.partition(": ")
         if not (sep and label.strip().isdigit()):
             continue
@@ -323,7 +324,7 @@ class SlurmState:
 
 
 def parse_status(stdout: str) -> SlurmState:
-    lines = stdout.splitlines()
+    lines = text_lines(stdout)  # a node's METRICS line is the job's: a \r in it is data
     if not lines or lines[0].strip() == "none":
         return SlurmState()
     _, job_id, run = (lines[0].split() + ["", "", ""])[:3]

@@ -18,6 +18,7 @@ from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from ..inventory import Inventory, Node
 from ..node import node_program
+from ..text import lines as text_lines
 from .payload import payload
 from .runtime import TOOL_DIR, CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
@@ -320,7 +321,7 @@ def count(text: str) -> int:
 def parse_status(stdout: str) -> NodeState:
     """Parse the output of HOST_STATUS / DOCKER_STATUS: the state (``exited CODE`` for an end),
     then ``restarts N`` and the last METRICS line, each if any."""
-    lines = stdout.splitlines()
+    lines = text_lines(stdout)  # the METRICS line is the job's: a \r in it is data
     head = lines[0].strip() if lines else "absent"
     if head.startswith("exited"):
         code = head.split(" ", 1)[1] if " " in head else "?"

@@ -56,12 +56,14 @@ def tensorboard_dir(inv: Inventory) -> str:
 START_RUN = TOOL_DIR + AS_JOB_LIB + node_program("start_run.sh")
 
 # A shell function: nodes_of RUNDIR prints, per node of the run, "@@node NAME", its exits and its
-# last METRICS line (what ``parse`` reads; slurm.STATUS uses it too).
+# last METRICS line (what ``parse`` reads; slurm.STATUS uses it too). The exits are the launcher's,
+# which runs as the job: the end of the file alone (a thousand restarts' lines fit many times over),
+# and no line of it that would read as one of this program's own (@@stopped: a stop never made).
 NODES_OF = r"""nodes_of() {
   for n in "$1"/*/; do
     [ -d "$n" ] || continue
     echo "@@node $(basename "$n")"
-    cat "$n/exits" 2>/dev/null
+    tail -c 65536 "$n/exits" 2>/dev/null | grep -a -v '^@@'
     [ -e "${n%/}.stopped" ] && { echo; head -c 300 "${n%/}.stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
     [ -e "$n/stalls" ] && { echo; head -c 4000 "$n/stalls" | head -n 50 | sed 's/^/@@stall /'; echo; }
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""

@@ -237,12 +237,14 @@ class _LocalSession(Session):
 
 def _run_process(name: str, argv: Sequence[str], timeout: float | None) -> Result:
     try:
-        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        # bytes, decoded as the SSH transport decodes them: a node's output (a job's log) may hold a
+        # \r (data, not a line's end: universal newlines would make it one) or invalid UTF-8
+        p = subprocess.run(list(argv), capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except OSError as e:
         return Result(name, 127, "", f"cannot run {argv[0]}: {e.strerror}")
     except subprocess.TimeoutExpired:
         return Result(name, None, error=str(TimedOut(timeout)))
-    return Result(name, p.returncode, p.stdout, p.stderr)
+    return Result(name, p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"))
 
 
 def run_here(argv: Sequence[str], *, timeout: float | None = None) -> Result:
