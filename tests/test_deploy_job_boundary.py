@@ -181,3 +181,26 @@ def test_a_jobs_exits_file_is_read_bounded_and_forges_no_stop_node_or_run(volume
     (found,) = runs.parse(listed.stdout.decode())
     assert list(found.nodes) == ["a"] and found.nodes["a"].stopped is None
     assert found.nodes["a"].exits[-1] == (1700000002.5, 137)
+
+
+def test_a_start_refuses_run_directories_the_job_took_over_and_chowns_nothing_through_them(volume):
+    inv = _deployed(volume)
+    run = runs.new_id()
+    tool = volume / "ckpt" / RUN_SUBDIR
+    target = volume / "canary"
+    _as_job("mkdir", "-p", str(tool / "demo" / "runs" / run))  # the layout a job could make where it owned the volume
+    _as_job("ln", "-s", str(target), str(tool / "demo" / "runs" / run / "a"))
+    start = runtime(inv, run=run).start_argv(inv.node("a"), ["--"], (), plan.NodeFacts())
+    made = _sh([*start[:start.index("docker")], "true"])
+    assert made.returncode != 0 and "is not this tool's own directory" in made.stderr.decode()
+    assert (target.stat().st_uid, target.stat().st_mode & 0o7777) == (0, 0o700)
+
+
+def test_a_stall_the_job_linked_to_a_root_file_shows_nothing_of_it_in_status(volume):
+    mine = volume / "ckpt" / "node"
+    _deployed(volume)
+    _as_job("mkdir", str(mine))
+    _as_job("ln", "-s", str(volume / "canary" / "secret"), str(mine / "stalls"))
+    from deploy.job.runtime import AS_JOB_LIB, LAST_STALL
+    said = _sh(["sh", "-c", AS_JOB_LIB + LAST_STALL + f'job_uid={JOB_UID}; last_stall "$1"', "sh", str(mine)])
+    assert said.returncode == 0 and SECRET.split()[0] not in said.stdout.decode()

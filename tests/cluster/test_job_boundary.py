@@ -1,7 +1,7 @@
 """A hostile job on the real cluster, in Docker as uid 1000: it plants a link at every name a node
 program reads or writes, in every directory it can write (the checkpoint directory, its node's
 directory of the run, its heartbeat directory, its data directory), tries to rename the tool's
-directory away and to put one of its own in its place; then the operator runs every verb on it.
+directory away and to put one of its own in its place; then the operator runs every verb on it, `join` included.
 Root on the node must change nothing outside the job's own directories (content, owner, mode of a
 root-only canary that every link points at) and show nothing of it.
 
@@ -129,16 +129,16 @@ def test_a_hostile_job_changes_and_sees_nothing_of_the_node_through_any_verb(clu
     names = sorted(touched_names())
     hosts = cluster.write_hosts_yaml(
         tmp_path / "hosts.yaml", runtime="docker", procs=1, interface="eth0",
-        job={"keep_runs": 1, "stall_timeout": 600},
+        job={"keep_runs": 1, "stall_timeout": 600, "min_nodes": 2, "max_restarts": 2},  # elastic: join
         train={"script": "hostile.py", "code": str(code), "args": [json.dumps(names), str(secret), str(victim)],
                "env": {"DDP_JOB": "ddp-test"}})
     outputs = [ok(ddp(cluster, hosts, "deploy"))]
     ckpt = Path(cluster.nas_dir) / "ckpt"
     tool = ckpt / ".ddp-deploy"
 
-    def planted_once(run_no: int):
+    def planted(count: int):
         found = sorted(ckpt.glob("hostile-*.json"))
-        return found if len(found) == 3 * run_no else None
+        return found if len(found) == count else None
 
     def verbs(run_id: str) -> None:
         for args in (["status"], ["status", "--json"], ["logs"], ["runs"], ["runs", "--json"],
@@ -146,9 +146,12 @@ def test_a_hostile_job_changes_and_sees_nothing_of_the_node_through_any_verb(clu
                      ["plot", "-o", str(tmp_path / "plot.png")]):
             outputs.append(ddp(cluster, hosts, *args))
 
-    outputs.append(ok(ddp(cluster, hosts, "launch")))
-    first = wait_until(lambda: planted_once(1), 180, "the job's links planted on every node")
+    last = cluster.hosts[-1].name
+    outputs.append(ok(ddp(cluster, hosts, "--without", last, "launch")))
+    first = wait_until(lambda: planted(2), 180, "the job's links planted on two nodes")
     run1 = first[0].name.split("-", 2)[2].removesuffix(".json")
+    outputs.append(ok(ddp(cluster, hosts, "join", last)))  # into the run's directories the job planted in
+    wait_until(lambda: planted(3), 180, "the joined node's links planted")
     (victim / run1).mkdir()  # what the next launch's pruning of this run's TensorBoard files must leave
     (victim / run1 / "precious").write_text("kept\n")
     before = _state(root)
@@ -156,7 +159,7 @@ def test_a_hostile_job_changes_and_sees_nothing_of_the_node_through_any_verb(clu
     outputs.append(ddp(cluster, hosts, "stop"))
 
     outputs.append(ok(ddp(cluster, hosts, "launch")))  # keep_runs 1: prunes the first run through the links
-    wait_until(lambda: planted_once(2), 180, "the second run's links planted")
+    wait_until(lambda: planted(6), 180, "the second run's links planted")
     run2 = max(p.name.split("-", 2)[2].removesuffix(".json") for p in ckpt.glob("hostile-*.json"))
     verbs(run2)
     outputs.append(ddp(cluster, hosts, "stop", "--now"))
