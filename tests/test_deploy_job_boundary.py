@@ -71,6 +71,17 @@ def _deployed(top: Path):
     return inv
 
 
+def _started(volume: Path):
+    """A run started on a deployed volume, and node a's directory of it, the job's."""
+    inv = _deployed(volume)
+    run = runs.new_id()
+    assert _sh(runs.start_argv(inv, run), b"{}").returncode == 0
+    mine = volume / "ckpt" / RUN_SUBDIR / "demo" / "runs" / run / "a"
+    mine.mkdir()
+    os.chown(mine, JOB_UID, JOB_UID)
+    return inv, run, mine
+
+
 def test_deploy_leaves_the_checkpoint_directory_roots_sticky_and_the_jobs_to_write(volume):
     _deployed(volume)
     ckpt, data = (volume / "ckpt").stat(), (volume / "data").stat()
@@ -114,12 +125,7 @@ def test_the_node_directory_of_a_run_is_handed_to_the_job_only_inside_the_tools_
 
 
 def test_a_stop_is_recorded_beside_the_jobs_directory_never_through_a_link_in_it(volume):
-    inv = _deployed(volume)
-    run = runs.new_id()
-    assert _sh(runs.start_argv(inv, run), b"{}").returncode == 0
-    mine = volume / "ckpt" / RUN_SUBDIR / "demo" / "runs" / run / "a"
-    mine.mkdir()
-    os.chown(mine, JOB_UID, JOB_UID)
+    inv, run, mine = _started(volume)
     for name in ("stopped", "stopped.tmp"):
         _as_job("ln", "-s", str(volume / "canary" / "secret"), str(mine / name))
     before = _canary(volume)
@@ -132,12 +138,7 @@ def test_a_stop_is_recorded_beside_the_jobs_directory_never_through_a_link_in_it
 
 
 def test_what_the_job_wrote_is_read_with_its_rights_so_a_link_shows_nothing_of_roots(volume):
-    inv = _deployed(volume)
-    run = runs.new_id()
-    assert _sh(runs.start_argv(inv, run), b"{}").returncode == 0
-    mine = volume / "ckpt" / RUN_SUBDIR / "demo" / "runs" / run / "a"
-    mine.mkdir()
-    os.chown(mine, JOB_UID, JOB_UID)
+    inv, run, mine = _started(volume)
     for name in ("log", "exits", "stalls"):
         _as_job("ln", "-s", str(volume / "canary" / "secret"), str(mine / name))
     _as_job("ln", "-s", str(volume / "canary" / "secret"), str(volume / "ckpt" / "metrics.jsonl"))
