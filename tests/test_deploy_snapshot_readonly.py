@@ -169,8 +169,8 @@ def test_the_launcher_reads_the_workers_output_and_says_it_once_per_path_as_text
     (logs / "stdout.log").write_text("")
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
-    said = snapshot_hint.explain(str(tmp_path / "torchelastic"), {"DDP_CODE_SNAPSHOT": "abc", "DDP_CKPT_DIR": "/ckpt"}, out)
+    said = snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), {"DDP_CODE_SNAPSHOT": "abc", "DDP_CKPT_DIR": "/ckpt"}, out)
     assert said == ["trainer.launch: a\\x1b[2J.pt is in the read-only code snapshot (the working directory); "
                     "write to $DDP_CKPT_DIR (/ckpt)"]
     assert "\x1b" not in out.getvalue()
-    assert snapshot_hint.explain(str(tmp_path / "torchelastic"), {"DDP_CKPT_DIR": "/ckpt"}, io.StringIO()) == []
+    assert snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), {"DDP_CKPT_DIR": "/ckpt"}, io.StringIO()) == []

@@ -313,7 +313,7 @@ class Relay:
     buffer and in this process, and :func:`run_teed` masks it before any log holds it. The pipes'
     write ends are the worker's stdout and stderr whether torchrun's ``Popen`` or the zygote
     (trainer/zygote.py) starts it. ``tails``: with ``keep_tails``, the last bytes of each output, for
-    :func:`explain_snapshot_writes`.
+    :func:`snapshot_hint.explain`.
     """
 
     def __init__(self, template: str, keep_tails: bool = False) -> None:
@@ -397,16 +397,6 @@ class Relay:
     def lines(self) -> list[str]:
         """The kept tails' lines (none without ``keep_tails``)."""
         return [line.decode(errors="replace") for tail in self.tails or () for line in list(tail)]
-
-
-def explain_snapshot_writes(lines: list[str]) -> None:
-    """A line per failed write into the code snapshot that the workers' last lines show
-    (trainer/snapshot_hint.py); nothing without a snapshot."""
-    if not os.environ.get(snapshot_hint.SNAPSHOT_ENV):
-        return
-    for path in snapshot_hint.written_paths(lines, os.getcwd())[:snapshot_hint.MAX_LINES]:
-        sys.stderr.write(snapshot_hint.message(path, os.environ.get("DDP_CKPT_DIR")) + "\n")
-    sys.stderr.flush()
 
 
 TORCH_LOG_PREFIX = "ddp-torchlog-"
@@ -558,9 +548,8 @@ def main() -> None:
             heartbeat.remove(beats)
             if relay is not None:
                 relay.drain()
-                explain_snapshot_writes(relay.lines())
-            else:
-                snapshot_hint.explain(option([*log_dir, *args], "--log-dir"))
+            snapshot_hint.explain(relay.lines() if relay is not None
+                                  else snapshot_hint.tails(option([*log_dir, *args], "--log-dir")))
 
 
 if __name__ == "__main__":

@@ -58,8 +58,11 @@ def message(path: str, ckpt_dir: str | None) -> str:
     return f"trainer.launch: {shown} is in the read-only code snapshot (the working directory){where}"
 
 
-def _tails(log_dir: str) -> Iterable[str]:
-    """The last lines of every worker's output torchrun kept under ``log_dir``."""
+def tails(log_dir: str | None) -> Iterable[str]:
+    """The last lines of every worker's output torchrun kept under ``log_dir`` (read as they are
+    taken; none without a log directory)."""
+    if not log_dir:
+        return
     for dirpath, _dirs, files in os.walk(log_dir):
         for name in sorted(files):
             if not name.endswith(".log"):
@@ -72,12 +75,13 @@ def _tails(log_dir: str) -> Iterable[str]:
                 continue
 
 
-def explain(log_dir: str | None, environ=os.environ, out=sys.stderr) -> list[str]:
-    """Prints (and returns) the lines for the failed writes into the snapshot that the workers'
-    outputs under ``log_dir`` show; nothing without a snapshot or a log directory."""
-    if not log_dir or not environ.get(SNAPSHOT_ENV):
+def explain(lines: Iterable[str], environ=os.environ, out=sys.stderr) -> list[str]:
+    """Prints (and returns) the lines for the failed writes into the snapshot that the workers' last
+    ``lines`` show (the launcher's relay keeps them; :func:`tails` reads torchrun's files); nothing
+    without a snapshot, and ``lines`` not read then."""
+    if not environ.get(SNAPSHOT_ENV):
         return []
-    said = [message(p, environ.get("DDP_CKPT_DIR")) for p in written_paths(_tails(log_dir), os.getcwd())[:MAX_LINES]]
+    said = [message(p, environ.get("DDP_CKPT_DIR")) for p in written_paths(lines, os.getcwd())[:MAX_LINES]]
     for line in said:
         out.write(line + "\n")
     out.flush()

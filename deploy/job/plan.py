@@ -24,10 +24,11 @@ from .runtime import TOOL_DIR, CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
 from .stall import Beat, Stall, StallRecord, ended_state, judge
 
-# $1 = "chown" or "nochown", $2 = the data directory, $3 = the checkpoint directory. Creates them;
-# for the docker runtime and when root, the data directory is handed to uid 1000 (the image's
-# `trainer` user) and the checkpoint directory made the job's to write into but not to rename what
-# the tool keeps there (job_root); otherwise they must be writable.
+# $1 = the job's uid ("": the job runs as the SSH user), $2 = the data directory, $3 = the checkpoint
+# directory. Creates them; where the job has a uid of its own (the docker runtime's: the image's
+# `trainer` user) and the SSH user is root, the data directory is handed to it and the checkpoint
+# directory made its to write into but not to rename what the tool keeps there (job_root);
+# otherwise they must be writable.
 MAKE_DIRS = TOOL_DIR + node_program("make_dirs.sh")
 
 
@@ -256,7 +257,7 @@ def logs_argv(inv: Inventory, node: Node, *, tail: int | None, follow: bool) -> 
 
 def make_dirs_argv(inv: Inventory) -> tuple[str, ...]:
     s = inv.storage
-    return ("sh", "-c", MAKE_DIRS, "sh", runtime(inv).dirs_mode, s.data.host, s.checkpoints.host)
+    return ("sh", "-c", MAKE_DIRS, "sh", runtime(inv).job_uid, s.data.host, s.checkpoints.host)
 
 
 def python_check_argv(inv: Inventory) -> tuple[str, ...]:

@@ -28,8 +28,9 @@ RUN_SUBDIR = ".ddp-deploy"
 
 # A shell function: kill_run RUNDIR [PID] kills every process of this user (all four uids) whose
 # environment carries the run's DDP_DEPLOY_RUN=RUNDIR marker (torchrun and its workers, which live
-# in sessions of their own), except PID: another user's process that sets the marker is left alone. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run
-# directory of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
+# in sessions of their own), except PID: another user's process that sets the marker is left
+# alone. The marker is compared as a fixed string (-F), whole (-x): as a pattern, the run directory
+# of job exp.1 would match exp-1's, and one job's stop or end would kill the other.
 # One grep reads every process's environment (one a process took seconds on a busy node), and it
 # returns once the killed are gone (at most 5 s): a stop that says stopped leaves none of them.
 # No single quote in it: the supervisor's script below is one quoted word.
@@ -37,7 +38,7 @@ KILL_RUN = node_program("kill_run.sh")
 
 # Shell functions: tool_dir ROOT NAME... makes and checks a directory only this tool writes, below
 # the checkpoint directory ROOT; job_root ROOT makes ROOT the job's to write into, but not to rename
-# what this tool keeps there.
+# what this tool keeps there; run_dir ROOT SUB JOB RUN, both for a run's directory.
 TOOL_DIR = node_program("tool_dir.sh")
 
 # reuse|keep, the probe command's key, the image's name, then the probe's argv: a CPU node's good
@@ -200,8 +201,9 @@ rm -f "$run/pid" "$run/exit" "$run/ending"
 LAUNCH_ID = node_program("launch_id.sh")
 
 # $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
-# the node, $5 = the job's uid (its files are read with its rights: as_job.sh). The same lines as HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy,
-# named by the container's DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
+# the node, $5 = the job's uid (its files are read with its rights: as_job.sh). The same lines as
+# HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy, named by the container's
+# DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
 # such container" is absent: any other failure of the engine (busy) fails the command, so it reads
 # as a node that did not answer this time, never as a job that ended.
 DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4; job_uid=$5
@@ -235,7 +237,7 @@ beats=$8
 if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   started=${s#* }; s=${s%% *}
-  run=$(launch_id "$c") && tool_dir "$root" "$sub" "$name" runs "$run" 2>/dev/null && kept=$root/$sub/$name/runs/$run/$node || kept=""
+  run=$(launch_id "$c") && run_dir "$root" "$sub" "$name" "$run" 2>/dev/null && kept=$root/$sub/$name/runs/$run/$node || kept=""
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
   # what this start of the container printed (STOPPED_LINE takes the stop's line from its end)
   said=""; this_start() { docker logs --since "$started" --tail 20000 "$c" 2>&1; }
@@ -381,11 +383,9 @@ class Runtime:
     """The commands one runtime uses on a node."""
 
     name = ""
-    dirs_mode = "nochown"
-    """How deploy creates the shared directories (MAKE_DIRS): chown them to uid 1000, or not."""
     job_uid = ""
-    """The user the job runs as, where it is not the SSH user's (as_job.sh): what the job wrote is
-    read with its rights, never root's."""
+    """The user the job runs as, where it is not the SSH user's (as_job.sh): deploy hands it the
+    shared directories (MAKE_DIRS), and what the job wrote is read with its rights, never root's."""
 
     def __init__(self, inv: Inventory, code: CodeDir | None = None, run: str | None = None) -> None:
         self.inv = inv
@@ -475,7 +475,6 @@ class Runtime:
 
 class DockerRuntime(Runtime):
     name = "docker"
-    dirs_mode = "chown"
     job_uid = JOB_UID
 
     def job_dirs(self) -> tuple[str, str]:

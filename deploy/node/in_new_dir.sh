@@ -4,7 +4,7 @@
 # runs the command. Every part above it is checked to be this tool's alone (tool_dir), so no link
 # the job planted turns the chown into one of another directory.
 job_uid=$1; root=$2; sub=$3; job=$4; run=$5; node=$6; shift 6
-mkdir -p -- "$root" && job_root "$root" && tool_dir "$root" "$sub" "$job" runs "$run" || exit 1
+run_dir "$root" "$sub" "$job" "$run" || exit 1
 dir=$root/$sub/$job/runs/$run/$node
 mkdir -m 0755 -- "$dir" 2>/dev/null
 if [ ! -d "$dir" ] || [ -L "$dir" ]; then echo "cannot make $dir" >&2; exit 1; fi

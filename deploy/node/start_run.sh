@@ -4,7 +4,7 @@
 # the job's, removed with its rights (as_job).
 # shellcheck disable=SC2034  # job_uid is read by job_root and as_job
 job_uid=$1; root=$2; sub=$3; name=$4; run=$5; keep=$6; tb=$7
-mkdir -p -- "$root" && job_root "$root" && tool_dir "$root" "$sub" "$name" runs "$run" || exit 1
+run_dir "$root" "$sub" "$name" "$run" || exit 1
 job=$root/$sub/$name
 cat > "$job/runs/$run/run.json.tmp" && mv "$job/runs/$run/run.json.tmp" "$job/runs/$run/run.json" || exit 1
 cp "$job/runs/$run/run.json" "$job/launch.json.tmp" && mv "$job/launch.json.tmp" "$job/launch.json" || exit 1

@@ -27,3 +27,8 @@ tool_dir() {
 job_root() {
   if [ -n "${job_uid:-}" ] && [ "$(id -u)" = 0 ]; then chown "0:$job_uid" -- "$1" && chmod 1775 -- "$1"; fi
 }
+# run_dir ROOT SUB JOB RUN: the directory of a run, ROOT/SUB/JOB/runs/RUN, with every part made and
+# checked (tool_dir), ROOT made on the way and handed to the job to write into (job_root).
+run_dir() {
+  mkdir -p -- "$1" && job_root "$1" && tool_dir "$1" "$2" "$3" runs "$4"
+}
