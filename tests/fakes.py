@@ -32,8 +32,10 @@ a = sys.argv[1:]
 def read(name, default=None):
     p = os.path.join(d, name)
     return open(p).read() if os.path.exists(p) else default
-def write(name, text):
-    open(os.path.join(d, name), "w").write(text)
+def write(name, text):  # whole or not at all: the nodes of one test share this directory
+    tmp = os.path.join(d, f".{name}.{os.getpid()}")
+    open(tmp, "w").write(text)
+    os.replace(tmp, os.path.join(d, name))
 """
 """The start of a fake ``docker`` script: its arguments ``a``, and ``read`` / ``write`` of the files in
 its state directory ``d`` ($FAKE_DOCKER_DIR), where the test sets what it answers."""

@@ -455,9 +455,11 @@ def load_problem(node_images: NodeImages, load_stdout: str, image_id: str | Iden
     if not holds(dataclasses.replace(got, store=store), image_id):
         want = image_id.on(store) if isinstance(image_id, Identity) else image_id
         return f"after loading, the node ({store} store) has {got.image_id or 'no image'}, expected {want}"
-    if not got.listed:
+    if not got.listed and store == CONTAINERD:
         return ("loaded, but the node's containerd store does not list the image: the content of layers left "
                 "out is not there (its copy came from a registry or a local build); the next deploy sends every layer")
+    if not got.listed:
+        return f"loaded, but the node's {store} store does not list the image {got.image_id}"
     return None
 
 
