@@ -34,7 +34,7 @@ import time
 from string import Template
 
 from .compat import binds_stores
-from . import exits, heartbeat, snapshot_hint, zygote
+from . import exits, formed, heartbeat, snapshot_hint, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -527,7 +527,8 @@ def main() -> None:
     if beats is None:
         os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
     watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall, job.stall_timeout
-    os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
+    record = os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
+    group = formed.Watch(beats, record).start()  # a rank's heartbeat seen: kept with the run (trainer/formed.py)
     if watchdog is not None:
         watchdog.start()
     relay = None
@@ -545,6 +546,7 @@ def main() -> None:
                 watchdog.end()
             raise
         finally:  # a write into the code snapshot: say so, where the worker's error may name no path
+            group.end()
             heartbeat.remove(beats)
             if relay is not None:
                 relay.drain()
