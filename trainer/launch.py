@@ -506,6 +506,10 @@ def main() -> None:
     # store is then made by the trainer (trainer.dist), bound to the node's address.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault(PREFIX_TEMPLATE_ENV, RANK_PREFIX)
+    try:  # train.code: the node's own working directory, before any process (the zygote) starts
+        snapshot = workdir.enter()
+    except (workdir.WorkDirError, OSError) as exc:
+        sys.exit(f"trainer.launch: error: the working directory {workdir.path()}: {exc}")
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     from torch.distributed.run import main as torchrun
 
@@ -551,7 +555,7 @@ def main() -> None:
             if relay is not None:
                 relay.drain()
             snapshot_hint.explain(relay.lines() if relay is not None
-                                  else snapshot_hint.tails(option([*log_dir, *args], "--log-dir")))
+                                  else snapshot_hint.tails(option([*log_dir, *args], "--log-dir")), snapshot=snapshot)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ class SshFleet(Engine):
             click.echo(f"launch {phases.describe(started.phases)}")
             if not wait:
                 return
-            final = render.follow(inv, remote, timeout, self.st.redact)
+            final = render.follow(inv, remote, timeout, self.st.redact, run=started.run)
             click.echo(fleet.verdict(inv, final, remote, self.st.redact))
 
     def join(self, node: str, dry_run: bool) -> None:

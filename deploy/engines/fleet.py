@@ -361,7 +361,7 @@ def plot(inv, remote, path: str | Path, run_ids: tuple[str, ...] = (), redact: C
     it drew, as a line."""
     plotting.require_matplotlib()
     by_run, sources = metrics(inv, remote, run_ids, redact, warn)
-    plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run")
+    plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run", from_logs=sources)
     return plotting.wrote(path, plotting.select(by_run, run_ids), sources)
 
 
@@ -679,10 +679,13 @@ def read_logs(remote: Remote, reads: dict[str, tuple[str, ...]], on_line: Callab
     """Each line of the logs ``reads`` names, to ``on_line`` as it comes (secrets masked; only the
     ``ranks`` asked for): every node at once when following, else node after node, since a log can
     outgrow this machine's memory. A RemoteFailure where a node's log could not be read."""
+    shown: dict[str, str] = {}
+
     def emit(node: str, line: str) -> None:
         rank, text = view.split_rank(line)
         if not ranks or rank in ranks:
             on_line(LogLine(node, rank, redact(text)))
+            shown[node] = line
 
     if follow:
         results = remote.stream(reads, emit)
@@ -691,7 +694,7 @@ def read_logs(remote: Remote, reads: dict[str, tuple[str, ...]], on_line: Callab
         for n, argv in reads.items():
             results.update(remote.stream({n: argv}, emit))
     if not all(r.ok for r in results.values()):
-        raise RemoteFailure("logs", results, hint="no run on that node yet, or unreachable")
+        raise RemoteFailure("logs", view.said_once(results, shown), hint="no run on that node yet, or unreachable")
 
 
 class Fleet:

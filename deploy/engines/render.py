@@ -11,7 +11,7 @@ from dataclasses import asdict
 import click
 
 from ..checks import netcheck
-from ..job import phases
+from ..job import phases, record
 from ..nodes.remote import command_line
 from ..observe import doctor, view
 from ..text import DataTable, Screen, cell, safe
@@ -94,9 +94,12 @@ def show_diagnosis(found: doctor.Diagnosis, as_json: bool) -> None:
         click.echo(safe(line))
 
 
-def follow(inv, remote, timeout, redact):
+def follow(inv, remote, timeout, redact, run: str | None = None):
     """Waits for the job's end, showing every node's state and progress as it goes: a table
-    redrawn in place on a terminal, plain lines otherwise (CI logs, pipes)."""
+    redrawn in place on a terminal, plain lines otherwise (CI logs, pipes); with ``run`` (the
+    launch's), its first step too, kept in its record (deploy/job/phases.py FirstStep)."""
+    first = phases.FirstStep(say, lambda found: record.keep_first_step(inv, remote, fleet.readers(inv)[0].name, run,
+                                                                      found, warn)) if run else None
     with contextlib.ExitStack() as screen:
         if out.is_terminal:
             from rich.live import Live
@@ -105,8 +108,12 @@ def follow(inv, remote, timeout, redact):
             show = lambda states: live.update(status_table(inv, states))  # noqa: E731
         else:
             show = view.PlainFollower(click.echo).update
-        final = fleet.wait(inv, remote, timeout, redact, show=show, say=say, last=lambda states: print_status(inv, states))
+        watched = show if first is None else lambda states: (show(states), first.see(states))  # noqa: E731
+        final = fleet.wait(inv, remote, timeout, redact, show=watched, say=say,
+                           last=lambda states: print_status(inv, states))
     print_status(inv, final)
+    if first:
+        first.end()
     return final
 
 
@@ -136,6 +143,7 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact, running=lambda:
     prepared = phases.describe(run.record.get("launch_phases"))
     if prepared:
         click.echo(f"launch before the start {prepared}")
+    click.echo(phases.describe_first(run.record.get("first_step")) or "first step: not known (kept by `launch --wait`)")
     out.print(view.table(inv.job.name, ranks, states))
     if good:
         click.echo(good.describe())

@@ -1,11 +1,12 @@
-"""Where a launch's time went, on the operator's side (issue 25): each part of ``launch`` timed in
-order (the fleet lock, the nodes' states, the code sync, the preflight checks, the image check,
-the run's record, the start on the nodes). ``launch`` prints them in one line once the job has
-started; those before the start are kept in the run's record (``launch_phases``), which
-``status --run`` shows again.
+"""Where a launch's time went, on the operator's side: each part of ``launch`` timed in order (the
+fleet lock, the nodes' states, the code sync, the preflight checks, the image check, the run's
+record, the start on the nodes). ``launch`` prints them in one line once the job has started;
+those before the start are kept in the run's record (``launch_phases``), which ``status --run``
+shows again. Then, for any program, the job's first step (:class:`FirstStep`): ``launch --wait``
+prints when it came and keeps it in the run's record beside them (``first_step``).
 
-A record is data from the shared volume: :func:`describe` shows only names and finite numbers of
-seconds from it, as text.
+A record is data from the shared volume: :func:`describe` and :func:`describe_first` show only
+names and finite numbers of seconds from it, as text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+
+from trainer.output import PREFIX
 
 from ..text import safe
 
@@ -58,3 +61,76 @@ def describe(phases: object) -> str | None:
 
 def _seconds(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.1f} s" if s < 1e6 else f"{s:.3g} s"
+
+
+NO_FIRST_STEP = ("no first step seen: no node printed a METRICS line, and no rank's heartbeat had a step while "
+                 "`launch --wait` watched (docs/own-code.md: Metrics)")
+
+
+class FirstStep:
+    """The job's first step, as ``launch --wait`` sees the nodes' states at each poll
+    (deploy/job/plan.py ``NodeState``): a node's first METRICS line (docs/own-code.md, Metrics),
+    or a rank's first heartbeat with a step (trainer/heartbeat.py: every rank of any program beats
+    when its process group forms and at each collective), whichever a poll shows first. When: the
+    poll that first shows one, less the age of the oldest such heartbeat, and never before the poll
+    before it, which showed none: to within a poll's second. ``note`` is told it once, as a line;
+    ``keep`` once, as the run record's ``first_step`` (:func:`describe_first` reads it back)."""
+
+    def __init__(self, note: Callable[[str], None], keep: Callable[[dict], None] = lambda found: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._note, self._keep, self._clock = note, keep, clock
+        self.start = clock()
+        """The start: when the launch had started the job on every node."""
+        self._none_at = self.start
+        self.found: dict | None = None
+
+    def see(self, states: dict) -> None:
+        """One poll's states (node -> NodeState)."""
+        if self.found is not None:
+            return
+        now = self._clock()
+        seen = first_evidence(states)
+        if seen is None:
+            self._none_at = now
+            return
+        node, by, age = seen
+        at = max(self._none_at, now - age)
+        self.found = {"after_s": round(at - self.start, 1), "time": round(at, 3), "node": node, "by": by}
+        self._note(describe_first(self.found) or "")
+        self._keep(self.found)
+
+    def end(self) -> None:
+        """The job has ended: says so where no poll showed a step."""
+        if self.found is None:
+            self._note(NO_FIRST_STEP)
+
+
+def first_evidence(states: dict) -> tuple[str, str, float] | None:
+    """The earliest sign of a step the states show: (node, what, its age in seconds: 0 for a
+    METRICS line, whose time of printing the node does not say); None where there is none. Only
+    a running or ended node's: another's ``metrics`` says why it is not known."""
+    found = None
+    for node, s in states.items():
+        if not (s.running or s.ended):
+            continue
+        signs = [(b.age_s, f"rank {b.rank if b.rank is not None else '?'}'s heartbeat at step {b.step}")
+                 for b in s.beats if b.step is not None]
+        if s.metrics.startswith(PREFIX):
+            signs.append((0.0, "a METRICS line"))
+        for age, by in signs:
+            if found is None or age > found[2]:
+                found = (node, by, max(0.0, float(age)))
+    return found
+
+
+def describe_first(found: object) -> str | None:
+    """``first step after 12.3 s (node1: a METRICS line)`` from a ``first_step`` (of a record:
+    anything); None where it is not one this tool keeps."""
+    if not isinstance(found, dict):
+        return None
+    after, node, by = found.get("after_s"), found.get("node"), found.get("by")
+    if not (isinstance(after, (int, float)) and not isinstance(after, bool) and math.isfinite(after) and after >= 0
+            and isinstance(node, str) and isinstance(by, str)):
+        return None
+    return safe(f"first step after {after:.1f} s ({node}: {by})" if after < 1e6 else
+                f"first step after {_seconds(after)} ({node}: {by})")

@@ -9,10 +9,15 @@ import json
 import time
 
 from ..inventory import Inventory
+from ..node import node_program
 from . import secretenv
 from .payload import payload
 from .plan import endpoint, nnodes
-from .runtime import CodeDir, job_dir, runtime
+from .runtime import RUN_SUBDIR, TOOL_DIR, CodeDir, job_dir, runtime
+
+# stdin: the run's first step (first_step_line); first_step.sh has the arguments. Adds it to the
+# run's record, once.
+FIRST_STEP = TOOL_DIR + node_program("first_step.sh")
 
 def path(inv: Inventory) -> str:
     return f"{job_dir(inv)}/launch.json"
@@ -55,6 +60,26 @@ def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, 
         "hosts_yaml": redacted(inv.model_dump(mode="json"), redact),
         "launch_phases": launch_phases or {},
     }
+
+
+def first_step_argv(inv: Inventory, run: str) -> tuple[str, ...]:
+    """Adds ``first_step`` (deploy/job/phases.py FirstStep) to run ``run``'s record, where the
+    record was written (as ``launch`` writes it: the tool's own user)."""
+    return ("sh", "-c", FIRST_STEP, "sh", inv.storage.checkpoints.host, RUN_SUBDIR, inv.job.name, run)
+
+
+def first_step_line(found: dict) -> bytes:
+    """What :data:`FIRST_STEP` reads: the first step as one line of JSON."""
+    return (json.dumps(found) + "\n").encode()
+
+
+def keep_first_step(inv: Inventory, remote, reader: str, run: str, found: dict, warn) -> None:
+    """Keeps the first step in run ``run``'s record, written on node ``reader``; not fatal: the job
+    runs on without it, and ``warn`` says so."""
+    done = remote.run({reader: first_step_argv(inv, run)}, stdin={reader: first_step_line(found)}, check=False,
+                      timeout=60)[reader]
+    if not done.ok:
+        warn(f"{reader}: the first step was not kept in the record of run {run}: {done.summary()}")
 
 
 def redacted(value, redact):

@@ -215,10 +215,14 @@ def diagnose(ranks: list[RankStack], silent: dict[str, str], world_size: int | N
 
 
 def detail(d: Diagnosis, depth: int = 6) -> list[str]:
-    """The lines after the summary: each rank, where it is, and the top of its stack."""
+    """The lines after the summary: each rank, where it is, and on a line of its own, indented, the
+    top of its stack. Each is one line: the caller shows it as text, where a newline inside would be
+    shown escaped."""
     out = []
     for r in d.ranks:
         top = " < ".join(f.text() for f in r.frames[:depth])
         newest = f", newest collective {r.collective[1]} #{r.collective[0]}" if r.collective and not r.waiting else ""
-        out.append(f"{r.label} (pid {r.pid}, state {r.state}{newest}): {r.where()}" + (f"\n    {top}" if top else ""))
+        out.append(f"{r.label} (pid {r.pid}, state {r.state}{newest}): {r.where()}")
+        if top:
+            out.append(f"    {top}")
     return out

@@ -4,7 +4,8 @@ The input is the text of the job's ``metrics.jsonl`` (or a log's ``METRICS`` lin
 trainer/metrics.py writes, each of a launch tagged with its run id (``"run"``). A run that file
 has no record of (any program but the built-in trainer) is read from the ``METRICS`` lines of its
 kept logs (deploy/job/runs.py) instead; a picture with such a run draws every numeric field, one
-panel each, against ``step`` (or the line's order where the run's lines have none). The lines are
+panel each, against ``step`` (or the line's order where the run's lines have none), the lines of
+each ``kind`` (docs/own-code.md: ``train``, ``eval``) a curve of their own. The lines are
 job data: one that is not a JSON object is skipped, and so is a value that is not a finite
 number within :data:`LARGEST` (matplotlib cannot lay out an axis past that). Pure functions;
 matplotlib is imported by :func:`render` alone, with the Agg canvas (no display, no pyplot state),
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from trainer.output import PREFIX
@@ -45,6 +46,9 @@ LARGEST = 1e100
 """The largest magnitude drawn: two values near float's limit make an axis whose span overflows."""
 TRAINER_KINDS = ("train", "eval", "resumed", "final", "stopped")
 """The built-in trainer's kinds of record: a run whose records all have one gets :data:`PANELS`."""
+NOT_DRAWN = ("step", "run", "time")
+"""Fields a picture of any program's runs has no panel for: the x axis, the run id, and the line's
+wall-clock time (docs/own-code.md's ``report`` adds it to every line)."""
 FROM_FILE, FROM_LOGS = "metrics.jsonl", "its logs' METRICS lines"
 
 # $1 = metrics.jsonl, $2 = the runs dir. The kept runs' ids, one a line, then "@@jsonl" and the
@@ -115,14 +119,41 @@ def is_trainer(records: Sequence[dict]) -> bool:
     return all(r.get("kind") in TRAINER_KINDS for r in records)
 
 
+def trainer_picture(chosen: dict[str, list[dict]], from_logs: Collection[str] = ()) -> bool:
+    """Whether ``chosen`` is drawn as the built-in trainer's runs (:data:`PANELS`): every run read
+    from metrics.jsonl, every record of a trainer kind. A run read from its logs is any program's,
+    whose ``train`` and ``eval`` lines name their fields as it likes (docs/own-code.md: an ``eval``
+    line's ``acc``): every numeric field of it is drawn."""
+    return not any(run in from_logs for run in chosen) and all(is_trainer(records) for records in chosen.values())
+
+
+ANY_KIND = object()
+""":func:`field_series`'s ``kind`` for the records of every kind."""
+
+
+def kinds(records: Sequence[dict], field: str) -> list:
+    """The ``kind`` of the records of ``records`` with a number in ``field``, in order of first
+    appearance (None: a line without a text ``kind``): each is a curve of its own."""
+    seen: dict = {}
+    for record in records:
+        if number(record.get(field)) is not None:
+            seen.setdefault(_kind(record), None)
+    return list(seen)
+
+
+def _kind(record: dict) -> str | None:
+    kind = record.get("kind")
+    return kind if isinstance(kind, str) else None
+
+
 def numeric_fields(runs: dict[str, list[dict]]) -> list[str]:
     """Every field with a number in some record of ``runs``, in order of first appearance; not
-    ``step`` (the x axis) nor ``run``."""
+    those of :data:`NOT_DRAWN`."""
     seen: dict[str, None] = {}
     for records in runs.values():
         for record in records:
             for key, value in record.items():
-                if key not in seen and key not in ("step", "run") and number(value) is not None:
+                if key not in seen and key not in NOT_DRAWN and number(value) is not None:
                     seen[key] = None
     return list(seen)
 
@@ -132,9 +163,10 @@ def by_step(records: Sequence[dict]) -> bool:
     return bool(records) and all(number(r.get("step")) is not None for r in records)
 
 
-def field_series(records: Sequence[dict], field: str) -> tuple[list[float], list[float]]:
-    """(x, values) of ``field``: x the step (a ``resumed`` record drops what came after its step,
-    as :func:`series` does), or the record's place among the run's METRICS lines (1, 2, ...)."""
+def field_series(records: Sequence[dict], field: str, kind=ANY_KIND) -> tuple[list[float], list[float]]:
+    """(x, values) of ``field`` in the records of ``kind`` (:data:`ANY_KIND`: all; None: those
+    without one): x the step (a ``resumed`` record drops what came after its step, as :func:`series`
+    does), or the record's place among the run's METRICS lines (1, 2, ...)."""
     stepped = by_step(records)
     xs: list[float] = []
     values: list[float] = []
@@ -145,7 +177,7 @@ def field_series(records: Sequence[dict], field: str) -> tuple[list[float], list
             xs, values = xs[:kept], values[:kept]
             continue
         value = number(record.get(field))
-        if value is not None:
+        if value is not None and (kind is ANY_KIND or _kind(record) == kind):
             xs.append(x)
             values.append(value)
     return xs, values
@@ -213,10 +245,10 @@ def require_matplotlib() -> None:
 def select(runs: dict[str, list[dict]], wanted: Sequence[str] = ()) -> dict[str, list[dict]]:
     """The runs to plot: all, or those named in ``wanted`` (an id or the start of one)."""
     if not any(runs.values()):
-        raise RuntimeFailure("no metrics records to plot",
-                             hint="neither metrics.jsonl nor a kept run's logs hold one: wait for the job's first "
-                                  "logging interval; a program of your own prints `METRICS {...}` lines (docs/own-code.md: "
-                                  "Metrics)")
+        raise RuntimeFailure("no metrics records to plot: neither metrics.jsonl nor a kept run's logs hold one",
+                             hint="no run printed a `METRICS {...}` line (docs/own-code.md: Metrics), and a run that "
+                                  "has ended prints none more; a run still going prints its first after its first "
+                                  "logging interval")
     chosen: dict[str, list[dict]] = {}
     for name in wanted:
         found = [run for run in runs if run == name] or [run for run in runs if run.startswith(name)]
@@ -235,7 +267,7 @@ def wrote(path: str | Path, chosen: dict[str, list[dict]], sources: dict[str, st
     left out of a picture of more than :data:`MAX_PANELS`."""
     runs = ", ".join(f"{run} from {sources.get(run, FROM_FILE)}" for run in chosen)
     said = f"wrote {path}: {len(chosen)} run{'s' * (len(chosen) != 1)} ({runs})"
-    if not all(is_trainer(records) for records in chosen.values()):
+    if not trainer_picture(chosen, [run for run in chosen if sources.get(run, FROM_FILE) != FROM_FILE]):
         left = numeric_fields(chosen)[MAX_PANELS:]
         if left:
             said += f"; {len(left)} more field{'s' * (len(left) != 1)} not drawn ({', '.join(left[:20])})"
@@ -243,12 +275,14 @@ def wrote(path: str | Path, chosen: dict[str, list[dict]], sources: dict[str, st
 
 
 def render(runs: dict[str, list[dict]], path: str | Path, *, wanted: Sequence[str] = (),
-           title: str = "metrics by run"):
+           title: str = "metrics by run", from_logs: Collection[str] = ()):
     """Writes one PNG to ``path``, one colour per run, a legend naming the runs: the built-in
     trainer's runs get a panel per :data:`PANELS` entry, x the global step (train solid, eval
     dashed with dots; the lines' data are exactly :func:`series` per run); a picture with any
-    other program's run gets a panel per numeric field (:func:`numeric_fields`, the first
-    :data:`MAX_PANELS`), its lines :func:`field_series`. Returns the ``matplotlib.figure.Figure``."""
+    other program's run (``from_logs``: the runs read from their logs' METRICS lines, or of kinds
+    the trainer has not) gets a panel per numeric field (:func:`numeric_fields`, the first
+    :data:`MAX_PANELS`), a line per run and kind, :func:`field_series`. Returns the
+    ``matplotlib.figure.Figure``."""
     chosen = select(runs, wanted)
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -256,7 +290,7 @@ def render(runs: dict[str, list[dict]], path: str | Path, *, wanted: Sequence[st
 
     # Run ids and field names are job data: a "$" in them is text, not mathtext to parse.
     with matplotlib.rc_context({"text.parse_math": False}):
-        trainer = all(is_trainer(records) for records in chosen.values())
+        trainer = trainer_picture(chosen, from_logs)
         fields = [] if trainer else numeric_fields(chosen)[:MAX_PANELS]
         if not trainer and not fields:
             raise RuntimeFailure(f"no numeric field to plot in run(s) {safe(', '.join(chosen))}",
@@ -295,16 +329,23 @@ def _trainer_panels(axes, chosen: dict[str, list[dict]]) -> None:
             ax.legend(fontsize="small")
     if not plotted:
         raise RuntimeFailure(f"no train or eval records to plot in run(s) {safe(', '.join(chosen))}",
-                             hint="the job has not finished a logging interval yet")
+                             hint="a run that has ended logged none; a run still going logs its first after its "
+                                  "first logging interval")
     axes[-1].set_xlabel("global step")
 
 
 def _field_panels(axes, chosen: dict[str, list[dict]], fields: Sequence[str]) -> None:
     for ax, field in zip(axes, fields):
         for colour, (run, records) in enumerate(chosen.items()):
-            xs, values = field_series(records, field)
-            if xs:
-                ax.plot(xs, values, color=f"C{colour % 10}", label=safe(run), marker="." if len(xs) < 50 else None)
+            of_kinds = kinds(records, field)
+            for kind in of_kinds:
+                xs, values = field_series(records, field, kind)
+                if not xs:
+                    continue
+                label = run if len(of_kinds) == 1 or kind is None else f"{run} {kind}"
+                style = ({"linestyle": "--", "marker": "o", "markersize": 4} if kind == "eval"
+                         else {"marker": "." if len(xs) < 50 else None})
+                ax.plot(xs, values, color=f"C{colour % 10}", label=safe(label), **style)
         ax.set_title(safe(field), loc="left", fontsize="medium")
         ax.grid(alpha=0.3)
         if ax.get_lines():

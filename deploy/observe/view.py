@@ -17,7 +17,7 @@ import json
 import math
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from rich.table import Table
 
@@ -53,6 +53,19 @@ def split_rank(line: str) -> tuple[int | None, str]:
 def log_label(node: str, rank: int | None) -> str:
     """What `logs` puts in front of a line: ``node1 rank3``, or the node alone (torchrun's lines)."""
     return node if rank is None else f"{node} rank{rank}"
+
+
+def said_once(results: dict, shown: dict[str, str]) -> dict:
+    """The results of a failed ``logs`` read (deploy/nodes/transport.py ``Result``s) to name in its
+    error: a node's read that ran and failed says why in its last line, which ``logs`` showed among
+    the node's lines where it was the last line shown (``shown``: node -> the last line shown); that
+    one's result refers to it instead of repeating it. One it did not show (a ``--rank`` that
+    left it out) stays in the error."""
+    def once(node, r):
+        if r.ok or r.error or not r.stdout or shown.get(node) != r.stdout:
+            return r
+        return replace(r, stdout="", stderr="its last line, shown above")
+    return {n: once(n, r) for n, r in results.items()}
 
 
 LARGEST = 2 ** 53
@@ -119,9 +132,23 @@ class Progress:
         """The columns of ``status``, formatted."""
         epoch = "-" if self.epoch is None else f"{self.epoch}" + ("" if self.epochs is None else f"/{self.epochs}")
         return {"epoch": epoch, "step": _fmt(self.step, "d"), "loss": _fmt(self.loss, ".4g"),
-                "acc": "-" if self.acc is None else f"{self.acc:.1%}",
+                "acc": acc_text(self.acc),
                 "samples/s": _fmt(self.samples_per_s, ",.0f"),
                 "ETA": "-" if self.eta_s is None or self.kind != "train" else duration(self.eta_s)}
+
+
+def acc_text(acc: float | None) -> str:
+    """``acc`` as ``status`` shows it (docs/own-code.md, Metrics): a fraction from 0 to 1 as the
+    percentage it is (0.975 -> ``97.5%``; 1 is a fraction: ``100.0%``), a percentage above 1 up to
+    100 as printed (97.5 -> ``97.5%``), and a value outside 0 to 100 as the number printed, no
+    ``%`` (scaling it would show a share no accuracy has)."""
+    if acc is None:
+        return "-"
+    if 0 <= acc <= 1:
+        return f"{acc:.1%}"
+    if 1 < acc <= 100:
+        return f"{acc:.1f}%"
+    return format(acc, ".6g")
 
 
 def _fmt(value, spec: str) -> str:
