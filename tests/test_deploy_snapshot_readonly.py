@@ -1,6 +1,7 @@
-"""The code snapshot as the program's working directory, through the real CLI on a local
-host-runtime node: read-only for root too, a failed write into it explained in one line, and a
-project with a trainer/ package of its own still run by the bundle's launcher."""
+"""The read-only code snapshot behind the program's working directory (trainer/workdir.py), through
+the real CLI on a local host-runtime node: a snapshot something wrote into is moved aside and named,
+a failed write through a file of the code is explained in one line, and a project with a trainer/
+package of its own still runs the bundle's launcher."""
 
 from __future__ import annotations
 
@@ -39,35 +40,6 @@ def ddp(tmp_path, monkeypatch):
 def _snapshot(tmp_path: Path) -> Path:
     (snap,) = [p for p in (tmp_path / "nas/ckpt/.ddp-deploy/code/snapshots").iterdir() if ".moved-" not in p.name]
     return snap
-
-
-def _can_mount() -> bool:
-    return subprocess.run(["unshare", "--mount", "--propagation", "slave", "true"], capture_output=True).returncode == 0
-
-
-SAVES_IN_CWD = """\
-with open("snapshot.pt", "wb") as f:  # the tutorial's checkpoint: into the working directory
-    f.write(b"weights")
-"""
-
-
-@pytest.mark.e2e
-@pytest.mark.skipif(os.geteuid() != 0, reason="the read-only mount is what root gets; others meet the file modes")
-@pytest.mark.skipif(os.geteuid() == 0 and not _can_mount(), reason="root here cannot make a mount namespace")
-def test_a_program_run_as_root_cannot_save_into_the_snapshot_and_is_told_where_to_write(ddp, tmp_path):
-    project = tmp_path / "tutorial"
-    project.mkdir()
-    (project / "train.py").write_text(SAVES_IN_CWD)
-    hosts = _hosts(tmp_path, {"script": "train.py", "code": str(project)})
-
-    r = ddp(hosts, "launch", "--wait", "--timeout", "120")
-    assert r.exit_code == 1, r.output
-    logs = ddp(hosts, "logs").stdout
-    said = [line for line in logs.splitlines() if "trainer.launch: snapshot.pt" in line]
-    assert said and said[0].endswith("trainer.launch: snapshot.pt is in the read-only code snapshot (the working "
-                                     f"directory); write to $DDP_CKPT_DIR ({tmp_path / 'nas/ckpt'})"), logs
-    assert not (_snapshot(tmp_path) / "snapshot.pt").exists()
-    assert ddp(hosts, "stop").exit_code == 0
 
 
 @pytest.mark.e2e
@@ -134,43 +106,78 @@ def test_the_bundle_module_form_skips_a_trainer_package_in_the_working_directory
     assert ours.returncode == 0 and "shadowed" not in ours.stdout, ours.stderr
 
 
-@pytest.mark.parametrize("line, named", [
-    ("[rank0]: PermissionError: [Errno 13] Permission denied: 'snapshot.pt'", "snapshot.pt"),
-    ("OSError: [Errno 30] Read-only file system: 'runs'", "runs"),
-    ('PermissionError: [Errno 13] Permission denied: "it\'s.pt"', "it's.pt"),
-    ("RuntimeError: [enforce fail at inline_container.cc:747] . open file failed with strerror: Read-only file system", "."),
-    ("RuntimeError: File ckpt/last.pt cannot be opened.", "ckpt/last.pt"),
-    ("touch: cannot touch 'out.txt': Permission denied", "out.txt"),
-    ("sh: 1: cannot create log.txt: Read-only file system", "log.txt"),
+def _linked(tmp_path: Path, names: list[str]) -> tuple[Path, Path]:
+    """A snapshot holding ``names`` and a working directory of links to them (trainer/workdir.py)."""
+    snap, work = tmp_path / "snap", tmp_path / "work"
+    for name in names:
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)
+        (snap / name).write_text("")
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(snap / name, work / name)
+    return snap, work
+
+
+@pytest.mark.parametrize("line, named, kind", [
+    ("[rank0]: PermissionError: [Errno 13] Permission denied: 'snapshot.pt'", "snapshot.pt", "link"),
+    ("OSError: [Errno 30] Read-only file system: 'runs/x'", "runs/x", "link"),
+    ('PermissionError: [Errno 13] Permission denied: "it\'s.pt"', "it's.pt", "link"),
+    ("RuntimeError: [enforce fail at inline_container.cc:747] . open file failed with strerror: Read-only file system",
+     ".", "directory"),
+    ("RuntimeError: File ckpt/last.pt cannot be opened.", "ckpt/last.pt", "link"),
+    ("touch: cannot touch 'out.txt': Permission denied", "out.txt", "link"),
+    ("sh: 1: cannot create log.txt: Read-only file system", "log.txt", "link"),
+    ("PermissionError: [Errno 13] Permission denied: '{snap}/data'", "{snap}/data", "snapshot"),
 ])
-def test_a_failed_write_into_the_snapshot_is_found_in_each_writers_words(tmp_path, line, named):
-    assert snapshot_hint.written_paths([line], str(tmp_path)) == [named]
+def test_a_failed_write_through_the_code_is_found_in_each_writers_words(tmp_path, line, named, kind):
+    snap, work = _linked(tmp_path, ["snapshot.pt", "runs/x", "it's.pt", "ckpt/last.pt", "out.txt", "log.txt"])
+    line, named = line.replace("{snap}", str(snap)), named.replace("{snap}", str(snap))
+    assert snapshot_hint.written_paths([line], str(snap), str(work)) == [snapshot_hint.Write(named, kind)]
 
 
-def test_an_error_naming_only_the_working_directory_says_so_without_a_path():
-    said = snapshot_hint.message(".", "/ckpt")
-    assert said == ("trainer.launch: the working directory is the read-only code snapshot: a file cannot be "
-                    "written there; write to $DDP_CKPT_DIR (/ckpt)")
+def test_each_failed_write_is_said_in_one_line_naming_the_file_or_the_code_s_files_there(tmp_path):
+    snap, work = _linked(tmp_path, ["model.pth", "train.py", "a/b.pt"])
+    said = snapshot_hint.message(snapshot_hint.Write("model.pth", "link"), "/ckpt", str(snap), str(work))
+    assert said == ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it "
+                    "cannot be written; leave it out of train.code (train.code.ignore) so that the program writes "
+                    "its own, or write to $DDP_CKPT_DIR (/ckpt)")
+    said = snapshot_hint.message(snapshot_hint.Write(".", "directory"), "/ckpt", str(snap), str(work))
+    assert said.startswith("trainer.launch: a write in the working directory failed on a file of your code, a link "
+                           "to the read-only code snapshot (torch names no file; the code's files there that are not "
+                           "Python: model.pth); ")
+    said = snapshot_hint.message(snapshot_hint.Write(f"{snap}/x", "snapshot"), None, str(snap), str(work))
+    assert said == (f"trainer.launch: {snap}/x is inside the read-only code snapshot itself (a resolved path leads "
+                    "there, as Path(__file__).resolve() does): write relative to the working directory, or to "
+                    "$DDP_CKPT_DIR")
+    assert all(snapshot_hint.is_hint(line) for line in [said])
 
 
 def test_a_failed_write_elsewhere_or_another_error_is_not_blamed_on_the_snapshot(tmp_path):
+    snap, work = _linked(tmp_path, ["train.py"])
+    (work / "mine").mkdir()
     lines = ["PermissionError: [Errno 13] Permission denied: '/etc/shadow'",
              "OSError: [Errno 30] Read-only file system: '../elsewhere.pt'",
+             "OSError: [Errno 30] Read-only file system: 'mine/new.pt'",
+             "RuntimeError: [enforce fail at inline_container.cc:747] mine open file failed with strerror: "
+             "Permission denied",
              "FileNotFoundError: [Errno 2] No such file or directory: 'data.csv'"]
-    assert snapshot_hint.written_paths(lines, str(tmp_path)) == []
+    assert snapshot_hint.written_paths(lines, str(snap), str(work)) == []
 
 
 def test_the_launcher_reads_the_workers_output_and_says_it_once_per_path_as_text(tmp_path, monkeypatch):
     import io
 
+    snap, work = _linked(tmp_path, ["a\x1b[2J.pt"])
     logs = tmp_path / "torchelastic/run_x/attempt_0/0"
     logs.mkdir(parents=True)
     (logs / "stderr.log").write_text("touch: cannot touch 'a\x1b[2J.pt': Permission denied\n" * 2)  # a raw ESC
     (logs / "stdout.log").write_text("")
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(work)
     out = io.StringIO()
-    said = snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), {"DDP_CODE_SNAPSHOT": "abc", "DDP_CKPT_DIR": "/ckpt"}, out)
-    assert said == ["trainer.launch: a\\x1b[2J.pt is in the read-only code snapshot (the working directory); "
-                    "write to $DDP_CKPT_DIR (/ckpt)"]
+    environ = {"DDP_CODE_SNAPSHOT": "abc", "DDP_CKPT_DIR": "/ckpt"}
+    said = snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), environ, out, str(snap))
+    assert said == ["trainer.launch: a\\x1b[2J.pt is a file of your code, a link to the read-only code snapshot: it "
+                    "cannot be written; leave it out of train.code (train.code.ignore) so that the program writes "
+                    "its own, or write to $DDP_CKPT_DIR (/ckpt)"]
     assert "\x1b" not in out.getvalue()
-    assert snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), {"DDP_CKPT_DIR": "/ckpt"}, io.StringIO()) == []
+    assert snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), {"DDP_CKPT_DIR": "/ckpt"},
+                                 io.StringIO(), str(snap)) == []

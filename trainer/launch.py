@@ -34,7 +34,7 @@ import time
 from string import Template
 
 from .compat import binds_stores
-from . import exits, formed, heartbeat, snapshot_hint, zygote
+from . import exits, formed, heartbeat, snapshot_hint, workdir, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV

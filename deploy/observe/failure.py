@@ -23,8 +23,11 @@ prints in these cases.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+
+from trainer.snapshot_hint import is_hint
 
 from ..text import lines as log_lines, safe
 from .view import split_rank
@@ -41,6 +44,10 @@ _TORCHRUN_LINE = re.compile(r"^(torch\.distributed\.elastic|ChildFailedError|[IW
 _LOST_PEER = re.compile(r"connection (closed|reset)|closed by (remote )?peer|broken pipe|remote process exited",
                         re.IGNORECASE)
 _BLOCK = re.compile(r"^\[\d+\]:\s*$")
+# mp.spawn's and start_processes' error in the parent: no message of its own, the worker's
+# traceback follows it, after "-- Process N terminated with the following error:".
+_RAISED_IN_WORKER = re.compile(r"^(?:[\w.]+\.)?(ProcessRaisedException):?\s*$")
+_WORKER_BLOCK = re.compile(r"^-- Process (\d+) terminated with the following error:")
 _SUMMARY_RANK = re.compile(r"^\s+rank\s*:\s*(\d+)")
 # The agent of a node whose workers all exited 0, when the other nodes never reach the barrier.
 _EXIT_BARRIER = re.compile(r"^[IWEF]\d{4} (\d{2}):(\d{2}):(\d{2}(?:\.\d+)?) .*Error waiting on exit barrier\. "
@@ -55,13 +62,17 @@ class Failure:
     time: str | None = None
     says: str | None = None
     """The program's first error line, if one was found."""
+    explained: str | None = None
+    """What the node's launcher said of that failure: a write through a file of the code, which
+    is a link to the read-only snapshot (trainer/snapshot_hint.py), the path where it is known."""
 
     def describe(self) -> str:
         """One line for the operator's terminal: the node, rank and exit code, and what the
         program said, its control characters escaped (deploy/text.py)."""
         who = self.node + (f" rank {self.rank}" if self.rank is not None else "")
         code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
-        return safe(f"{who} failed first{code}" + (f": {self.says}" if self.says else ""))
+        return safe(f"{who} failed first{code}" + (f": {self.says}" if self.says else "")
+                    + (f"; {self.explained}" if self.explained else ""))
 
 
 @dataclass(frozen=True)
@@ -108,11 +119,15 @@ def program_error(log: str, only: int | None = None) -> tuple[str | None, int | 
     """The program's first error line in ``log`` (before torchrun's failure summary), and the
     rank whose prefix it carried, if any; ``only``: of that rank's lines alone."""
     in_traceback, traceback_rank = False, None
+    raised: tuple[str, str | None] | None = None  # a ProcessRaisedException's name, and its worker's number
     for raw in log_lines(log):
         if ROOT_CAUSE in raw or "ChildFailedError" in raw:
             break
         rank, line = split_rank(raw)
         if only is not None and rank != only:
+            continue
+        if raised is not None and rank == traceback_rank and (m := _WORKER_BLOCK.match(line)):
+            raised = (raised[0], m[1])
             continue
         if line.startswith("Traceback (most recent call last)"):
             in_traceback, traceback_rank = True, rank
@@ -122,10 +137,17 @@ def program_error(log: str, only: int | None = None) -> tuple[str | None, int | 
             interleaved = _TORCHRUN_LINE.match(line) or (traceback_rank is not None and rank != traceback_rank)
             if (line.strip() and not interleaved and not line.startswith((" ", "\t"))
                     and not line.startswith("The above exception")):
+                if raised is None and (m := _RAISED_IN_WORKER.match(line.strip())):
+                    raised, in_traceback = (m[1], None), False  # the cause is the worker's traceback below
+                    continue
+                if raised is not None:
+                    return f"{raised[0]}: process {raised[1] or '?'}: {line.strip()}", rank
                 return line.strip(), rank
             continue
         if _ERROR_LINE.search(line) and not _TORCHRUN_LINE.match(line):
             return line.strip(), rank
+    if raised is not None:  # its worker's traceback is not in the log
+        return raised[0] + ":", traceback_rank
     return None, None
 
 
@@ -190,6 +212,16 @@ def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> 
     return cause, words
 
 
+def _explained(log: str) -> str | None:
+    """The node's launcher's first word on a write through a file of the code (a line of its own,
+    no rank's prefix: trainer/snapshot_hint.py), if it said one."""
+    for raw in log_lines(log):
+        rank, line = split_rank(raw)
+        if rank is None and is_hint(line):
+            return line.strip()
+    return None
+
+
 def first_failure(logs: dict[str, str]) -> Failure | None:
     """The job's first failure across ``logs`` (node -> log text, in inventory order); when that
     failure is a lost connection and a rank had exited 0 before it, that rank (:class:`LeftEarly`)."""
@@ -218,6 +250,9 @@ def first_failure(logs: dict[str, str]) -> Failure | None:
     # torchrun dates a failure to the second: of nodes that failed in the same one, a broken
     # connection is not the first
     first = min(timed, key=lambda f: (f.time, _lost(f.says))) if timed else found[0]
+    explained = _explained(logs[first.node])
+    if explained:
+        first = dataclasses.replace(first, explained=explained)
     if _lost(first.says):
         for node, log in logs.items():
             left, left_at = _left_early(log)
