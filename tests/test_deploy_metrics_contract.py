@@ -217,3 +217,19 @@ def test_the_first_step_is_kept_in_the_run_s_record_once_beside_the_launch_phase
     (run_dir / "run.json").write_text('{"forged": 1}')  # not as the tool writes a record: left as it is
     assert keep({"after_s": 1.0, "time": 1.0, "node": "here", "by": "x"}).returncode == 1
     assert (run_dir / "run.json").read_text() == '{"forged": 1}'
+
+
+@pytest.mark.parametrize("example", ["charlm", "regress"])
+def test_an_example_s_readme_describes_the_train_section_as_it_is_and_its_metrics_as_the_tool_reads_them(example):
+    import re
+
+    import yaml
+
+    from deploy.inventory import Train
+    from trainer_helpers import ROOT
+
+    text = (ROOT / "examples" / example / "README.md").read_text()
+    assert "placeholder" not in text and "not final" not in text
+    snippet = yaml.safe_load(re.search(r"```yaml\n(train: .*)\n```", text)[1])
+    train = Train.model_validate(snippet["train"])  # the fields the README shows are the schema's
+    assert (ROOT / train.code.path).is_dir()
