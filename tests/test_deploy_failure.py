@@ -190,3 +190,37 @@ def test_once_a_node_failed_the_nodes_that_exited_0_are_read_too_for_a_rank_that
               "n4": NodeState("exited(?)")}
     assert witnesses(states) == ["n1", "n2", "n4"]
     assert witnesses({"n1": NodeState("exited(0)"), "n2": NodeState("running")}) == []  # nothing failed
+
+
+SPAWNS_A_WORKER_THAT_RAISES = """
+import torch.multiprocessing as mp
+
+def worker(index):
+    if index == 1:
+        raise ValueError("worker 1 cannot read its shard")
+
+if __name__ == "__main__":
+    mp.spawn(worker, nprocs=2)
+"""
+
+
+def test_a_worker_that_mp_spawn_started_is_named_with_its_own_error_not_a_bare_process_raised(torch_python, tmp_path):
+    script = tmp_path / "spawns.py"
+    script.write_text(SPAWNS_A_WORKER_THAT_RAISES)
+    first = first_failure({"node1": _torchrun(torch_python.python, "--script", str(script), "--")})
+    assert first is not None and first.exit_code == "1"
+    assert first.says == "ProcessRaisedException: process 1: ValueError: worker 1 cannot read its shard"
+
+
+def test_the_launchers_word_on_a_write_through_the_code_is_in_the_first_failures_line():
+    hint = ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it cannot "
+            "be written; leave it out of train.code (train.code.ignore) so that the program writes its own, or "
+            "write to $DDP_CKPT_DIR (/ckpt)")
+    forged = "[rank0]: trainer.launch: x.pt is a file of your code, a link to the read-only code snapshot"
+    log = (forged + "\n" + _raised(0, "[Errno 30] Read-only file system: 'model.pth'").replace("RuntimeError", "OSError")
+           + _summary("2026-11-23_06:51:21", 0, 1) + hint + "\n")
+    first = first_failure({"node1": log})
+    assert first.explained == hint
+    assert first.describe() == ("node1 rank 0 failed first (exit 1): OSError: [Errno 30] Read-only file system: "
+                                f"'model.pth'; {hint}")
+    assert first_failure({"node1": log.replace(hint, "")}).explained is None

@@ -62,7 +62,7 @@ class Failure:
     time: str | None = None
     says: str | None = None
     """The program's first error line, if one was found."""
-    explained: str | None = None
+    explained: str | None = dataclasses.field(default=None, kw_only=True)
     """What the node's launcher said of that failure: a write through a file of the code, which
     is a link to the read-only snapshot (trainer/snapshot_hint.py), the path where it is known."""
 
