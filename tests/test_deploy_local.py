@@ -71,7 +71,12 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
         "lock", "node states", "code sync", "checks", "image check", "record", "start"], took
     kept = json.loads(ddp(hosts, "runs", "--json").stdout)[-1]
     assert list(kept["record"]["launch_phases"]) == ["lock", "states", "code", "checks", "image"]
-    assert "launch before the start took " in ddp(hosts, "status", "--run", kept["id"]).stdout
+    # the first step: when it came after the start, said, and kept beside the launch's phases
+    said = re.search(r"^first step after (\d+\.\d) s \(here: ", r.stdout, re.M)
+    assert said, r.stdout
+    assert kept["record"]["first_step"]["after_s"] == float(said[1]) and kept["record"]["first_step"]["node"] == "here"
+    shown = ddp(hosts, "status", "--run", kept["id"]).stdout
+    assert "launch before the start took " in shown and f"first step after {said[1]} s (here: " in shown
 
     st = _state(ddp, hosts)
     assert st["state"] == "exited(0)" and st["ranks"] == 2
@@ -205,7 +210,7 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
 
     r = ddp(hosts, "stop")
     assert r.exit_code == 0 and "here: stopped" in r.stdout
-    assert _state(ddp, hosts)["state"] == "absent"
+    assert _state(ddp, hosts)["state"].startswith("stopped (graceful, ")  # as `runs` shows it, not absent
     deadline = time.time() + 10
     while time.time() < deadline and (_group_alive(pgid) or _tagged(run_dir)):
         time.sleep(0.2)

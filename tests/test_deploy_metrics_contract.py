@@ -132,10 +132,23 @@ class Clock:
         return self.t
 
 
-def _beat(local_rank: int, step: int | None, age: float):
+def _beat(local_rank: int, step: int | None, age: float, gap: float | None = None):
     from deploy.job.stall import Beat
 
-    return Beat(local_rank=local_rank, step=step, rank=local_rank, gap_s=None, age_s=age)
+    return Beat(local_rank=local_rank, step=step, rank=local_rank, gap_s=gap, age_s=age)
+
+
+def test_a_program_that_prints_nothing_has_its_first_step_at_its_first_collective():
+    from deploy.job.phases import FirstStep
+
+    said, clock = [], Clock()
+    first = FirstStep(said.append, clock=clock)
+    clock.t = 1003.0  # the progress hook's beat once the group formed: no step, no interval yet
+    first.see({"n1": view.NodeState("running", beats=(_beat(0, None, 0.0), _beat(1, None, 1.0)))})
+    assert said == []
+    clock.t = 1006.0  # an interval: a collective returned after the group formed
+    first.see({"n1": view.NodeState("running", beats=(_beat(0, None, 0.0, gap=1.5), _beat(1, None, 1.0)))})
+    assert said == ["first step after 6.0 s (n1: rank 0's collectives)"]
 
 
 def test_the_first_step_is_the_first_poll_s_heartbeat_with_a_step_less_its_age_once():

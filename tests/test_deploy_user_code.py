@@ -5,6 +5,7 @@ that does not import refused before anything starts."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -50,6 +51,9 @@ def test_a_package_from_a_synced_snapshot_trains_resumes_and_a_one_file_edit_sen
     hosts = _hosts(tmp_path, train)
 
     first = _ok(ddp(hosts, "launch", "--wait", "--timeout", "240"))
+    # a program of its own: when its first step came (a METRICS line or a heartbeat), said and kept
+    assert re.search(r"^first step after \d+\.\d s \(here: ", first.stdout, re.M), first.stdout
+    assert json.loads(_ok(ddp(hosts, "runs", "--json")).stdout)[-1]["record"]["first_step"]["node"] == "here"
     files = len([p for p in project.rglob("*") if p.is_file() and "runs" not in p.parts])
     assert f"code sent {files} files" in first.stdout
     assert "module regress.train, code snapshot" in first.stdout

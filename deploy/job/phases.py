@@ -63,15 +63,17 @@ def _seconds(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.1f} s" if s < 1e6 else f"{s:.3g} s"
 
 
-NO_FIRST_STEP = ("no first step seen: no node printed a METRICS line, and no rank's heartbeat had a step while "
-                 "`launch --wait` watched (docs/own-code.md: Metrics)")
+NO_FIRST_STEP = ("no first step seen: no node printed a METRICS line, and no rank's heartbeat showed a step or a "
+                 "collective while `launch --wait` watched (docs/own-code.md: Metrics)")
 
 
 class FirstStep:
     """The job's first step, as ``launch --wait`` sees the nodes' states at each poll
     (deploy/job/plan.py ``NodeState``): a node's first METRICS line (docs/own-code.md, Metrics),
-    or a rank's first heartbeat with a step (trainer/heartbeat.py: every rank of any program beats
-    when its process group forms and at each collective), whichever a poll shows first. When: the
+    or a rank's first heartbeat that shows a step (trainer/heartbeat.py: the program's own, with its
+    step; or the progress hook's, which every rank of any program writes when its process group
+    forms and after each collective, once a collective has returned), whichever a poll shows
+    first. When: the
     poll that first shows one, less the age of the oldest such heartbeat, and never before the poll
     before it, which showed none: to within a poll's second. ``note`` is told it once, as a line;
     ``keep`` once, as the run record's ``first_step`` (:func:`describe_first` reads it back)."""
@@ -113,14 +115,21 @@ def first_evidence(states: dict) -> tuple[str, str, float] | None:
     for node, s in states.items():
         if not (s.running or s.ended):
             continue
-        signs = [(b.age_s, f"rank {b.rank if b.rank is not None else '?'}'s heartbeat at step {b.step}")
-                 for b in s.beats if b.step is not None]
+        signs = [(b.age_s, _beat_sign(b)) for b in s.beats if b.step is not None or b.gap_s is not None]
         if s.metrics.startswith(PREFIX):
             signs.append((0.0, "a METRICS line"))
         for age, by in signs:
             if found is None or age > found[2]:
                 found = (node, by, max(0.0, float(age)))
     return found
+
+
+def _beat_sign(beat) -> str:
+    """What a heartbeat that shows a step says: the program's own beat names its step; the progress
+    hook's (trainer/progress_hook, no step) has an interval only once a collective returned after
+    its process group formed, its first beat."""
+    rank = "?" if beat.rank is None else beat.rank
+    return f"rank {rank}'s heartbeat at step {beat.step}" if beat.step is not None else f"rank {rank}'s collectives"
 
 
 def describe_first(found: object) -> str | None:
