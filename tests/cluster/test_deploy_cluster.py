@@ -103,7 +103,9 @@ def test_the_same_job_runs_with_plain_torchrun_on_the_hosts(cluster, fresh_nas, 
     checked = ok(ddp(cluster, hosts, "check")).stdout
     assert checked.count(f"torch {torch_python.version}, ") == len(cluster.hosts)  # check names each node's torch
     ok(ddp(cluster, hosts, "deploy"))
-    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    run = ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960)
+    # where a node fails, every node's log says why (the status table alone does not)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-2000:], ddp(cluster, hosts, "logs", "--tail", "150").stdout)
     final = records(fresh_nas)[-1]
     assert final["kind"] == "final" and final["world_size"] == 6
     status = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)
