@@ -77,7 +77,8 @@ def _cli(hosts, *args):
 
     from deploy.cli import cli
 
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args], env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
+    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args],
+                              env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
 
 
 def test_plot_of_a_program_s_eval_lines_alone_draws_their_acc(fleet, tmp_path):
