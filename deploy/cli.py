@@ -1,7 +1,8 @@
 """ddp-deploy: one small command per verb.
 
 Library errors become one line per problem on stderr and an exit code (2: bad input,
-1: a node failed); the full traceback goes only to the debug log (``DDP_DEPLOY_LOG``,
+1: a node failed, 3: the job that ``launch --wait`` or ``status --follow`` followed was ended by
+``ddp-deploy stop``); the full traceback goes only to the debug log (``DDP_DEPLOY_LOG``,
 default ``~/.cache/ddp-deploy/debug.log``).
 """
 
@@ -59,7 +60,7 @@ class _Group(click.Group):
             log.debug("failed", exc_info=True)
             redact = ctx.obj.redact if isinstance(ctx.obj, _State) else str
             for line in e.lines():  # they may quote the job's output: shown as text
-                click.echo(safe(redact(f"error: {line}")), err=True)
+                click.echo(safe(redact(f"{e.label}: {line}")), err=True)
             raise click.exceptions.Exit(e.exit_code) from None
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
@@ -122,7 +123,9 @@ pass_state = click.make_pass_decorator(_State)
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the per-node commands; touch nothing.")
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit codes: 0 done; 1 a node or the job failed; 2 bad input (nothing was touched); "
+                    "3 the job that launch --wait or status --follow followed was stopped by `ddp-deploy stop`.")
 @click.option("--hosts", default="hosts.yaml", envvar="DDP_HOSTS", show_default=True,
               help="Inventory file (env DDP_HOSTS).")
 @click.option("--without", metavar="NODE", multiple=True,
@@ -169,7 +172,9 @@ cli.add_command(deploy, name="sync")
 
 @cli.command()
 @dry_run_option
-@click.option("--wait", is_flag=True, help="Follow until torchrun exits on every node.")
+@click.option("--wait", is_flag=True,
+              help="Follow until the job ends on every node; exit 0: it finished and trained, 1: it failed (or "
+                   "exited 0 with nothing showing that it trained), 3: `ddp-deploy stop` ended it.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
 @pass_state
 def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
@@ -190,13 +195,15 @@ def join(st: _State, node: str, dry_run: bool) -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("-f", "--follow", is_flag=True, help="Keep showing it until the job ends (exit code as launch --wait).")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep showing it until the job ends (exit code as launch --wait: 0, 1, or 3 when stopped).")
 @click.option("--run", "run_id", metavar="ID", help="A kept run instead (`ddp-deploy runs`; the start of its id is "
                                                    "enough): how each node ended, its last metrics, the first failure.")
 @pass_state
 def status(st: _State, as_json: bool, follow: bool, run_id: str | None) -> None:
     """Every node's state (restarts, exit code) and progress: epoch, step, loss, accuracy,
-    samples/s and ETA, from the program's last METRICS line."""
+    samples/s and ETA, from the program's last METRICS line. Each state is explained in
+    docs/failures.md, "What status shows"."""
     st.engine.status(as_json, follow, run_id)
 
 

@@ -2,7 +2,8 @@
 
 Library code raises these; only ``cli.py`` turns them into messages and exit codes:
 ``InputError`` -> exit 2 (the operator's input is wrong, nothing was touched),
-``RuntimeFailure`` -> exit 1 (something on a node failed).
+``RuntimeFailure`` -> exit 1 (something on a node failed), ``JobStopped`` -> exit 3 (the job a
+verb followed was ended by the operator's ``stop``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ class DeployError(Exception):
     """Base class. ``lines()`` is what the operator sees, one line per problem."""
 
     exit_code = 1
+    label = "error"
+    """What the CLI's line starts with."""
 
     def __init__(
         self,
@@ -86,6 +89,14 @@ class RuntimeFailure(DeployError):
     """Something failed while talking to, or acting on, the nodes."""
 
     exit_code = 1
+
+
+class JobStopped(RuntimeFailure):
+    """The followed job was ended by the operator's ``stop``: neither a success nor a failure of
+    the job. A RuntimeFailure, so that a caller that treats any end but success alike still may."""
+
+    exit_code = 3
+    label = "stopped"
 
 
 class RemoteFailure(RuntimeFailure):

@@ -124,7 +124,7 @@ def test_a_stopped_run_shows_who_stopped_it_when_and_the_step_it_checkpointed_at
     assert expected in shown and "no exit recorded" not in shown
     data = json.loads(_ok(ddp(hosts, "status", "--run", kept[0]["id"], "--json")).stdout)
     assert data["outcome"] == expected and data["stopped"] == stop
-    assert data["nodes"][0]["state"] == f"stopped (checkpoint at step {step})"
+    assert data["nodes"][0]["state"] == f"stopped (graceful, checkpoint at step {step})"
 
 
 # --- the node-side scripts, by a real sh ---------------------------------------------------------
@@ -238,7 +238,7 @@ def test_a_stopped_run_reads_as_stopped_by_whom_when_and_at_which_step_not_as_no
     run = _kept(tmp_path, {"a": {"stopped": stop, "log": "METRICS {\"step\": 40}\n"}, "b": {"stopped": stop}})
     assert run.outcome() == f"stopped by root@op at {_clock(START + 63)} (graceful, checkpoint at step 40)"
     assert run.end == START + 63
-    assert run.nodes["a"].state().state == "stopped (checkpoint at step 40)"
+    assert run.nodes["a"].state().state == "stopped (graceful, checkpoint at step 40)"
     assert run.nodes["a"].state().metrics == 'METRICS {"step": 40}'
     assert run.stop_data() == {"time": START + 63, "by": "root@op", "graceful": True, "step": 40}
 
@@ -255,7 +255,7 @@ def test_a_node_that_failed_before_a_slurm_stop_still_reads_as_failed(tmp_path):
     run = _kept(tmp_path, {"a": {"stopped": stop, "exits": f"{START + 10} 1\n"},
                            "b": {"stopped": stop, "exits": f"{START + 65} 75\n"}})
     assert run.nodes["a"].state().state == "exited(1)"
-    assert run.nodes["b"].state().state == "stopped (checkpoint at step 40)"
+    assert run.nodes["b"].state().state == "stopped (graceful, checkpoint at step 40)"
     assert run.outcome() == f"exit 1 (a); stopped by root@op at {_clock(START + 63)} (graceful, checkpoint at step 40)"
 
 
@@ -388,7 +388,7 @@ def test_runs_and_status_run_show_the_stop_in_place_of_no_exit_recorded(ddp, tmp
     assert expected in table and "no exit recorded" not in table
     assert f"│ {run} │ {view.duration(63)} │" in table  # how long it ran: start to stop
     shown = _ok(ddp(hosts, "status", "--run", run[:15])).stdout
-    assert f": script sleeper.py: {expected}" in shown and "stopped (checkpoint at step 40)" in shown
+    assert f": script sleeper.py: {expected}" in shown and "stopped (graceful, checkpoint at step 40)" in shown
     data = json.loads(_ok(ddp(hosts, "runs", "--json")).stdout)[0]
     assert data["outcome"] == expected and data["end"] == START + 63
     assert data["stopped"] == data["nodes"]["here"]["stopped"] == {"time": START + 63, "by": "root@op",

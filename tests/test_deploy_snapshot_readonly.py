@@ -46,7 +46,8 @@ def _snapshot(tmp_path: Path) -> Path:
 def test_a_launch_says_which_file_it_moved_aside_from_a_snapshot_something_wrote_into(ddp, tmp_path):
     project = tmp_path / "proj"
     project.mkdir()
-    (project / "run.py").write_text("print('ran', flush=True)\n")
+    # a METRICS line: a run that shows nothing of training is no success (deploy/job/outcome.py)
+    (project / "run.py").write_text("print('METRICS {\"kind\": \"final\", \"step\": 1}', flush=True)\n")
     hosts = _hosts(tmp_path, {"script": "run.py", "code": str(project)})
     assert ddp(hosts, "launch", "--wait", "--timeout", "120").exit_code == 0
     assert ddp(hosts, "stop").exit_code == 0

@@ -299,6 +299,7 @@ def test_a_record_with_numbers_that_do_not_fit_lists_without_them(ddp, hosts, tm
     record = ('{"time": 1e999, "program": 5, "code_snapshot": 7, "image": {"id": 9}, "nan": NaN, '
               f'"nodes": [{{"name": "here", "procs": {HUGE}}}, {{"name": ["x"]}}], "big": {HUGE}}}')
     run = _kept(tmp_path, record, "1700000100 0\n")
+    (_job(tmp_path) / "runs" / run / "here" / "group-formed").touch()  # its launcher saw a process group form
     listed = ddp(hosts, "runs")
     assert listed.exit_code == 0, listed.output
     assert [c.strip() for c in next(line for line in listed.stdout.splitlines() if run in line).split("│")[1:-1]] \

@@ -134,14 +134,18 @@ class SshFleet(Engine):
                 return
             states = fleet.node_states(inv, remote, self.st.redact)
             first = fleet.first_failure(inv, remote, fleet.witnesses(states), self.st.redact)
+        untrained = fleet.nothing_trained(states)
         if as_json:
             click.echo(json.dumps([{**view.as_data(n, inv.node(n).nprocs, s),
+                                    "formed": s.formed, "stopped": s.stop.as_data() if s.stop else None,
                                     "first_failure": asdict(first) if first and first.node == n else None}
                                    for n, s in states.items()]))
         else:
             render.print_status(inv, states)
             if first:
                 click.echo(f"first failure: {first.describe()}")
+            if untrained:
+                click.echo(f"{untrained} ({fleet.NOTHING_TRAINED_HINT})")
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checks import preflight
-from ..errors import InputError, RemoteFailure, RuntimeFailure
+from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..images import deliveries, prepare
 from ..inventory import Inventory, load
-from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv, stall
+from ..job import codesync, lock, outcome, phases, plan, record, runs, runtime, secretenv, stall
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, failure, goodput, view
@@ -132,21 +132,52 @@ def undo_start(inv, remote, nodes) -> list[str]:
 
 def verdict(inv, final, remote, redact) -> str:
     """The end of a followed job: what to say if every node (of an elastic job: every node not
-    lost) exited with 0, else a failure naming the nodes and the first failure (node, rank, exit
-    code, the program's first error line)."""
+    lost) exited with 0 and something shows that it trained; else a failure naming the nodes and
+    the first failure (node, rank, exit code, the program's first error line), or a JobStopped
+    where the operator's ``stop`` ended it."""
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
-    failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost]
+    stopped = [n for n, s in final.items() if outcome.is_stopped(s.state)]
+    failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost and n not in stopped]
     stalled = [n for n, s in final.items() if s.state == stall.STOPPED]
     if stalled:  # the cause of any other node's end: each launcher ends its part when it finds the stall
         raise stalled_and_stopped(inv, remote, stalled, redact)
+    if stopped:  # the ranks' ends under a stop (a peer gone first) are the stop's, not failures
+        raise stopped_by_operator(final, stopped)
     if failed:
         first = first_failure(inv, remote, witnesses(final), redact)
         raise RuntimeFailure(f"the job failed on {', '.join(failed)}" + (f": {first.describe()}" if first else ""),
                              hint=f"`ddp-deploy logs{f' --tail {FAILURE_TAIL}' if first else ''}` shows the rest")
+    untrained = nothing_trained(final, lost)
+    if untrained:
+        raise RuntimeFailure(untrained, hint=NOTHING_TRAINED_HINT)
     if lost:
         return (f"finished without {', '.join(lost)} (lost; job.min_nodes {inv.job.min_nodes}): the other "
                 "nodes exited with code 0")
     return "all nodes finished with exit code 0"
+
+
+NOTHING_TRAINED_HINT = ("a program that trains forms the process group (init_process_group) or prints METRICS lines "
+                        "(docs/own-code.md); `ddp-deploy logs` shows what it did")
+
+
+def nothing_trained(states, lost=()) -> str | None:
+    """``every node exited 0, but ...: nothing shows it trained`` where every node (but the
+    ``lost``) exited 0 and none formed a process group or printed a METRICS line; else None."""
+    ended = [s for n, s in states.items() if n not in lost]
+    if ended and all(s.state == "exited(0)" for s in ended) and not outcome.trained(ended):
+        return f"every node {outcome.NOTHING_TRAINED}"
+    return None
+
+
+def stopped_by_operator(final, stopped: list[str]) -> JobStopped:
+    """The end of a job that ``stop`` ended on the nodes ``stopped``: who stopped it, when and how,
+    and how each other node had ended."""
+    stops = [final[n].stop for n in stopped if final[n].stop is not None]
+    said = outcome.describe_stop(stops, time.time()) if stops else "stopped (how: unknown)"
+    before = [f"{n} {s.state}" for n, s in final.items() if n not in stopped]
+    return JobStopped(f"the job was {said} with `ddp-deploy stop`, on {', '.join(stopped)}"
+                      + (f"; ended before the stop reached them: {', '.join(before)}" if before else ""),
+                      hint="not a failure of the job; launch again to resume from the newest checkpoint")
 
 
 def stalled_and_stopped(inv, remote, stalled: list[str], redact) -> RuntimeFailure:

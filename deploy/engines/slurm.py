@@ -28,7 +28,7 @@ from ..inventory import Inventory
 from ..job.payload import payload
 from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags
 from ..job.runs import NODES_OF, parse as parse_runs
-from ..job.runtime import PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
+from ..job.runtime import BEGIN_STOP, PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
 from ..node import node_program
 from ..text import lines as text_lines
 
@@ -94,7 +94,7 @@ exit 0
 # trainer/stopping.py), the job ends by itself; past the grace, scancel. The stop is kept in each
 # node's directory of the run (RECORD_STOP, scope "job": a node's part may have ended before),
 # with what that node printed since the stop began. Prints what the program said on stopping, if anything.
-STOP = RECORD_STOP + r"""job=$1; grace=$2; by=$3
+STOP = RECORD_STOP + BEGIN_STOP + r"""job=$1; grace=$2; by=$3
 [ -s "$job/slurm-job" ] || { echo absent; exit 0; }
 read -r id run < "$job/slurm-job"
 active() {
@@ -106,6 +106,8 @@ active() {
 if ! active "$id"; then echo "absent (Slurm job $id has ended)"; exit 0; fi
 t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
 sizes=$(for n in "$job/runs/$run"/*/; do [ -d "$n" ] && echo "$( { wc -c < "$n/log"; } 2>/dev/null || echo 0) ${n%/}"; done)
+# the stop is kept as begun before any task hears of it (BEGIN_STOP): `launch --wait` ends as a stop
+for n in "$job/runs/$run"/*/; do [ -d "$n" ] && begin_stop "${n%/}" job "$mode" "$by" "$t0"; done
 if [ "$grace" -gt 0 ] && [ "$(squeue -h -j "$id" -o %T)" = RUNNING ]; then
   scancel --signal=TERM "$id" || exit 1
   i=0; while active "$id" && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checks.preflight import Check
-from ..errors import InputError, RemoteFailure, RuntimeFailure
+from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..inventory import load
-from ..job import codesync, plan, record, runs, runtime, secretenv
+from ..job import codesync, outcome, plan, record, runs, runtime, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, view
@@ -120,7 +120,15 @@ def verdict(inv, remote, s: slurm.SlurmState, redact) -> str:
     stalled = [n for n, r in s.nodes.items() if r.stall_stopped]
     if stalled:  # each node's launcher ended its part with 0 on the stall: Slurm says COMPLETED
         raise fleet.stalled_and_stopped(inv, remote, stalled, redact)
+    stops = [r.stop for r in s.nodes.values() if r.stop is not None]
+    if stops:  # the operator's stop (scancel): the job's end, not its failure
+        raise JobStopped(f"Slurm job {s.job_id}: the job was {outcome.describe_stop(stops, time.time())} with "
+                         "`ddp-deploy stop`", hint="not a failure of the job; launch again to resume from the newest "
+                                                   "checkpoint")
     if s.ok and all(n.exits and n.exits[-1][1] == 0 for n in s.nodes.values()):
+        if not outcome.trained(s.nodes.values()):
+            raise RuntimeFailure(f"Slurm job {s.job_id} COMPLETED: every node {outcome.NOTHING_TRAINED}",
+                                 hint=fleet.NOTHING_TRAINED_HINT)
         return f"Slurm job {s.job_id} COMPLETED: all nodes finished with exit code 0"
     first = first_failure(inv, remote, s, redact)
     raise RuntimeFailure(f"Slurm job {s.job_id} ended {s.state}" + (f" (exit {s.exit_code})" if s.exit_code else "")

@@ -19,6 +19,7 @@ from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 from ..inventory import Inventory, Node
 from ..node import node_program
 from ..text import lines as text_lines
+from .outcome import STOPPED_UNREAD, STOPPING, Stop
 from .payload import payload
 from .runtime import TOOL_DIR, CodeDir, NodeFacts, heartbeat_dir, runtime
 from .stall import STOPPED as STALL_STOPPED
@@ -268,8 +269,10 @@ def python_check_argv(inv: Inventory) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class NodeState:
     state: str
-    """running | restarting | exited(CODE) | stopped (stalled) (job.on_stall: stop, deploy/job/stall.py) |
-    absent | unreachable | unknown (the node answered, its engine did not)"""
+    """running | restarting | stopping | stopped (HOW) (deploy/job/outcome.py) | exited(CODE) | exited(?) |
+    stopped (stalled) (job.on_stall: stop, deploy/job/stall.py) | absent | unreachable | unknown (the node
+    answered, its engine did not); each explained in docs/failures.md, "What status shows".
+    """
     metrics: str = ""
     """The last METRICS line (an unreachable node's: why)."""
     restarts: int = 0
@@ -280,6 +283,10 @@ class NodeState:
     """A running job's seconds since its log was last written."""
     stall: Stall | None = None
     """Judged by the operator's tool against job.stall_timeout (:func:`with_stall`)."""
+    stop: Stop | None = None
+    """The operator's stop of the node's run, as ``stop`` kept it (deploy/job/outcome.py)."""
+    formed: bool = False
+    """The node's launcher saw a rank's heartbeat in this run: a process group formed (trainer/formed.py)."""
 
     @property
     def exists(self) -> bool:
@@ -287,7 +294,7 @@ class NodeState:
 
     @property
     def running(self) -> bool:
-        return self.state in ("running", "restarting")
+        return self.state in ("running", "restarting", STOPPING)
 
     @property
     def failed(self) -> bool:
@@ -295,8 +302,9 @@ class NodeState:
 
     @property
     def ended(self) -> bool:
-        """Its part of the job is over: it exited, or its launcher ended it on a stall."""
-        return self.state.startswith("exited(") or self.state == STALL_STOPPED
+        """Its part of the job is over: it exited, the operator's stop ended it, or its launcher
+        ended it on a stall."""
+        return self.state.startswith(("exited(", "stopped (")) or self.state == STALL_STOPPED
 
 
 def json_line(stdout: str, prefix: str) -> dict | None:
@@ -320,14 +328,15 @@ def count(text: str) -> int:
 
 
 def parse_status(stdout: str) -> NodeState:
-    """Parse the output of HOST_STATUS / DOCKER_STATUS: the state (``exited CODE`` for an end),
-    then ``restarts N`` and the last METRICS line, each if any."""
+    """Parse the output of HOST_STATUS / DOCKER_STATUS: the state (``exited CODE`` for an end;
+    ``stopped``, with the record of the stop on a ``stop`` line), then ``restarts N``, ``formed``
+    and the last METRICS line, each if any."""
     lines = text_lines(stdout)  # the METRICS line is the job's: a \r in it is data
     head = lines[0].strip() if lines else "absent"
     if head.startswith("exited"):
         code = head.split(" ", 1)[1] if " " in head else "?"
         head = f"exited({code})"
-    restarts, metrics, beats, quiet, kept = 0, "", [], None, None
+    restarts, metrics, beats, quiet, kept, stop, formed = 0, "", [], None, None, None, False
     for line in lines[1:]:
         word, _, value = line.strip().partition(" ")
         if word == "restarts":
@@ -342,11 +351,17 @@ def parse_status(stdout: str) -> NodeState:
                 beats.append(Beat(*found))
         elif word == "quiet":
             quiet = float(count(value)) if value.isdigit() else None
+        elif word == "stop":  # the operator's stop of this run on the node (runtime.RECORD_STOP)
+            stop = Stop.parse(value)
+        elif line.strip() == "formed":  # the node's launcher saw a heartbeat (trainer/formed.py)
+            formed = True
         elif line.strip():
             metrics = line.strip()
     if head == "exited(0)":
         head = ended_state(0, kept) or head
-    return NodeState(head, metrics, restarts, tuple(beats), quiet)
+    if head == "stopped":
+        head = stop.state() if stop is not None else STOPPED_UNREAD
+    return NodeState(head, metrics, restarts, tuple(beats), quiet, stop=stop, formed=formed)
 
 
 def with_stall(s: NodeState, setting, now: float | None = None) -> NodeState:

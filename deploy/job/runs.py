@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..inventory import Inventory
 from ..node import node_program
 from ..text import lines
+from .outcome import FORMED_MARKER, NOTHING_TRAINED, Stop, describe_stop, trained
 from .plan import NodeState
 from .runtime import (AS_JOB_LIB, LAST_METRICS, RUN_SUBDIR, TOOL_DIR, as_job_argv, job_dir, kept_dir, runtime,
                       tail_argv)
@@ -66,6 +67,7 @@ NODES_OF = r"""nodes_of() {
     tail -c 65536 "$n/exits" 2>/dev/null | grep -a -v '^@@'
     [ -e "${n%/}.stopped" ] && { echo; head -c 300 "${n%/}.stopped" | head -n 1 | sed 's/^/@@stopped /'; echo; }
     [ -e "$n/stalls" ] && { echo; head -c 4000 "$n/stalls" | head -n 50 | sed 's/^/@@stall /'; echo; }
+    [ -e "$n/""" + FORMED_MARKER + r"""" ] && { echo; echo @@formed; }
     [ -e "$n/log" ] && tail -c 1000000 "$n/log" | """ + LAST_METRICS + r"""
   done
 }
@@ -169,72 +171,6 @@ def _json(text: str):
         return None
 
 
-_STOP = re.compile(r"([0-9]{1,11}) (node|job) (graceful|now) (-|[0-9]{1,18}) "
-                   r"([A-Za-z0-9_.?-]{1,64}@[A-Za-z0-9_.?-]{1,64})")
-
-
-@dataclass(frozen=True)
-class Stop:
-    """A stop of the run on a node, as ``stop`` kept it: ``<node>/stopped`` (runtime.RECORD_STOP),
-    one line ``TIME SCOPE MODE STEP BY``. The job can write that file too: a line that is not
-    exactly that is no record."""
-
-    time: int
-    """When the stop began, UNIX seconds on the node's clock."""
-    by: str
-    """Who stopped it: the operator's user@host."""
-    graceful: bool
-    """SIGTERM and time for a checkpoint; False: ``stop --now``."""
-    step: int | None = None
-    """The step the program said it checkpointed at; None: it said none."""
-    found_running: bool = True
-    """The stop found the job running on the node (docker, host). False (Slurm): the job was
-    active, but this node's part may have ended before."""
-
-    @classmethod
-    def parse(cls, line: str) -> "Stop | None":
-        m = _STOP.fullmatch(line.strip())
-        if m is None:
-            return None
-        when, scope, mode, step, by = m.groups()
-        return cls(int(when), by, mode == "graceful", None if step == "-" else int(step), scope == "node")
-
-    def ended(self, exits) -> bool:
-        """Whether this stop ended the node's part: it found it running, or the node had not
-        ended before it began (an exit since is the stop's)."""
-        last = exits[-1][0] if exits else None
-        return self.found_running or last is None or last >= self.time - 1
-
-    def as_data(self) -> dict:
-        return {"time": self.time, "by": self.by, "graceful": self.graceful, "step": self.step}
-
-
-def _clock(t: float, day_of: float | None) -> str:
-    """``t`` in local time: the time of day, with the date when it is not the day of ``day_of``."""
-    try:
-        same_day = day_of is not None and time.localtime(t)[:3] == time.localtime(day_of)[:3]
-        return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError):
-        return "?"
-
-
-def describe_stop(stops: list[Stop], day_of: float | None = None) -> str:
-    """``stopped by root@op at 12:01:03 (graceful, checkpoint at step 40)``: the first of ``stops``
-    (one per node; the same ``stop`` on each), with the step each program said (``day_of``: the
-    run's start; the date shows when the stop was on another day)."""
-    first = min(stops, key=lambda s: s.time)
-    steps = sorted({s.step for s in stops if s.step is not None})
-    if not all(s.graceful for s in stops):
-        how = "--now, no checkpoint" if not any(s.graceful for s in stops) else "--now on some nodes"
-    elif len(steps) == 1:
-        how = f"graceful, checkpoint at step {steps[0]}"
-    elif steps:
-        how = f"graceful, checkpoints at steps {', '.join(map(str, steps))}"
-    else:
-        how = "graceful, no checkpoint reported"
-    return f"stopped by {first.by} at {_clock(first.time, day_of)} ({how})"
-
-
 @dataclass(frozen=True)
 class NodeRun:
     """What a node left in a run's directory."""
@@ -248,6 +184,8 @@ class NodeRun:
     """How ``stop`` ended it, if it did (kept in ``<node>/stopped``)."""
     stalls: tuple[StallRecord, ...] = ()
     """The stalls its launcher found, oldest first (kept in ``<node>/stalls``)."""
+    formed: bool = False
+    """Its launcher saw a rank's heartbeat: a process group formed there (trainer/formed.py)."""
 
     @property
     def stop(self) -> Stop | None:
@@ -265,15 +203,13 @@ class NodeRun:
     def state(self) -> NodeState:
         if self.stop is not None:
             s = self.stop
-            how = ("--now" if not s.graceful else "no checkpoint reported" if s.step is None
-                   else f"checkpoint at step {s.step}")
             before = sum(1 for t, _ in self.exits if t is not None and t < s.time - 1)
-            return NodeState(f"stopped ({how})", self.metrics, before)
+            return NodeState(s.state(), self.metrics, before, stop=s, formed=self.formed)
         if not self.exits:
-            return NodeState("no exit recorded", self.metrics)
+            return NodeState("no exit recorded", self.metrics, formed=self.formed)
         code = self.exits[-1][1]
         state = ended_state(code, self.stalls[-1] if self.stalls else None) or f"exited({'?' if code is None else code})"
-        return NodeState(state, self.metrics, len(self.exits) - 1)
+        return NodeState(state, self.metrics, len(self.exits) - 1, formed=self.formed)
 
     @property
     def stall_stopped(self) -> bool:
@@ -365,7 +301,8 @@ class Run:
 
     def outcome(self) -> str:
         """``exit 0`` | ``exit 1 (node2)`` | ``stopped by root@op at 12:01:03 (graceful, checkpoint at
-        step 40)`` | ``no exit recorded (node1)``: what its nodes ended with."""
+        step 40)`` | ``no exit recorded (node1)`` | ``exited 0, but ... nothing shows it trained``
+        (outcome.NOTHING_TRAINED): what its nodes ended with."""
         if not self.nodes:
             return "no node started"
         stops = self.stops
@@ -384,7 +321,7 @@ class Run:
         stalled = [n for n, r in self.nodes.items() if r.stall_stopped]
         if stalled:
             return f"stalled, stopped on {', '.join(stalled)} (job.on_stall: stop)"
-        return "exit 0"
+        return "exit 0" if trained(self.nodes.values()) else NOTHING_TRAINED
 
 
 def parse(stdout: str) -> list[Run]:
@@ -396,10 +333,12 @@ def parse(stdout: str) -> list[Run]:
     stops: dict[str, Stop | None] = {}
 
     stalls: dict[str, list[StallRecord]] = {}
+    formed: set[str] = set()
 
     def close_node():
         if node is not None:
-            nodes[node] = NodeRun(tuple(exits), metrics, stops.pop(node, None), tuple(stalls.pop(node, ())))
+            nodes[node] = NodeRun(tuple(exits), metrics, stops.pop(node, None), tuple(stalls.pop(node, ())),
+                                  node in formed)
 
     def close_run():
         if run_id is not None:
@@ -416,6 +355,8 @@ def parse(stdout: str) -> list[Run]:
             node, exits, metrics = line[7:].strip(), [], ""
         elif line.startswith("@@stopped ") and node is not None:
             stops[node] = Stop.parse(line[len("@@stopped "):])
+        elif line == "@@formed" and node is not None:
+            formed.add(node)
         elif line.startswith("@@stall ") and node is not None:
             found = StallRecord.parse(line[len("@@stall "):])
             if found is not None:

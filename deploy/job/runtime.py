@@ -15,6 +15,7 @@ import hashlib
 from dataclasses import dataclass
 
 from trainer.entry import module_argv
+from trainer.formed import MARKER as FORMED_MARKER
 from trainer.heartbeat import DIAGNOSE, STALL_RECORD_ENV
 from trainer.output import LOG_DIR_ENV
 
@@ -80,6 +81,34 @@ RECORD_STOP = r"""record_stop() {
 }
 """
 
+# A shell function: begin_stop KEPT SCOPE MODE BY TIME keeps, before the stop signals anything, that
+# it has begun (KEPT.stopped, as RECORD_STOP writes it, the step not yet said): from then on
+# `status` shows the node "stopping", then "stopped" once the run's handle (pid file, container) is
+# gone, and `launch --wait` ends as a stop, never on the failure its ranks' ends may look like. The
+# record of the end (RECORD_STOP) replaces it, before the handle goes.
+BEGIN_STOP = r"""begin_stop() {
+  [ -n "$1" ] && { echo "$5 $2 $3 - $4" > "$1.stopped.tmp" && mv "$1.stopped.tmp" "$1.stopped"; } 2>/dev/null
+  return 0
+}
+"""
+
+# A shell function: formed KEPT prints "formed" where the node's launcher kept, in its directory of
+# the run KEPT, that a rank's heartbeat was seen (trainer/formed.py). The directory is the job's: the
+# file is looked at with its rights.
+FORMED = r"""formed() {
+  [ -n "$1" ] && as_job test -e "$1/""" + FORMED_MARKER + r"""" 2>/dev/null && echo formed
+  return 0
+}
+"""
+
+# A shell function: stop_line STOPPED prints the first line of a stop's record (RECORD_STOP,
+# BEGIN_STOP), where there is one. It sits in the run's directory, which only this tool writes.
+STOP_LINE = r"""stop_line() {
+  [ -f "$1" ] && head -c 300 "$1" 2>/dev/null | head -n 1
+  return 0
+}
+"""
+
 # $1 = the node's state dir, $2 = its directory of this run (runs.py), $3 = max restarts, $4... =
 # the command. Refuses when a previous run is recorded. The command's output goes to the run's
 # log (STATE/log links to it: status, logs and stop read the running one there), and each end
@@ -141,15 +170,24 @@ PROGRESS = AS_JOB_LIB + node_program("progress.sh")
 # in the run's directory KEPT (trainer/heartbeat.py, Watchdog; job.on_stall: stop ends a node so).
 LAST_STALL = node_program("last_stall.sh")
 
-# $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | exited CODE; then
-# "restarts N" (the supervisor's count), a running job's PROGRESS, an ended one's LAST_STALL, and
-# the last METRICS line, if any.
-HOST_STATUS = PROGRESS + LAST_STALL + r"""run=$1
-if [ ! -e "$run/pid" ]; then echo absent; exit 0
-elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"; kept=$(readlink "$run/log" 2>/dev/null) && last_stall "${kept%/log}"
+# $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | stopping | stopped |
+# exited CODE; then "stop LINE" (the record of the operator's stop of this run, where one is kept),
+# "restarts N" (the supervisor's count), a running job's PROGRESS, an ended one's LAST_STALL,
+# "formed" (FORMED) and the last METRICS line, if any. A run with a stop's record is "stopping"
+# while its pid file is there (HOST_STOP removes it last), "stopped" after.
+HOST_STATUS = PROGRESS + LAST_STALL + FORMED + STOP_LINE + r"""run=$1
+kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
+stop=""; [ -n "$kept" ] && stop=$(stop_line "$kept.stopped")
+if [ ! -e "$run/pid" ]; then
+  [ -n "$stop" ] || { echo absent; exit 0; }
+  echo stopped
+elif [ -n "$stop" ]; then echo stopping
+elif [ -e "$run/exit" ]; then echo "exited $(cat "$run/exit")"; [ -n "$kept" ] && last_stall "$kept"
 elif kill -0 "-$(cat "$run/pid")" 2>/dev/null; then echo running; progress "$2" "$run/log"
 else echo "exited ?"
 fi
+[ -n "$stop" ] && echo "stop $stop"
+formed "$kept"
 echo "restarts $(cat "$run/restarts" 2>/dev/null || echo 0)"
 [ -e "$run/log" ] && cat "$run/log" | """ + LAST_METRICS + r"""
 exit 0
@@ -170,12 +208,13 @@ DROP_BEATS = node_program("drop_beats.sh")
 # program said on stopping, if anything (STOPPED_LINE: never the line of an earlier stop that the
 # job went on from). A run that had ended before the stop began, whose program said it stopped,
 # stopped by this stop: its ranks heard of it from another node's, which began first.
-HOST_STOP = KILL_RUN + RECORD_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
+HOST_STOP = KILL_RUN + RECORD_STOP + BEGIN_STOP + DROP_BEATS + r"""run=$1; grace=$2; by=$3; beats=$4
 kept=$(readlink "$run/log" 2>/dev/null); kept=${kept%/log}
 log_end() { tail -c 4000000 "$run/log" 2>/dev/null; }  # what this run printed last (STOPPED_LINE reads it)
 if [ -e "$run/pid" ] && [ ! -e "$run/exit" ]; then
   pid=$(cat "$run/pid"); t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   alive=no; kill -0 "-$pid" 2>/dev/null && alive=yes
+  [ $alive = yes ] && begin_stop "$kept" node "$mode" "$by" "$t0"
   if [ "$grace" -gt 0 ]; then
     kill -TERM "-$pid" 2>/dev/null
     i=0; while kill -0 "-$pid" 2>/dev/null && [ $i -lt $((grace * 10)) ]; do sleep 0.1; i=$((i+1)); done
@@ -203,21 +242,35 @@ LAUNCH_ID = node_program("launch_id.sh")
 # $1 = container, $2 = the job's heartbeat dir, $3 = the job's directory (as the node sees it), $4 =
 # the node, $5 = the job's uid (its files are read with its rights: as_job.sh). The same lines as
 # HOST_STATUS (restarts: Docker's RestartCount; the log: the run's copy, named by the container's
-# DDP_LAUNCH_ID), and "restarting" while Docker starts it again. Only "No
-# such container" is absent: any other failure of the engine (busy) fails the command, so it reads
-# as a node that did not answer this time, never as a job that ended.
-DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + r"""c=$1; beats=$2; job=$3; node=$4; job_uid=$5
+# DDP_LAUNCH_ID), and "restarting" while Docker starts it again. A container whose run has a stop's
+# record is "stopping" (DOCKER_STOP removes it last); no container, where the job's current run
+# (launch.json, its "run" at the top level: one space of indent) has one, "stopped". Only "No such
+# container" is absent: any other failure of the engine (busy) fails the command, so it reads as a
+# node that did not answer this time, never as a job that ended.
+DOCKER_STATUS = PROGRESS + LAST_STALL + LAUNCH_ID + FORMED + STOP_LINE + r"""c=$1; beats=$2; job=$3; node=$4; job_uid=$5
 s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$c" 2>&1) || {
-  case "$s" in *"o such container"*|*"o such object"*) echo absent; exit 0 ;; esac
+  case "$s" in
+    *"o such container"*|*"o such object"*)
+      run=$(head -c 4096 "$job/launch.json" 2>/dev/null | sed -n -E 's/^ "run": "([0-9]{8}-[0-9]{6}-[0-9a-f]{4})",?$/\1/p' | head -n 1)
+      stop=""; [ -n "$run" ] && stop=$(stop_line "$job/runs/$run/$node.stopped")
+      [ -n "$stop" ] || { echo absent; exit 0; }
+      echo stopped; echo "stop $stop"; formed "$job/runs/$run/$node"
+      as_job tail -c 1000000 -- "$job/runs/$run/$node/log" 2>/dev/null | """ + LAST_METRICS + r"""
+      exit 0 ;;
+  esac
   echo "$s" >&2; exit 1; }
 set -- $s
-case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac
 run=$(launch_id "$c") || run=none
+stop=$(stop_line "$job/runs/$run/$node.stopped")
+if [ -n "$stop" ]; then echo stopping
+else case "$1" in running|restarting) echo "$1" ;; *) echo "exited $2" ;; esac; fi
 case "$1" in
   running) progress "$beats" "$job/runs/$run/$node/log" ;;
   restarting) ;;
   *) last_stall "$job/runs/$run/$node" ;;
 esac
+[ -n "$stop" ] && echo "stop $stop"
+[ "$run" = none ] || formed "$job/runs/$run/$node"
 echo "restarts ${3:-0}"
 docker logs "$c" 2>&1 | """ + LAST_METRICS + r"""
 exit 0
@@ -232,12 +285,13 @@ exit 0
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
 # container's DDP_LAUNCH_ID), with what it printed on stopping; so has one that had ended before
 # the stop began and whose program said it stopped (as in HOST_STOP).
-DOCKER_STOP = RECORD_STOP + TOOL_DIR + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; root=$4; sub=$5; name=$6; node=$7
+DOCKER_STOP = RECORD_STOP + BEGIN_STOP + TOOL_DIR + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; root=$4; sub=$5; name=$6; node=$7
 beats=$8
 if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
   started=${s#* }; s=${s%% *}
   run=$(launch_id "$c") && run_dir "$root" "$sub" "$name" "$run" 2>/dev/null && kept=$root/$sub/$name/runs/$run/$node || kept=""
+  case "$s" in running|restarting) begin_stop "$kept" node "$mode" "$by" "$t0" ;; esac
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
   # what this start of the container printed (STOPPED_LINE takes the stop's line from its end)
   said=""; this_start() { docker logs --since "$started" --tail 20000 "$c" 2>&1; }

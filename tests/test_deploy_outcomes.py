@@ -1,0 +1,127 @@
+"""How a run ended, told truly, through the real CLI on a local host-runtime node (torchrun on the
+CPU, gloo): a graceful `stop` ends `launch --wait` as a stop (exit 3), `status` shows the stopped
+node as `runs` does; a program that exits 0 without forming a process group or printing a METRICS
+line is not called a success; one that forms the group and beats is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deploy.cli import cli
+from deploy.job import outcome
+from local_job import local_hosts
+from waiting import wait_until
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+
+LOOPS = """\
+import time
+print("looping", flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+IDLE = """\
+print("no worker started: nothing to do on a CPU", flush=True)
+"""
+
+FORMS = """\
+import os
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+open(f"{os.environ['DDP_HEARTBEAT_DIR']}/{os.environ['LOCAL_RANK']}", "w").write(f"1 {os.environ['RANK']}\\n")
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def ddp(tmp_path):
+    runner = CliRunner()
+    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
+    return lambda hosts, *args: runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
+
+
+def _hosts(tmp_path: Path, program: str, procs: int = 1) -> Path:
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "main.py").write_text(program)
+    return local_hosts(tmp_path, job="outcomes", train={"script": "main.py", "code": str(project)}, procs=procs)
+
+
+def _status(ddp, hosts) -> dict:
+    r = ddp(hosts, "status", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)[0]
+
+
+def _runs(ddp, hosts) -> list[dict]:
+    r = ddp(hosts, "runs", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_launch_wait_of_a_job_stopped_gracefully_ends_as_a_stop_and_status_agrees_with_runs(ddp, tmp_path):
+    hosts = _hosts(tmp_path, LOOPS)
+    env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
+    launch = subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), "launch", "--wait",
+                               "--timeout", "240"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: (tmp_path / "nas/ckpt/.ddp-deploy/outcomes/here/pid").exists()
+                   and _status(ddp, hosts)["state"] == "running", 240, "the job running")
+        stopped = ddp(hosts, "stop")
+        assert stopped.exit_code == 0, stopped.output
+        out, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 3, out + err
+    said = [line for line in err.splitlines() if line.startswith(("stopped: ", "error: "))]
+    assert len(said) == 1 and said[0].startswith("stopped: the job was stopped by "), err
+    assert "(graceful, no checkpoint reported) with `ddp-deploy stop`, on here" in said[0], said
+
+    now = _status(ddp, hosts)  # not absent: the node's run was stopped, as runs says
+    assert now["state"] == "stopped (graceful, no checkpoint reported)", now
+    assert now["stopped"]["graceful"] is True and now["stopped"]["by"] == said[0].split()[6]
+    (run,) = _runs(ddp, hosts)
+    assert run["outcome"].startswith("stopped by ") and "(graceful, no checkpoint reported)" in run["outcome"]
+    kept = ddp(hosts, "status", "--run", run["id"], "--json")
+    assert json.loads(kept.stdout)["nodes"][0]["state"] == now["state"]
+    table = ddp(hosts, "status")
+    assert table.exit_code == 0 and "stopped (graceful, no checkpoint reported)" in table.stdout, table.output
+
+
+def test_a_program_that_exits_0_having_formed_no_process_group_and_printed_no_metrics_is_not_a_success(ddp, tmp_path):
+    hosts = _hosts(tmp_path, IDLE)
+    r = ddp(hosts, "launch", "--wait", "--timeout", "240")
+    assert r.exit_code == 1, r.output
+    assert f"error: every node {outcome.NOTHING_TRAINED} (" in r.stderr and "exit code 0" not in r.stdout, r.output
+    shown = ddp(hosts, "status")
+    assert shown.exit_code == 0 and outcome.NOTHING_TRAINED in shown.stdout, shown.output
+    assert _status(ddp, hosts)["formed"] is False
+    (run,) = _runs(ddp, hosts)
+    assert run["outcome"] == outcome.NOTHING_TRAINED
+
+
+def test_a_program_that_forms_the_process_group_and_beats_is_a_success_without_a_metrics_line(ddp, tmp_path):
+    hosts = _hosts(tmp_path, FORMS, procs=2)
+    r = ddp(hosts, "launch", "--wait", "--timeout", "240")
+    assert r.exit_code == 0 and "all nodes finished with exit code 0" in r.stdout, r.output
+    now = _status(ddp, hosts)
+    assert now["state"] == "exited(0)" and now["formed"] is True and now["metrics"] == "", now
+    assert outcome.NOTHING_TRAINED not in ddp(hosts, "status").stdout
+    (run,) = _runs(ddp, hosts)
+    assert run["outcome"] == "exit 0"
