@@ -228,6 +228,8 @@ def test_the_first_step_is_kept_in_the_run_s_record_once_beside_the_launch_phase
     assert keep({"after_s": 9.0, "time": 2.0, "node": "here", "by": "again"}).returncode == 0  # the first stays
     kept = record.decode((run_dir / "run.json").read_text())
     assert kept == {**written, "first_step": {"after_s": 3.5, "time": 1.0, "node": "here", "by": "a METRICS line"}}
+    lines = (run_dir / "run.json").read_text().splitlines()
+    assert lines[-2:] == [' "first_step": ' + json.dumps(kept["first_step"]), "}"] and "," not in lines  # its own line
     (run_dir / "run.json").write_text('{"forged": 1}')  # not as the tool writes a record: left as it is
     assert keep({"after_s": 1.0, "time": 1.0, "node": "here", "by": "x"}).returncode == 1
     assert (run_dir / "run.json").read_text() == '{"forged": 1}'

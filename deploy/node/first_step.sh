@@ -11,4 +11,5 @@ grep -q '^ "first_step": ' "$f" && exit 0
 [ "$(tail -n 1 "$f")" = "}" ] || { echo "$f does not end as this tool writes a record: left as it is" >&2; exit 1; }
 step=$(head -c 4096 | head -n 1)
 case $step in "{"*"}") ;; *) echo "not a first step: $step" >&2; exit 1 ;; esac
-{ sed '$d' "$f" && printf ',\n "first_step": %s\n}\n' "$step"; } > "$f.tmp" && mv "$f.tmp" "$f"
+# the record less its closing brace, a comma after its last field, then this one and the brace
+{ sed '$d' "$f" | sed '$ s/$/,/' && printf ' "first_step": %s\n}\n' "$step"; } > "$f.tmp" && mv "$f.tmp" "$f"
