@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from deploy.job import outcome
+from deploy.job import outcome, plan
+from deploy.job.runtime import HOST_STATUS
 from local_job import local_hosts
 from waiting import wait_until
 
-pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,35 @@ dist.all_reduce(t)
 assert t.item() == dist.get_world_size()
 dist.destroy_process_group()
 """
+
+
+def _host_status(run: Path, beats: Path) -> plan.NodeState:
+    return plan.parse_status(subprocess.run(["sh", "-c", HOST_STATUS, "sh", str(run), str(beats)], capture_output=True,
+                                            text=True, check=True, timeout=60).stdout)
+
+
+def test_a_host_node_reads_stopping_while_the_stop_runs_then_stopped_as_its_record_says(tmp_path):
+    kept, run = tmp_path / "runs/20260101-000000-abcd/here", tmp_path / "here"
+    kept.mkdir(parents=True)
+    run.mkdir()
+    (kept / "log").write_text('METRICS {"kind": "train", "step": 40}\n')
+    (run / "log").symlink_to(kept / "log")
+    job = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the run's process group
+    try:
+        (run / "pid").write_text(f"{job.pid}\n")
+        assert _host_status(run, tmp_path / "beats").state == "running"
+        (kept.parent / "here.stopped").write_text("1764072063 node graceful - root@op\n")  # the stop has begun
+        assert _host_status(run, tmp_path / "beats").state == outcome.STOPPING
+    finally:
+        job.kill()
+        job.wait()
+    (kept.parent / "here.stopped").write_text("1764072063 node graceful 40 root@op\n")  # and ended
+    (run / "pid").unlink()
+    done = _host_status(run, tmp_path / "beats")
+    assert done.state == "stopped (graceful, checkpoint at step 40)" and done.ended and not done.running
+    assert done.stop == outcome.Stop(1764072063, "root@op", True, 40) and done.metrics.startswith("METRICS ")
+    (kept.parent / "here.stopped").unlink()  # no stop of this run: nothing runs, nothing says why
+    assert _host_status(run, tmp_path / "beats").state == "absent"
 
 
 @pytest.fixture
@@ -73,6 +102,7 @@ def _runs(ddp, hosts) -> list[dict]:
     return json.loads(r.stdout)
 
 
+@pytest.mark.e2e
 def test_launch_wait_of_a_job_stopped_gracefully_ends_as_a_stop_and_status_agrees_with_runs(ddp, tmp_path):
     hosts = _hosts(tmp_path, LOOPS)
     env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
@@ -104,6 +134,7 @@ def test_launch_wait_of_a_job_stopped_gracefully_ends_as_a_stop_and_status_agree
     assert table.exit_code == 0 and "stopped (graceful, no checkpoint reported)" in table.stdout, table.output
 
 
+@pytest.mark.e2e
 def test_a_program_that_exits_0_having_formed_no_process_group_and_printed_no_metrics_is_not_a_success(ddp, tmp_path):
     hosts = _hosts(tmp_path, IDLE)
     r = ddp(hosts, "launch", "--wait", "--timeout", "240")
@@ -116,6 +147,7 @@ def test_a_program_that_exits_0_having_formed_no_process_group_and_printed_no_me
     assert run["outcome"] == outcome.NOTHING_TRAINED
 
 
+@pytest.mark.e2e
 def test_a_program_that_forms_the_process_group_and_beats_is_a_success_without_a_metrics_line(ddp, tmp_path):
     hosts = _hosts(tmp_path, FORMS, procs=2)
     r = ddp(hosts, "launch", "--wait", "--timeout", "240")

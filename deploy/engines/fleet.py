@@ -10,7 +10,7 @@ a notebook or a CI pipeline can launch, follow and stop a job without a shell::
     fleet = Fleet("hosts.yaml", say=print)
     started = fleet.launch()             # the run id, its nodes and where the launch's time went
     final = fleet.wait(timeout=3600)     # every node's state once the job has ended
-    print(fleet.verdict(final))          # or a RuntimeFailure naming the first failure
+    print(fleet.verdict(final))          # or a RuntimeFailure naming the first failure (JobStopped: stopped)
     fleet.stop()
 
 The click commands (deploy/cli.py) only parse, call these and render (deploy/engines/render.py).
@@ -820,7 +820,8 @@ class Fleet:
             return wait(self.inv, remote, timeout, self.redact, show=show, say=self.say)
 
     def verdict(self, final: dict[str, plan.NodeState]) -> str:
-        """What to say of a job that ended well; a RuntimeFailure naming the first failure otherwise."""
+        """What to say of a job that ended well; a RuntimeFailure naming the first failure otherwise
+        (or saying that nothing shows it trained), a JobStopped where ``stop`` ended it."""
         with Remote(self.inv) as remote:
             return verdict(self.inv, final, remote, self.redact)
 
