@@ -144,7 +144,7 @@ def test_a_program_that_exits_0_having_formed_no_process_group_and_printed_no_me
     assert shown.exit_code == 0 and outcome.NOTHING_TRAINED in shown.stdout, shown.output
     assert _status(ddp, hosts)["formed"] is False
     (run,) = _runs(ddp, hosts)
-    assert run["outcome"] == outcome.NOTHING_TRAINED
+    assert run["outcome"] == outcome.NOTHING_TRAINED and run["nodes"]["here"]["formed"] is False
 
 
 @pytest.mark.e2e
@@ -156,4 +156,4 @@ def test_a_program_that_forms_the_process_group_and_beats_is_a_success_without_a
     assert now["state"] == "exited(0)" and now["formed"] is True and now["metrics"] == "", now
     assert outcome.NOTHING_TRAINED not in ddp(hosts, "status").stdout
     (run,) = _runs(ddp, hosts)
-    assert run["outcome"] == "exit 0"
+    assert run["outcome"] == "exit 0" and run["nodes"]["here"]["formed"] is True

@@ -139,6 +139,7 @@ class Engine(ABC):
                                     "goodput": good[r.id].as_data() if good.get(r.id) else None,
                                     "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
                                                   "stopped": nr.stop.as_data() if nr.stop else None,
+                                                  "formed": nr.formed,
                                                   "stalls": [k.as_data() for k in nr.stalls]}
                                               for n, nr in r.nodes.items()},
                                     "record": r.record} for r in kept]))

@@ -132,6 +132,7 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact, running=lambda:
                                "stopped": run.stop_data(),
                                "nodes": [{**view.as_data(n, ranks[n], s), "exits": [list(e) for e in run.nodes[n].exits],
                                           "stopped": run.nodes[n].stop.as_data() if run.nodes[n].stop else None,
+                                          "formed": run.nodes[n].formed,
                                           "first_failure": asdict(first) if first and first.node == n else None,
                                           "stalls": [k.as_data() for k in run.nodes[n].stalls]}
                                          for n, s in states.items()],
