@@ -8,6 +8,10 @@
                                                                   their rank in front
     <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>/exits   ``TIME CODE`` at each end of its launcher
                                                                   (one line per restart)
+    <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>/group-formed   its launcher saw a rank's heartbeat
+                                                                  (trainer/formed.py)
+    <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>.stopped the operator's stop (outcome.Stop), in the
+                                                                  run's directory, which only this tool writes
 
 The trainer's metrics records carry the id (``"run"``, trainer/output.py RUN_ID_ENV), and its
 TensorBoard files are in ``<checkpoints.host>/tensorboard/<id>``. A launch keeps the newest
