@@ -488,6 +488,9 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
     assert complete_checkpoint_steps(fresh_nas)[-1] == stop["step"]
     for h in cluster.hosts:
         assert f"{h.name}: stopped: trainer: stopped by SIGTERM" in said, said
+    # status shows each node of the stopped run as runs does (its container gone: not absent)
+    shown = {n["node"]: n["state"] for n in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)}
+    assert shown == {h.name: f"stopped (graceful, checkpoint at step {stop['step']})" for h in cluster.hosts}, shown
 
     relaunched = time.time()
     ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
