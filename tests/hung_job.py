@@ -22,6 +22,13 @@ for step in range(1, 100000):
 """
 
 
-def hanging_program(rank: int, pause: float, fault: str = "time.sleep(3600)") -> str:
-    """:data:`HANGS` with the rank that hangs, how (one line) and the pause between steps."""
-    return HANGS.format(rank=rank, pause=pause, fault=fault)
+def hanging_program(rank: int, pause: float, fault: str = "time.sleep(3600)", own_beat: bool = True) -> str:
+    """:data:`HANGS` with the rank that hangs, how (one line) and the pause between steps; without
+    ``own_beat``, it writes no heartbeat and prints nothing (its lines keep their numbers): a
+    program that knows nothing of this bundle, which the launcher's progress hook beats for."""
+    program = HANGS.format(rank=rank, pause=pause, fault=fault)
+    if not own_beat:
+        lines = program.splitlines(keepends=True)
+        lines[8:11] = ["    # no heartbeat of its own\n", "    # and no output\n", "    pass\n"]
+        program = "".join(lines)
+    return program

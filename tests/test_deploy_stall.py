@@ -82,10 +82,12 @@ def test_the_launcher_empties_its_own_directory_and_refuses_a_link_or_a_file_in_
 
 
 @pytest.mark.parametrize("name, age, text, read", [
-    ("0", "5", "12 3 1500", (0, 12, 3, 1.5, 5.0)),
-    ("1", "-2", "12", (1, 12, None, None, 0.0)),  # written after the node's clock was read: new
-    ("2", "5", "", (2, None, None, None, 5.0)),  # a user's empty beat: its time alone
-    ("3", "5", "9" * 400, (3, None, None, None, 5.0)),  # no number that fits
+    ("0", "5", "12 3 1500", (0, 12, 3, 1.5, 5.0, None)),
+    ("1", "-2", "12", (1, 12, None, None, 0.0, None)),  # written after the node's clock was read: new
+    ("2", "5", "", (2, None, None, None, 5.0, None)),  # a user's empty beat: its time alone
+    ("3", "5", "9" * 400, (3, None, None, None, 5.0, None)),  # no number that fits
+    ("4", "5", "- 2 - init", (4, None, 2, None, 5.0, "init")),  # the progress hook's, in init_process_group
+    ("5", "5", "7 2 10 nosuch", (5, 7, 2, 0.01, 5.0, None)),  # no phase it writes
     ("x", "5", "1", None), ("0", "five", "1", None), ("0", "9" * 30, "1", None),
 ])
 def test_a_beat_as_the_node_printed_it_is_read_as_numbers_or_not_at_all(name, age, text, read):

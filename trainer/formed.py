@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import threading
 
+from . import heartbeat
+
 MARKER = "group-formed"
 """In the node's directory of the run: a rank's heartbeat was seen there."""
 EVERY_S = 1.0
@@ -20,10 +22,7 @@ EVERY_S = 1.0
 
 def seen(beats: str) -> bool:
     """A rank's heartbeat file is in ``beats`` (named by its local rank: digits)."""
-    try:
-        return any(name.isdigit() for name in os.listdir(beats))
-    except OSError:
-        return False
+    return heartbeat.group_formed(beats)  # not a worker's start, which its hook marks too
 
 
 def keep(record: str) -> bool:

@@ -14,6 +14,13 @@ and no import of this bundle (docs/failures.md, "When a job hangs")::
 
 ``GAP_MS`` is the longest time between two of the rank's beats so far: what the default
 ``job.stall_timeout`` is derived from, so that a slow but healthy job is never called stalled.
+
+Any other program beats with no change to it: the launcher installs a hook in each of its workers
+(trainer/progress_hook/ddp_deploy_progress.py) that writes the same line, ``-`` for a step or a gap
+it does not know, and a fourth word, the rank's :data:`PHASES`: ``start`` when the worker starts
+(the watch's clock for the rank starts there), ``init`` in ``init_process_group``, ``run`` after
+the group formed and after each collective and DDP step, ``done`` after
+``destroy_process_group``, ``ended`` when the worker exited (``left``: before its group formed).
 """
 
 from __future__ import annotations
@@ -112,6 +119,15 @@ class Heartbeat:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             self.path = None
+
+
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progress_hook")
+"""The ``sitecustomize`` and the hook it installs (trainer/progress_hook): first on the workers' path."""
+
+
+def hooked_path(python_path: str | None) -> str:
+    """``PYTHONPATH`` for the workers: :data:`HOOK_DIR` first, then what it was."""
+    return os.pathsep.join([HOOK_DIR, *(p for p in (python_path or "").split(os.pathsep) if p and p != HOOK_DIR)])
 
 
 def prepare(directory: str | None) -> str | None:
@@ -219,16 +235,63 @@ def _whole(word: str) -> int | None:
     return int(word) if word.isascii() and word.isdigit() and len(word) <= 16 and int(word) <= LARGEST else None
 
 
-def parse_beat(name: str, age: str, text: str) -> tuple[int, int | None, int | None, float | None, float] | None:
+PHASES = ("start", "init", "run", "done", "ended", "left")
+"""A hooked worker's phase (the fourth word of its line; trainer/progress_hook): started, in
+``init_process_group``, running (the group formed), done (``destroy_process_group``), ended (exited),
+left (exited before its process group formed)."""
+ENDED = ("ended", "left")
+
+Beat = tuple  # (local rank, step, rank, gap in seconds, age in seconds, phase): parse_beat's
+
+
+def parse_beat(name: str, age: str, text: str) -> Beat | None:
     """A heartbeat file as the node's status script printed it (its name, its age in seconds, its
-    first line): (local rank, step, rank, gap in seconds, age in seconds), or None where it is not
-    one. A file written after the node's clock read (a negative age) is new: 0. The file is the job's: any field that is not a plain number is None."""
+    first line): (local rank, step, rank, gap in seconds, age in seconds, phase), or None where it is
+    not one. A file written after the node's clock read (a negative age) is new: 0. The file is the
+    job's: any field that is not a plain number is None, a phase not one of :data:`PHASES` None."""
     local, seconds = _whole(name), _whole("0" if age[:1] == "-" and _whole(age[1:]) is not None else age)
     if local is None or seconds is None:
         return None
-    words = text.split()[:3]
-    step, rank, gap = (*(_whole(w) for w in words), None, None, None)[:3]
-    return local, step, rank, None if gap is None else gap / 1000, float(seconds)
+    words = text.split()[:4]
+    step, rank, gap = (*(_whole(w) for w in words[:3]), None, None, None)[:3]
+    phase = words[3] if len(words) > 3 and words[3] in PHASES else None
+    return local, step, rank, None if gap is None else gap / 1000, float(seconds), phase
+
+
+LEFT_S = 10.0
+"""How long a rank has ended, and its node's other ranks have not moved since, before that is a hang
+whatever ``job.stall_timeout`` (:func:`verdict`): no peer's group forms without it."""
+
+
+def verdict(setting, beats: list) -> tuple[float, float, str | None] | None:
+    """What a node's beats (:func:`parse_beat`'s tuples) say under ``job.stall_timeout``
+    (``setting``): ``(age, limit, left)``, the node stalled where ``age > limit``; ``left``: ``rank N`` (else
+    ``local rank N``), the rank that ended while the others wait on it. None: they tell nothing (no live rank,
+    or, with ``auto``, none has shown an interval yet: its start, judged by its output as before).
+
+    A rank's clock starts when its worker starts (``start``). A number: no rank of the node moved for
+    that long. ``auto``: :func:`stall_limit` of the intervals the ranks have shown; a start-up is not
+    guessed from silence. Either way: a rank that ended (any exit code) while every other rank of
+    the node is in ``init_process_group`` or has not got past its first collective (no interval
+    yet) holds them for good, once :data:`LEFT_S` has passed. Ranks that ended, or are done with
+    the process group, are not judged: their slow exit is no stall."""
+    if setting is None:
+        return None
+    live = [b for b in beats if b[5] != "done" and b[5] not in ENDED]
+    if not live:
+        return None
+    age = min(b[4] for b in live)
+    ended = [b for b in beats if b[5] in ENDED]
+    waiting = all(b[5] == "init" or (b[5] == "run" and b[3] is None) for b in live)
+    if ended and waiting:
+        last = min(ended, key=lambda b: b[4])
+        age = min(age, last[4])
+        if age > LEFT_S:
+            return age, LEFT_S, f"rank {last[2]}" if last[2] is not None else f"local rank {last[0]}"
+    shown = [b for b in live if b[5] is None or b[1] is not None or b[3] is not None]
+    if setting == "auto" and not shown:
+        return None
+    return age, stall_limit(setting, [b[3] for b in shown], True), None
 
 
 # --- what `doctor` reads -------------------------------------------------------------------------
@@ -347,7 +410,7 @@ exit 0
 
 # --- the node's own watch (job.on_stall: restart) ---------------------------------------------------
 
-def read_beats(directory: str, now: float | None = None) -> list[tuple[int, int | None, int | None, float | None, float]]:
+def read_beats(directory: str, now: float | None = None) -> list[Beat]:
     """The beats in ``directory`` as :func:`parse_beat` reads them (ages by this machine's clock)."""
     now = time.time() if now is None else now
     found = []
@@ -369,6 +432,12 @@ def read_beats(directory: str, now: float | None = None) -> list[tuple[int, int 
         if beat is not None:
             found.append(beat)
     return found
+
+
+def group_formed(directory: str) -> bool:
+    """A rank of this node formed the process group or made a step: a heartbeat file in
+    ``directory`` past its hook's start (:data:`PHASES`), or one the program wrote itself."""
+    return any(b[5] not in ("start", "init", "left") for b in read_beats(directory))
 
 
 def workers(directory: str) -> list[int]:
@@ -589,8 +658,10 @@ class Watchdog:
     counted against ``--max-restarts``, in a new rendezvous round the other nodes' agents join, and
     the job resumes from its newest checkpoint. ``stop``: it kills its workers and ends the launcher
     with 0, so that nothing starts them again (a hang stalls every node: each one's launcher ends its
-    part). Before the first beat, and after a restart until the next beat, there is nothing to
-    judge: nothing is done."""
+    part). A rank's clock starts when its worker starts (its hook's ``start``, :func:`verdict`); with
+    ``auto``, a start-up is not judged until a rank shows an interval, unless a rank ended while the
+    others wait on it. Before any worker's first line, and after a restart until the next one, there
+    is nothing to judge: nothing is done."""
 
     def __init__(self, directory: str, setting, action: str = "report", record: str | None = None,
                  every: float = 1.0, out=sys.stderr, spy: str | None = None, end=None,
@@ -624,11 +695,11 @@ class Watchdog:
     def check(self, now: float | None = None) -> bool:
         """One look; True when it found a new stall (and acted on it)."""
         beats = read_beats(self.directory, now)
-        if not beats:
+        seen = verdict(self.setting, beats)
+        if seen is None:
             return False
-        limit = stall_limit(self.setting, [b[3] for b in beats], True)
-        age = min(b[4] for b in beats)
-        if limit is None or age <= limit:
+        age, limit, left = seen
+        if age <= limit:
             self._reported = False  # moving again: the next stall is a new one
             return False
         if self._reported:
@@ -636,7 +707,9 @@ class Watchdog:
         step = max((b[1] for b in beats if b[1] is not None), default=None)
         kept = self.keep(int(time.time() if now is None else now), step, age, limit)
         what = f"no rank on this node moved for {age:.0f} s (last step {'?' if step is None else step}; " \
-               f"job.stall_timeout {limit:g} s)"
+               f"job.stall_timeout {limit:g} s)" if left is None else \
+               f"{left} ended {age:.0f} s ago while the others on this node never formed the process group or " \
+               "wait in their first collective"
         if not workers(self.directory):  # they ended, and nothing started them again: the agent hangs
             what += f"; no worker of it runs, and torchrun's agent is in {main_thread_at()}"
         if self.action == "report":

@@ -530,6 +530,8 @@ def main() -> None:
     beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
     if beats is None:
         os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
+    else:  # every worker beats on its collectives, whatever its program (trainer/progress_hook)
+        os.environ["PYTHONPATH"] = heartbeat.hooked_path(os.environ.get("PYTHONPATH"))
     watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall, job.stall_timeout
     record = os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
     group = formed.Watch(beats, record).start()  # a rank's heartbeat seen: kept with the run (trainer/formed.py)

@@ -506,6 +506,23 @@ def _note(env: dict, pid: int, gone: bool = False) -> None:
 
 # ---------------------------------------------------------------------------- the worker
 
+HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progress_hook", "ddp_deploy_progress.py")
+
+
+def _progress_hook() -> None:
+    """The progress hook (trainer/progress_hook) a started worker's ``sitecustomize`` installs, here
+    before the program runs: by its own top-level name, nothing of it under ``trainer``."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("ddp_deploy_progress", HOOK)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ddp_deploy_progress"] = module
+        spec.loader.exec_module(module)
+        module.install()
+    except Exception as exc:  # the program runs whatever happens here, without beats
+        sys.stderr.write(f"ddp_deploy_progress: warning: no progress beats ({exc!r})\n")
+
 def _run(spec: dict) -> int:
     """The worker's program, as ``python -u`` runs it; returns its exit code."""
     import runpy
@@ -519,6 +536,7 @@ def _run(spec: dict) -> int:
         sys.modules["torch"].set_num_threads(int(threads))
     for name in [m for m in sys.modules if m == "trainer" or m.startswith("trainer.")]:
         del sys.modules[name]  # the program's own modules are found as `python -m` finds them
+    _progress_hook()
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")

@@ -134,14 +134,19 @@ class SshFleet(Engine):
                 return
             states = fleet.node_states(inv, remote, self.st.redact)
             first = fleet.first_failure(inv, remote, fleet.witnesses(states), self.st.redact)
+            # a stall named where it is shown: the culprit's node, rank and frame (deploy/observe/doctor.py)
+            why = fleet.diagnose(inv, remote, self.st.redact).summary if any(s.stall for s in states.values()) else None
         untrained = fleet.nothing_trained(states)
         if as_json:
             click.echo(json.dumps([{**view.as_data(n, inv.node(n).nprocs, s),
                                     "formed": s.formed, "stopped": s.stop.as_data() if s.stop else None,
-                                    "first_failure": asdict(first) if first and first.node == n else None}
+                                    "first_failure": asdict(first) if first and first.node == n else None,
+                                    "stall_diagnosis": why if s.stall else None}
                                    for n, s in states.items()]))
         else:
             render.print_status(inv, states)
+            if why:
+                click.echo(safe(f"stalled: {why} (`ddp-deploy doctor` shows each rank)"))
             if first:
                 click.echo(f"first failure: {first.describe()}")
             if untrained:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
-from trainer.heartbeat import FLOOR_S, GAP_FACTOR, QUIET_S, stall_limit  # noqa: F401 (the node's watchdog judges alike)
+from trainer.heartbeat import FLOOR_S, GAP_FACTOR, QUIET_S, stall_limit, verdict  # noqa: F401 (the node's watchdog judges alike)
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Beat:
     """The longest interval between two of its beats so far (None: the program does not say)."""
     age_s: float
     """Seconds since its last beat, by the node's clock."""
+    phase: str | None = None
+    """Where its worker is, as the progress hook says (trainer/heartbeat.py, PHASES); None: a line
+    the program wrote itself."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class Stall:
     """When that progress was, as a time of this machine (``time.time()``)."""
     evidence: str
     """``heartbeats``, or ``output`` for a program that writes none."""
+    left: str | None = None
+    """``rank N``: the rank that ended while the node's others never formed the process group or
+    wait in their first collective (trainer/heartbeat.py, verdict)."""
 
 
 def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
@@ -56,26 +62,28 @@ def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
 
 def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, now: float | None = None,
           started: bool = True) -> Stall | None:
-    """A running node's stall, or None (it moves, it is not running, or nothing tells). ``started``:
-    the program has shown progress (a METRICS line); before that, and before any heartbeat, its
-    silence is its start (a container, imports, a dataset, the rendezvous), judged against
-    :data:`QUIET_S` at least, whatever the setting."""
-    if state != "running":
+    """A running node's stall, or None (it moves, it is not running, or nothing tells). Its
+    heartbeats judged as its launcher's watchdog judges them (trainer/heartbeat.py, verdict: each
+    rank's clock starts with its worker); where they tell nothing (none, or with ``auto`` a start-up
+    that has shown no interval yet), its output. ``started``: the program has shown progress (a
+    METRICS line); before that its silence is its start (a container, imports, a dataset, the
+    rendezvous), judged against :data:`QUIET_S` at least, whatever the setting."""
+    if state != "running" or setting is None:
         return None
-    limit = timeout(setting, beats)
-    if limit is None:
-        return None
-    if beats:
-        age, step, evidence = min(b.age_s for b in beats), _furthest(beats), "heartbeats"
+    seen = verdict(setting, [astuple(b) for b in beats])
+    left = None
+    if seen is not None:
+        (age, limit, left), step, evidence = seen, _furthest(beats), "heartbeats"
     elif quiet_s is not None:
         age, step, evidence = quiet_s, None, "output"
+        limit = stall_limit(setting, [], False)
         limit = limit if started else max(limit, QUIET_S)
     else:
         return None
     if age <= limit:
         return None
     now = time.time() if now is None else now
-    return Stall(for_s=age, timeout_s=limit, last_step=step, since=now - age, evidence=evidence)
+    return Stall(for_s=age, timeout_s=limit, last_step=step, since=now - age, evidence=evidence, left=left)
 
 
 def _furthest(beats: tuple[Beat, ...]) -> int | None:

@@ -19,6 +19,8 @@ from .view import LARGEST
 
 COLLECTIVES = "/torch/distributed/"
 """A frame in a file under this path is torch.distributed's: the rank waits in a collective there."""
+HOOK = "ddp_deploy_progress.py"
+"""The progress hook's wrappers of the collectives (trainer/progress_hook): not the program's line."""
 BACKWARD = "/torch/autograd/"
 """A frame in a file under this path is autograd's backward, where DDP's gradient all-reduce runs
 (from the autograd engine's hooks, below any Python frame): a rank of a stalled DDP job there waits
@@ -94,7 +96,7 @@ class RankStack:
             inside = [f for f in self.frames[:8] if f.in_collective]
             call = (next((f for f in inside if f.short == "distributed_c10d.py"), inside[0])  # not its wrappers
                     if inside else Frame("backward", BACKWARD, None))
-            caller = next((f for f in self.frames if "/torch/" not in f.file), None)
+            caller = next((f for f in self.frames if "/torch/" not in f.file and f.short != HOOK), None)
             at = caller or call
             where = f"({at.short}:{'?' if at.line is None else at.line})"
             if self.collective is None:

@@ -21,7 +21,7 @@ from local_job import beats_dir
 from trainer import heartbeat
 from trainer_helpers import final_weights
 
-from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, wait_until
+from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, start_ddp, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -111,7 +111,7 @@ DUE_SLACK = 2
 age is over the timeout: one asked up to about a second past the timeout may not show it yet."""
 
 
-def _shown_stalled(cluster, hosts: Path, timeout: float) -> tuple[list[dict], float]:
+def _shown_stalled(cluster, hosts: Path, timeout: float, limit: float = STALL_TIMEOUT) -> tuple[list[dict], float]:
     """`status --json` asked every STATUS_EVERY s until it shows every node stalled: that answer,
     and when it came. The stall is shown in bounded time: every status asked more than
     job.stall_timeout after the last beat on any node shows it (the answer's ``since``), however
@@ -126,9 +126,9 @@ def _shown_stalled(cluster, hosts: Path, timeout: float) -> tuple[list[dict], fl
         return states
     stalled = wait_until(look, timeout, "every node stalled", interval=STATUS_EVERY)
     seen = time.time()
-    due = max(n["stalled"]["since"] for n in stalled) + STALL_TIMEOUT + DUE_SLACK
+    due = max(n["stalled"]["since"] for n in stalled) + limit + DUE_SLACK
     late = [asked - due for asked in not_yet if asked > due]
-    assert not late, f"a status asked {max(late) + STALL_TIMEOUT + DUE_SLACK:.1f} s after the last beat did not show the stall"
+    assert not late, f"a status asked {max(late) + limit + DUE_SLACK:.1f} s after the last beat did not show the stall"
     return stalled, seen
 
 
@@ -159,6 +159,49 @@ def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the
     record_fault(fault=fault, finished="no (stopped)", redone_steps=None, ckpt_every=None, detect_s=round(detect, 1),
                  detect_what=f"the last heartbeat to `status` naming every node stalled at step 4 (stall_timeout "
                              f"{STALL_TIMEOUT} s); `doctor` named node2 rank 3 in {diagnosed:.1f} s",
+                 left_running="nothing after stop --now", bit_identical="n/a")
+
+
+SILENT_STALL_TIMEOUT = 10
+
+
+def test_a_program_that_beats_nowhere_and_hangs_silently_is_named_by_status_and_launch_wait(
+        cluster, fresh_nas, tmp_path, record_fault):
+    """No heartbeat, no output, no import of this bundle: the launcher's progress hook beats each rank
+    on its all-reduce, and the stall is named (node, rank, frame) by `status` itself and by
+    `launch --wait`."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "hangs.py").write_text(hanging_program(rank=3, pause=0.2, own_beat=False))
+    hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
+                                     train={"script": "hangs.py", "code": str(code)},
+                                     job={"stall_timeout": SILENT_STALL_TIMEOUT, "max_restarts": 0})
+    ok(ddp(cluster, hosts, "deploy"))
+    culprit = "node2 rank 3 is in <module> (hangs.py:7); the 5 other ranks wait in all_reduce (hangs.py:8)"
+    waiting = start_ddp(cluster, hosts, "launch", "--wait", "--timeout", "300")
+    try:
+        stalled, seen = _shown_stalled(cluster, hosts, 240, SILENT_STALL_TIMEOUT)
+        assert all(n["state"] == "running" and n["stalled"]["last_step"] is None for n in stalled), stalled
+        assert all(n["stall_diagnosis"] == culprit for n in stalled), stalled
+        assert sorted(b["rank"] for n in stalled for b in n["heartbeats"]) == list(range(6)), stalled
+        assert {b["phase"] for n in stalled for b in n["heartbeats"]} == {"run"}, stalled
+        last = max(n["stalled"]["since"] for n in stalled)
+        table = ok(ddp(cluster, hosts, "status")).stdout
+        assert f"stalled: {culprit} (`ddp-deploy doctor` shows each rank)" in table, table
+        said = []
+        for line in waiting.stdout:  # it has said it by now, or says it next
+            said.append(line.rstrip("\n"))
+            if line.startswith("stalled: "):
+                break
+        assert said[-1] == f"stalled: {culprit} (`ddp-deploy doctor` shows each rank)", said
+    finally:
+        waiting.kill()
+        waiting.communicate()
+        ok(ddp(cluster, hosts, "stop", "--now"))
+    record_fault(fault="a program with no heartbeat of its own: one rank sleeps before a collective", finished="no (stopped)",
+                 redone_steps=None, ckpt_every=None, detect_s=round(seen - last, 1),
+                 detect_what=f"the last progress the hook beat to `status` naming node2 rank 3 (stall_timeout "
+                             f"{SILENT_STALL_TIMEOUT} s); `launch --wait` named it too",
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 

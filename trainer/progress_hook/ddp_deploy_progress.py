@@ -1,0 +1,209 @@
+"""Progress beats for any program a job runs, with no change to it.
+
+Installed in each worker before its program runs (the ``sitecustomize`` beside this file for the
+workers torchrun starts; trainer/zygote.py for those the launcher's zygote forks), where the launcher
+set ``DDP_HEARTBEAT_DIR``. It writes the rank's heartbeat file (trainer/heartbeat.py), ``STEP RANK
+GAP_MS PHASE`` in place, ``-`` for what it does not know:
+
+- ``start`` when the worker starts: the watch's clock for the rank starts there;
+- ``init`` when the program calls ``init_process_group``;
+- ``run`` when the process group has formed, and again after every call of a collective of
+  ``torch.distributed`` that returned and every ``DistributedDataParallel`` forward (each step of
+  DDP holds the previous step's gradient all-reduce);
+- ``done`` after ``destroy_process_group`` (what the rank does alone then holds no peer up), and
+  ``ended`` when the worker's interpreter exits (``left`` where its process group never formed).
+
+A program that beats itself (the built-in trainer, or the one line of docs/failures.md) keeps its
+own step: the hook writes that step back and the longer of the two longest intervals. Only the
+worker torchrun started writes ``start`` and ``ended``; a process it starts (a data loader's
+worker, a spawned trainer) beats only where it runs collectives itself.
+
+Standalone on purpose: the standard library only, and nothing of the ``trainer`` package, which
+the program may have one of its own of.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import time
+
+HEARTBEAT_DIR_ENV = "DDP_HEARTBEAT_DIR"
+OWNER_ENV = "DDP_PROGRESS_PID"
+"""The worker's pid: a process it starts inherits it, and knows it is not the worker."""
+COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "reduce", "gather",
+               "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "monitored_barrier", "send", "recv", "all_gather_object", "gather_object", "broadcast_object_list",
+               "scatter_object_list", "batch_isend_irecv")
+MARK = "__ddp_deploy_progress__"
+ENDS = ("done", "ended", "left")
+
+_beats: "_Beats | None" = None
+
+
+class _Beats:
+    """The rank's heartbeat file, written in place (one ``pwrite``)."""
+
+    def __init__(self, path: str, rank: str) -> None:
+        self.path, self.rank = path, rank if rank.isdigit() else "-"
+        self.fd: int | None = None
+        self.gap: float | None = None
+        self.last: float | None = None
+        self.written = b""
+        self.phase = "start"
+        self.formed = False
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if self.last is not None:
+            self.gap = max(self.gap or 0.0, now - self.last)
+        self.last = now
+        self.formed = True
+        self.put("run")
+
+    def end(self) -> None:
+        self.put("ended" if self.formed else "left")
+
+    def put(self, phase: str, create: bool = False) -> None:
+        if self.phase in ENDS and phase not in ENDS:
+            return
+        self.phase = phase
+        try:
+            if self.fd is None:
+                if not create and not os.path.exists(self.path):
+                    return  # the launcher emptied the directory (a restart): no longer this rank's file
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if create else 0),
+                                  0o644)
+            step, gap = "-", self.gap
+            there = os.pread(self.fd, 64, 0).split(b"\n")[0]
+            if there and there != self.written:  # the program beats too: its step, the longer interval
+                words = there.split()
+                if words and words[0].isdigit():
+                    step = words[0].decode()
+                if len(words) > 2 and words[2].isdigit():
+                    gap = max(gap or 0.0, int(words[2]) / 1000)
+            ms = "-" if gap is None else str(min(int(gap * 1000), 10 ** 13 - 1))
+            line = f"{step:>20} {self.rank:>10} {ms:>13} {phase:<6}".encode()
+            os.pwrite(self.fd, line + b"\n", 0)
+            self.written = line
+        except OSError:
+            pass  # never the program's end: the watch has the worker's start, its output
+
+
+def install(environ=os.environ) -> bool:
+    """Beats for this process where ``DDP_HEARTBEAT_DIR`` is set; True when installed."""
+    global _beats
+    directory, local = environ.get(HEARTBEAT_DIR_ENV), environ.get("LOCAL_RANK", "")
+    if not directory or not local.isdigit() or _beats is not None:
+        return False
+    owner = environ.get(OWNER_ENV, "")
+    _beats = _Beats(os.path.join(directory, local), environ.get("RANK", ""))
+    if owner in ("", str(os.getpid())):
+        environ[OWNER_ENV] = str(os.getpid())
+        _beats.put("start", create=True)
+        atexit.register(_beats.end)
+    else:
+        _beats.phase = "run"
+    if "torch.distributed" in sys.modules:
+        _patch_distributed(sys.modules["torch.distributed"])
+    if "torch.nn.parallel.distributed" in sys.modules:
+        _patch_ddp(sys.modules["torch.nn.parallel.distributed"])
+    sys.meta_path.insert(0, _Finder())
+    return True
+
+
+class _Finder:
+    """Patches ``torch.distributed`` and DDP once the program imports them (nothing before)."""
+
+    AFTER = {"torch.distributed": lambda m: _patch_distributed(m),
+             "torch.nn.parallel.distributed": lambda m: _patch_ddp(m)}
+
+    def find_spec(self, name, path=None, target=None):
+        after = self.AFTER.get(name)
+        if after is None:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            try:
+                after(module)
+            except Exception as exc:  # a torch whose names differ: the program runs without these beats
+                sys.stderr.write(f"ddp_deploy_progress: warning: no progress beats from {name} ({exc!r})\n")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after(fn, phase_before: str | None = None):
+    """``fn``, beating when a call of it returns."""
+    if getattr(fn, MARK, False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if phase_before is not None and _beats is not None:
+            _beats.put(phase_before)
+        out = fn(*args, **kwargs)
+        if _beats is not None:
+            if phase_before == "init":  # its rank in the group, where a process it started runs it
+                _beats.rank = _rank(_beats.rank)
+            _beats.progress()
+        return out
+    setattr(call, MARK, True)
+    return call
+
+
+def _rank(known: str) -> str:
+    try:
+        return str(int(sys.modules["torch.distributed"].get_rank()))
+    except Exception:  # no group after all: what the environment said
+        return known
+
+
+def _done(fn):
+    if getattr(fn, MARK, False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if _beats is not None:
+            _beats.put("done")
+        return out
+    setattr(call, MARK, True)
+    return call
+
+
+def _patch_distributed(dist) -> None:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    init = getattr(c10d, "init_process_group", None) or getattr(dist, "init_process_group", None)
+    if init is not None:
+        wrapped = _after(init, "init")
+        _set(dist, c10d, "init_process_group", init, wrapped)
+    destroy = getattr(c10d, "destroy_process_group", None)
+    if destroy is not None:
+        _set(dist, c10d, "destroy_process_group", destroy, _done(destroy))
+    for name in COLLECTIVES:
+        fn = getattr(c10d, name, None)
+        if callable(fn):
+            _set(dist, c10d, name, fn, _after(fn))
+
+
+def _set(dist, c10d, name, original, wrapped) -> None:
+    for module in (dist, c10d):
+        if module is not None and getattr(module, name, None) is original:
+            setattr(module, name, wrapped)
+
+
+def _patch_ddp(module) -> None:
+    cls = getattr(module, "DistributedDataParallel", None)
+    if cls is not None and "forward" in vars(cls):
+        cls.forward = _after(cls.forward)
