@@ -223,6 +223,7 @@ def test_the_hook_s_line_is_read_with_its_phase_and_a_program_that_beats_itself_
     beats.progress()
     Heartbeat(str(tmp_path), 0, 3).beat(41)  # the program's own beat, in between
     beats.progress()
+    beats.progress()  # a second collective in the same step: the step stays
     line = (tmp_path / "0").read_bytes().split(b"\n")[0].decode()
     local, step, rank, gap, _, phase = parse_beat("0", "0", line)
     assert (local, step, rank, phase) == (0, 41, 3, "run") and gap is not None

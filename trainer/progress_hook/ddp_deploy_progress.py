@@ -52,6 +52,8 @@ class _Beats:
         self.gap: float | None = None
         self.last: float | None = None
         self.written = b""
+        self.step = "-"
+        """The step of the program's own last line, if it writes one: kept in every line after it."""
         self.phase = "start"
         self.formed = False
 
@@ -76,16 +78,15 @@ class _Beats:
                     return  # the launcher emptied the directory (a restart): no longer this rank's file
                 self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if create else 0),
                                   0o644)
-            step, gap = "-", self.gap
             there = os.pread(self.fd, 64, 0).split(b"\n")[0]
             if there and there != self.written:  # the program beats too: its step, the longer interval
                 words = there.split()
                 if words and words[0].isdigit():
-                    step = words[0].decode()
+                    self.step = words[0].decode()
                 if len(words) > 2 and words[2].isdigit():
-                    gap = max(gap or 0.0, int(words[2]) / 1000)
-            ms = "-" if gap is None else str(min(int(gap * 1000), 10 ** 13 - 1))
-            line = f"{step:>20} {self.rank:>10} {ms:>13} {phase:<6}".encode()
+                    self.gap = max(self.gap or 0.0, int(words[2]) / 1000)
+            ms = "-" if self.gap is None else str(min(int(self.gap * 1000), 10 ** 13 - 1))
+            line = f"{self.step:>20} {self.rank:>10} {ms:>13} {phase:<6}".encode()
             os.pwrite(self.fd, line + b"\n", 0)
             self.written = line
         except OSError:
