@@ -9,7 +9,8 @@ GAP_MS PHASE`` in place, ``-`` for what it does not know:
 - ``init`` when the program calls ``init_process_group``;
 - ``run`` when the process group has formed, and again after every call of a collective of
   ``torch.distributed`` that returned and every ``DistributedDataParallel`` forward (each step of
-  DDP holds the previous step's gradient all-reduce);
+  DDP holds the previous step's gradient all-reduce). With NCCL a call returns once its work is
+  queued on the GPU: a hung collective stops the beats when the rank next waits on the GPU;
 - ``done`` after ``destroy_process_group`` (what the rank does alone then holds no peer up), and
   ``ended`` when the worker's interpreter exits (``left`` where its process group never formed).
 
