@@ -58,6 +58,11 @@ def _train_then_resume(cluster, tmp_path, name, fresh_nas, **sections):
     first = ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "600", timeout=660))
     assert re.search(r"started ddp-test run [0-9]{8}-[0-9]{6}-[0-9a-f]{4} on 3 nodes \(3 processes\)", first.stdout)
     assert _metrics(cluster, hosts)["kind"] == "eval"
+    # when the first step came, said and kept in the run's record on the NAS (written there as the tool's user)
+    said = re.search(r"^first step after (\d+\.\d) s \((\S+): ", first.stdout, re.M)
+    assert said and said[2] in {h.name for h in cluster.hosts}, first.stdout
+    kept = json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["record"]["first_step"]
+    assert (kept["after_s"], kept["node"]) == (float(said[1]), said[2])
     ok(ddp(cluster, hosts, "stop"))
 
     hosts = _hosts(cluster, tmp_path, name, 2, **sections)
