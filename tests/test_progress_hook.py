@@ -136,7 +136,7 @@ def _ddp(hosts: Path, *args: str):
 
 @pytest.mark.e2e
 def test_a_start_up_hang_of_a_silent_program_is_named_by_status_and_launch_wait_after_the_stall_timeout(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, torch_python):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     code = tmp_path / "code"
     code.mkdir()
@@ -144,6 +144,7 @@ def test_a_start_up_hang_of_a_silent_program_is_named_by_status_and_launch_wait_
     hosts = local_hosts(tmp_path, job="startjob", train={"script": "startup.py", "code": str(code)}, procs=2)
     data = json.loads(hosts.read_text())
     data["job"]["stall_timeout"] = 3
+    data["train"]["python"] = torch_python.python
     hosts.write_text(json.dumps(data))
     culprit = "here rank 1 is in <module> (startup.py:7); the 1 other rank waits in barrier (startup.py:5)"
     # (the launcher's zygote forks these workers: its hook is installed before the program runs)
