@@ -171,7 +171,7 @@ def test_network_check_runs_the_job_s_launcher_in_the_foreground_with_its_own_re
     assert _opt(a, "--entry") == "trainer.netcheck"
     assert a[a.index("--", a.index("--entry")):] == ["--", "--device", "cuda", "--backend", "nccl", "--size-mb", "4"]
     host = list(plan.netcheck_plan(_inv(**{"runtime: docker": "runtime: host"}), {}, ())["b"])
-    assert host[:1] == ["env"] and host[host.index("python3"):][:4] == ["python3", *module_argv("trainer.launch")]
+    assert host[4] == "/nas/ckpt/work/b" and host[5] == "env" and host[host.index("python3"):][:4] == ["python3", *module_argv("trainer.launch")]
 
 
 def test_the_probe_runs_with_the_job_s_torch_and_gpus():
@@ -193,7 +193,8 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
     assert argv[4:7] == ["/nas/ckpt/.ddp-deploy/demo/a", "/nas/ckpt/.ddp-deploy/demo/runs/RUN_ID/a",
                          str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
-    cmd = argv[7:]
+    assert argv[7:9] == ["sh", "-c"] and argv[10:12] == ["sh", "/nas/ckpt/work/a"]  # the node's own directory
+    cmd = argv[12:]
     assert cmd[:16] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
                         *beats("a", "host")]

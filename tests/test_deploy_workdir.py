@@ -241,3 +241,32 @@ def test_without_a_snapshot_the_launcher_stays_where_it_is(tmp_path, monkeypatch
     with pytest.raises(workdir.WorkDirError):
         workdir.enter({"DDP_CODE_SNAPSHOT": "x", "DDP_CKPT_DIR": str(tmp_path), "DDP_NODE_NAME": ".."})
     assert json.dumps(workdir.path({"DDP_CKPT_DIR": "/ckpt", "DDP_NODE_NAME": "n1"})) == '"/ckpt/work/n1"'
+
+
+SAVES_WITHOUT_SYNC = """\
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+open("model.pth", "w").write(os.getcwd())
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.e2e
+def test_without_train_code_the_host_runtime_runs_check_and_job_in_the_nodes_own_directory(ddp, tmp_path,
+                                                                                            monkeypatch):
+    shell = tmp_path / "operator-shell"
+    shell.mkdir()
+    (shell / "train.py").write_text(SAVES_WITHOUT_SYNC)
+    monkeypatch.chdir(shell)  # where the operator's shell is: not where the job runs
+    work = tmp_path / "nas/ckpt/work/here"
+    relative = local_hosts(tmp_path, job="nosync", train={"script": "train.py"}, name="relative.yaml")
+    checked = ddp(relative, "check")
+    assert checked.exit_code == 1 and f"no file train.py in {work}" in checked.output, checked.output
+
+    hosts = local_hosts(tmp_path, job="nosync", train={"script": str(shell / "train.py")})
+    r = ddp(hosts, "launch", "--wait", "--timeout", "180")
+    assert r.exit_code == 0, r.output
+    assert (work / "model.pth").read_text() == str(work) and not (shell / "model.pth").exists()
+    assert ddp(hosts, "stop").exit_code == 0

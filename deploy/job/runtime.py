@@ -18,6 +18,7 @@ from trainer.entry import module_argv
 from trainer.formed import MARKER as FORMED_MARKER
 from trainer.heartbeat import DIAGNOSE, STALL_RECORD_ENV
 from trainer.output import LOG_DIR_ENV
+from trainer.workdir import SUBDIR as WORK_SUBDIR
 
 from ..inventory import Inventory, Node
 from ..node import node_program
@@ -352,6 +353,9 @@ SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
 # command runs in the writable snapshot.
 IN_DIR = node_program("in_dir.sh")
 
+# $1 = the node's working directory without train.code, then the command (in_work_dir.sh).
+IN_WORK_DIR = node_program("in_work_dir.sh")
+
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only, the working directory)."""
 
@@ -680,7 +684,10 @@ class HostRuntime(Runtime):
         env = (*self.gpu_env(node), *env)
         if env:
             cmd = ["env", *(f"{k}={v}" for k, v in env), *cmd]
-        return ["sh", "-c", IN_DIR, "sh", self.code.host, *cmd] if self.code else cmd
+        if self.code:
+            return ["sh", "-c", IN_DIR, "sh", self.code.host, *cmd]
+        # without train.code too, the job and the check's probe run in the node's own directory
+        return ["sh", "-c", IN_WORK_DIR, "sh", f"{self.inv.storage.checkpoints.host}/{WORK_SUBDIR}/{node.name}", *cmd]
 
     def start_argv(self, node, launcher, env, facts):
         return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node), self.kept_dir(node),

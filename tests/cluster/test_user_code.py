@@ -1,7 +1,9 @@
 """The user's own code on the 3-node cluster through the CLI, in both code modes: built into a
 project image (docker/Dockerfile.project on the trainer image), and synced as a snapshot to the
 NAS and mounted read-only. Each example trains on every node, shows its metrics in `status`, is
-stopped and launched again and resumes from its checkpoint; a one-file edit sends one file.
+stopped and launched again and resumes from its checkpoint; a one-file edit sends one file. The
+synced script also saves a file where it stands, as a tutorial does: each node's lands in its own
+working directory on the NAS, kept across launches, never in the code snapshot.
 
 Each example in one mode, the two modes between them: the package (``-m regress.train``) built into
 an image, the script (charlm's ``train.py``) synced. The train section's script or module reaches
@@ -11,6 +13,7 @@ torchrun in tests/test_examples.py, and each more pairing would cost a 3-node jo
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -87,11 +90,32 @@ def test_an_example_built_into_a_project_image_trains_on_three_nodes_and_resumes
     assert "code sent" not in first.stdout  # the code is in the image
 
 
+# A tutorial's save where it stands, by each node's local rank 0 ("its own copy"), at every launch.
+SAVES_WHERE_IT_STANDS = """
+if __name__ == "__main__" and os.environ["LOCAL_RANK"] == "0":
+    with open("model.pth", "a") as saved:
+        saved.write(os.environ["DDP_NODE_NAME"] + "\\n")
+"""
+
+
+def _saved_where_they_stand(fresh_nas, nodes, launches):
+    """Each node's working directory on the NAS (trainer/workdir.py): its own model.pth, one line per
+    launch, beside links to the code as the container sees it (the snapshot at /workspace)."""
+    for node in nodes:
+        work = fresh_nas / "ckpt/work" / node
+        assert (work / "model.pth").read_text() == f"{node}\n" * launches
+        assert os.readlink(work / "train.py") == "/workspace/train.py"
+        assert (work / "data").is_dir() and not (work / "data").is_symlink()
+    assert not list((fresh_nas / "ckpt/.ddp-deploy/code/snapshots").glob("*/model.pth"))  # never in the code
+
+
 @pytest.mark.parametrize("name", ["charlm"])
 def test_an_example_synced_as_a_snapshot_trains_on_three_nodes_resumes_and_an_edit_sends_one_file(
         cluster, fresh_nas, trainer_image, tmp_path, name):
     project = tmp_path / name
     shutil.copytree(REPO / "examples" / name, project, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    with open(project / "train.py", "a") as script:
+        script.write(SAVES_WHERE_IT_STANDS)
     ok(ddp(cluster, cluster.write_hosts_yaml(tmp_path / "deploy.yaml", runtime="docker"), "deploy", timeout=900))
     code = {"train": {"code": str(project)}}
     first, again = _train_then_resume(cluster, tmp_path, name, fresh_nas, **code)
@@ -99,6 +123,7 @@ def test_an_example_synced_as_a_snapshot_trains_on_three_nodes_resumes_and_an_ed
     assert f"{first_node}: code sent" in first.stdout  # one copy, on the shared NAS...
     assert all(f"{n}: code snapshot" in first.stdout and "present" in first.stdout for n in others)  # ...seen by all
     assert all(f"{n}: code snapshot" in again.stdout for n in [first_node, *others])  # unchanged: nothing sent
+    _saved_where_they_stand(fresh_nas, [first_node, *others], 2)
 
     edited = next(project.rglob("train.py"))
     edited.write_text(edited.read_text() + "\n# edited\n")
@@ -107,4 +132,5 @@ def test_an_example_synced_as_a_snapshot_trains_on_three_nodes_resumes_and_an_ed
     assert f"{first_node}: code sent 1 file (" in launched.stdout
     snapshots = sorted((fresh_nas / "ckpt/.ddp-deploy/code/snapshots").iterdir())
     assert len(snapshots) == 2
+    _saved_where_they_stand(fresh_nas, [first_node, *others], 3)  # kept across the new snapshot
     ok(ddp(cluster, hosts, "stop"))
