@@ -2,14 +2,16 @@
 for longer than ``job.stall_timeout``. Nothing here connects anywhere.
 
 The evidence is what the node's status script read (deploy/job/runtime.py, PROGRESS): each rank's
-heartbeat (trainer/heartbeat.py: its step, and its age by the node's own clock, so that no clock
-of two machines is compared), or, for a program that writes none, the age of the run's log.
+heartbeat (trainer/heartbeat.py: its step and phase, and its age by the node's own clock, so that
+no clock of two machines is compared; the launcher's progress hook writes one for any program, from
+its worker's start), or, where they tell nothing, the age of the run's log.
 
 ``auto`` derives the timeout from the job itself: ten times the longest interval between two
 beats that any rank of the node has shown (a checkpoint or an evaluation included), and never
-less than :data:`FLOOR_S`, so that a slow but healthy job is not called stalled. Output alone says
-less (a program may print once an epoch), so a job without heartbeats is called stalled only after
-:data:`QUIET_S` of silence, unless the inventory sets a number.
+less than :data:`FLOOR_S`, so that a slow but healthy job is not called stalled. Before any rank
+has shown an interval (its start-up) and without heartbeats, output alone says less (a program may
+print once an epoch): the node is called stalled only after :data:`QUIET_S` of silence, unless the
+inventory sets a number, or a rank ended while the others wait on it (trainer/heartbeat.py, verdict).
 """
 
 from __future__ import annotations
