@@ -343,11 +343,11 @@ MERGE_STDERR = 'exec "$@" 2>&1'
 # line, in a file or a log), then runs the command with them in its environment.
 SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
 
-# $1 = directory, then the command: the host runtime's working directory (the code snapshot).
-# File modes do not stop root (the default ssh.user): for root the snapshot is made read-only by a
-# bind mount in a mount namespace of the command's own (util-linux unshare), so that a program
-# saving into its working directory fails at once instead of writing into the snapshot, where the
-# next code change leaves its file behind. Mounts the node makes later still reach the command
+# $1 = directory, then the command: the host runtime's start in the code snapshot, from which the
+# launcher makes the node's working directory of links to it (trainer/workdir.py). File modes do
+# not stop root (the default ssh.user): for root the snapshot is made read-only by a bind mount in
+# a mount namespace of the command's own (util-linux unshare), so that a program writing through a
+# link to its code fails at once instead of changing the snapshot every run of that code shares. Mounts the node makes later still reach the command
 # (slave propagation); nothing of the namespace reaches the node. Where root cannot (no unshare,
 # no CAP_SYS_ADMIN: a node that is itself an unprivileged container), the log says so and the
 # command runs in the writable snapshot.
@@ -357,7 +357,8 @@ IN_DIR = node_program("in_dir.sh")
 IN_WORK_DIR = node_program("in_work_dir.sh")
 
 CODE_MOUNT = "/workspace"
-"""Where a docker job sees its code snapshot (read-only, the working directory)."""
+"""Where a docker job sees its code snapshot (read-only; the launcher starts there and makes the
+node's working directory of links to it, trainer/workdir.py)."""
 
 # The node's directory of the run, made for the job's launcher, then the command (in_new_dir.sh).
 IN_NEW_DIR = TOOL_DIR + node_program("in_new_dir.sh")
@@ -424,7 +425,7 @@ class NodeFacts:
 
 @dataclass(frozen=True)
 class CodeDir:
-    """A code snapshot on the shared volume (deploy/job/codesync.py): the job's working directory."""
+    """A code snapshot on the shared volume (deploy/job/codesync.py): where the job's launcher starts."""
 
     snapshot: str
     host: str
