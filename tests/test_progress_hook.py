@@ -6,6 +6,7 @@ Real torchrun, gloo on this machine's CPU."""
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -245,3 +246,30 @@ def test_the_hook_chains_to_the_sitecustomize_it_hides_and_leaves_nothing_under_
     got = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert got.stdout.split() == ["ran", "True", "['trainer']", "True"], got.stdout + got.stderr
     assert parse_beat("0", "0", (tmp_path / "0").read_text().split("\n")[0])[5] == "left"  # no group formed in it
+
+
+# One rank's process group (world size 1): its file after the group formed, then after one DDP
+# forward, with no collective called by the program in between.
+DDP_STEP = """\
+import os
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+beat = lambda: open(os.path.join(os.environ["DDP_HEARTBEAT_DIR"], "0")).read().split()
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+print(beat())
+model(torch.randn(2, 4)).sum().backward()
+print(beat())
+"""
+
+
+@pytest.mark.e2e
+def test_each_ddp_step_beats_the_rank_with_no_collective_of_the_program(tmp_path):
+    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), heartbeat.HEARTBEAT_DIR_ENV: str(tmp_path),
+           "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    got = subprocess.run([sys.executable, "-c", DDP_STEP], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    formed, stepped = [ast.literal_eval(line) for line in got.stdout.splitlines()[-2:]]
+    assert formed == ["-", "0", "-", "run"], got.stdout + got.stderr  # the group formed: one beat, no interval yet
+    assert stepped[0] == "-" and stepped[2].isdigit() and stepped[3] == "run", stepped  # the forward beat again
