@@ -194,11 +194,14 @@ def test_a_link_the_job_planted_never_takes_the_launchers_writes_outside(tmp_pat
     os.remove(work / "pkg/a.py")
     os.rmdir(work / "pkg")
     os.symlink(outside, work / "pkg")  # where the code has a directory
-    os.symlink(outside / "links", tmp_path / "ckpt/work/.node1.links.tmp")
+    record = tmp_path / "ckpt/work/.node1.links"  # the launcher's record of its links
+    os.remove(record)
+    os.symlink(outside / "links", record)
     snap = _snapshot(tmp_path, {"train.py": "1", "pkg/a.py": "a", "pkg/sub/b.py": "b"})
     work, said = _refresh(tmp_path, snap)
     assert list(outside.iterdir()) == [] and '"pkg"' in said
     assert os.readlink(work / "pkg") == str(outside)
+    assert not record.is_symlink() and json.loads(record.read_text()) == {"train.py": str(snap / "train.py")}
 
     shutil.rmtree(tmp_path / "ckpt/work")
     (tmp_path / "ckpt/work").mkdir()

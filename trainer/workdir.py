@@ -287,7 +287,8 @@ def _say_kept(shadowed: list[str], skipped: list[str], where: str, out) -> None:
     names = [*skipped, *shadowed]
     shown = ", ".join(json.dumps(n) for n in names[:SHOWN]) + (f" and {len(names) - SHOWN} more"
                                                                if len(names) > SHOWN else "")
-    out.write(f"trainer.launch: warning: {shown} in the working directory {where} are the program's own, "
-              "where the code has a file or directory of that name: kept, and the code's is not there "
-              "(remove them to get the code's)\n")
+    own = "is the program's own" if len(names) == 1 else "are the program's own"
+    out.write(f"trainer.launch: warning: {shown} in the working directory {where} {own}, where the code "
+              "has a file or directory of that name: kept, and the code's is not there (remove it to get "
+              "the code's)\n")
     out.flush()
