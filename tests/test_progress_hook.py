@@ -273,3 +273,13 @@ def test_each_ddp_step_beats_the_rank_with_no_collective_of_the_program(tmp_path
     formed, stepped = [ast.literal_eval(line) for line in got.stdout.splitlines()[-2:]]
     assert formed == ["-", "0", "-", "run"], got.stdout + got.stderr  # the group formed: one beat, no interval yet
     assert stepped[0] == "-" and stepped[2].isdigit() and stepped[3] == "run", stepped  # the forward beat again
+
+
+def test_a_child_forked_from_the_worker_that_exits_does_not_end_the_rank(tmp_path):
+    # the child runs the worker's atexit handlers when it exits normally; the rank goes on
+    probe = ("import os, sys\npid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
+             "print(open(os.path.join(os.environ['DDP_HEARTBEAT_DIR'], '0')).read().split()[3])")
+    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), heartbeat.HEARTBEAT_DIR_ENV: str(tmp_path),
+           "LOCAL_RANK": "0", "RANK": "0"}
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert got.stdout.split() == ["start"], got.stdout + got.stderr

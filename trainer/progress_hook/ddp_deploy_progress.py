@@ -57,6 +57,7 @@ class _Beats:
         """The step of the program's own last line, if it writes one: kept in every line after it."""
         self.phase = "start"
         self.formed = False
+        self.pid = os.getpid()
 
     def progress(self) -> None:
         now = time.monotonic()
@@ -67,7 +68,8 @@ class _Beats:
         self.put("run")
 
     def end(self) -> None:
-        self.put("ended" if self.formed else "left")
+        if os.getpid() == self.pid:  # not a child forked from the worker, which runs its atexit too
+            self.put("ended" if self.formed else "left")
 
     def put(self, phase: str, create: bool = False) -> None:
         if self.phase in ENDS and phase not in ENDS:
