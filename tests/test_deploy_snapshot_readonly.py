@@ -65,8 +65,10 @@ def test_a_launch_says_which_file_it_moved_aside_from_a_snapshot_something_wrote
 
 OWN_TRAINER = """\
 import json, os, trainer
-# the program's own trainer package, from its own directory: first on its path, as usual
-assert os.path.dirname(trainer.__file__) == os.path.join(os.getcwd(), "trainer"), trainer.__file__
+# the program's own trainer package, from its own directory: first on its path, as usual (the
+# script's real directory, the snapshot, whose files the working directory links to)
+mine = os.path.realpath(os.path.join(os.getcwd(), "trainer", "__init__.py"))
+assert os.path.realpath(trainer.__file__) == mine != os.path.join(os.getcwd(), "trainer", "__init__.py"), trainer.__file__
 print("METRICS " + json.dumps({"kind": "final", "epoch": 0, "step": 1, "loss": 0.5, "mine": trainer.MINE}), flush=True)
 """
 

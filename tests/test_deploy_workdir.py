@@ -40,6 +40,7 @@ if os.path.exists("checkpoint.pth"):  # resume from its own checkpoint
     model.load_state_dict(state["model"])
     start = state["epoch"] + 1
     print(f"resumed from epoch {state['epoch']}", flush=True)
+dist.barrier()  # every rank has looked for the checkpoint before one is saved
 if rank == 0:
     print("WHERE " + repr([os.getcwd(), os.path.abspath(__file__), sys.path[0], helpers.__file__]), flush=True)
 for epoch in range(start, start + 1):
