@@ -508,8 +508,8 @@ def main() -> None:
     os.environ.setdefault(PREFIX_TEMPLATE_ENV, RANK_PREFIX)
     try:  # train.code: the node's own working directory, before any process (the zygote) starts
         snapshot = workdir.enter()
-    except (workdir.WorkDirError, OSError) as exc:
-        sys.exit(f"trainer.launch: error: the working directory {workdir.path()}: {exc}")
+    except workdir.WorkDirError as exc:
+        sys.exit(f"trainer.launch: error: {exc}")
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     from torch.distributed.run import main as torchrun
 

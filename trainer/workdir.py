@@ -69,14 +69,17 @@ def enter(environ=os.environ, out=sys.stderr) -> str | None:
     """With ``$DDP_CODE_SNAPSHOT`` set (the launch put the working directory at the snapshot):
     makes the node's working directory from the current directory's tree (:func:`refresh`), enters
     it, and returns the snapshot's path. Without, or without ``$DDP_CKPT_DIR``: None, nothing
-    changes."""
+    changes. Raises WorkDirError (its message names the path) when it cannot."""
     if not environ.get(SNAPSHOT_ENV):
         return None
     where = path(environ)
     if where is None:
         return None
     snapshot = os.getcwd()
-    fd = refresh(where, snapshot, out)
+    try:
+        fd = refresh(where, snapshot, out)
+    except OSError as exc:  # a full or read-only volume, a directory of the code the job took away
+        raise WorkDirError(f"cannot make the working directory {where}: {exc.strerror or exc}") from exc
     try:
         os.chdir(fd)
     finally:
