@@ -26,9 +26,12 @@ def image_modules() -> set[str]:
 
 
 def trainer_imports() -> dict[str, set[str]]:
-    """Top-level module -> the trainer files importing it (function-level imports included)."""
+    """Top-level module -> the trainer files importing it (function-level imports included). A module
+    beside the file importing it is the trainer's own (trainer/progress_hook runs from a directory on
+    the workers' PYTHONPATH): not counted."""
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / "trainer").rglob("*.py")):
+        beside = {p.stem for p in path.parent.glob("*.py")}
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
@@ -37,6 +40,8 @@ def trainer_imports() -> dict[str, set[str]]:
             else:
                 continue
             for mod in mods:
+                if mod.split(".")[0] in beside:
+                    continue
                 found.setdefault(mod.split(".")[0], set()).add(path.name)
     return found
 
@@ -50,3 +55,8 @@ def test_the_trainer_imports_only_the_standard_library_and_what_its_image_instal
 def test_the_import_scan_sees_function_level_imports():
     # binds_stores imports torch inside the function; the scan must see such imports too.
     assert "compat.py" in trainer_imports()["torch"]
+
+
+def test_the_import_scan_takes_a_module_beside_its_importer_for_the_trainers_own():
+    assert "ddp_deploy_progress" not in trainer_imports()
+    assert "sitecustomize.py" in {f for files in trainer_imports().values() for f in files}
