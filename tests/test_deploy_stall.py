@@ -519,6 +519,31 @@ def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_a
     assert ranked.collective == (41, "all_reduce")
 
 
+def test_two_diagnoses_at_once_each_print_the_workers_answer(tmp_path):
+    # the launcher's watch diagnoses a stall while the operator's status does: each writes its request,
+    # a worker answers the newest only, and the first asker once kept its stall with no collective
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "0"}
+    worker = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline().strip() == "ready"
+    watch = flight.FlightWatch(str(beats), 0, lambda collectives, active: json.dumps({"entries": [
+        {"process_group": ["0", ""], "collective_seq_id": 7, "profiling_name": "gloo:broadcast"}]}), every=0.5)
+    thread = threading.Thread(target=watch.run, daemon=True)
+    thread.start()
+    try:
+        askers = [subprocess.Popen(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"],
+                                   stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        said = [asker.communicate(timeout=30)[0] for asker in askers]
+    finally:
+        watch.close()
+        worker.kill()
+        worker.wait()
+    for out in said:
+        assert f"fr {worker.pid} 7 broadcast" in out.splitlines(), said
+
+
 def test_diagnose_never_writes_its_request_through_a_link_the_job_put_in_its_directory(tmp_path):
     beats, outside = tmp_path / "beats", tmp_path / "precious"
     beats.mkdir()

@@ -312,13 +312,24 @@ def verdict(setting, beats: list) -> tuple[float, float, str | None] | None:
 # would wait on it), "stack PID JSON", py-spy's dump of its threads on one line (or its error;
 # asked again for up to 3 s while another tracer holds the worker). Then "workers N". Last, where
 # the workers keep torch's flight recorder (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
-# this request within 2 s: the newest collective it is in or did. The job's own values are printed
+# this request, or one made since, within 2 s: the newest collective it is in or did. The job's own values are printed
 # only as digits, lowercase names or py-spy's JSON.
-DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""
+DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""; since=0
 [ -x "$spy" ] || spy=py-spy
+fresh() {  # TOKEN: a request made when this one was or later (its first word, digits of the same length)
+  t=${1%%-*}
+  case $t in ''|*[!0-9]*) return 1 ;; esac
+  [ ${#t} -eq ${#since} ] && [ "$t" -ge "$since" ] 2>/dev/null
+}
 if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
   # the directory is the job's: a new file (noclobber: O_EXCL), never through a link it put there
-  ask="$$-$(date +%s%N)"; rm -f "$1/fr-request"; (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || ask=""
+  # A diagnosis beside this one (status's, the launcher's watch, doctor) may ask at the same moment:
+  # the workers answer the newest request only, and any answer to a request made since this one
+  # asked serves both. A token is "NANOSECONDS-PID".
+  since=$(date +%s%N); ask="$since-$$"; rm -f "$1/fr-request"
+  # another asker's request made between the two stands: an answer to a request of the second
+  # before serves (a stall is far longer)
+  (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || since=$((since - 1000000000))
 fi
 seen=" "
 worker() {  # PID RANK LOCAL_RANK
@@ -395,14 +406,14 @@ echo "workers $found"
 [ -n "$ask" ] && [ -n "$fr" ] || exit 0
 i=0
 while [ $i -lt 20 ]; do
-  all=1; for pl in $fr; do [ "$(head -c 64 "$1/fr-${pl#*:}" 2>/dev/null | cut -d ' ' -f 1)" = "$ask" ] || all=0; done
+  all=1; for pl in $fr; do fresh "$(head -c 64 "$1/fr-${pl#*:}" 2>/dev/null | cut -d ' ' -f 1)" || all=0; done
   [ $all = 1 ] && break; sleep 0.1; i=$((i+1))
 done
 for pl in $fr; do
   read -r tok seq op <<ANSWER
 $(head -c 80 "$1/fr-${pl#*:}" 2>/dev/null | head -n 1 | tr -cd 'a-z0-9_ .-')
 ANSWER
-  [ "$tok" = "$ask" ] && [ -n "$seq" ] && [ "$seq" != none ] && echo "fr ${pl%%:*} $seq ${op:-?}"
+  fresh "$tok" && [ -n "$seq" ] && [ "$seq" != none ] && echo "fr ${pl%%:*} $seq ${op:-?}"
 done
 exit 0
 """
