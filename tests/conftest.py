@@ -60,3 +60,19 @@ def own_tmpdir(tmp_path_factory, monkeypatch) -> Path:
     path = tmp_path_factory.mktemp("tmpdir")
     monkeypatch.setenv("TMPDIR", str(path))
     return path
+
+
+@pytest.fixture
+def ddp(tmp_path, monkeypatch):
+    """The real CLI in this process: ``ddp(hosts, "status", "--json")``, its debug log in the test's directory."""
+    from click.testing import CliRunner
+
+    from deploy.cli import cli
+
+    runner = CliRunner()
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+
+    def run(hosts: Path, *args: str):
+        return runner.invoke(cli, ["--hosts", str(hosts), *args])
+
+    return run

@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from local_job import local_hosts
 from trainer import snapshot_hint
 from trainer.entry import module_argv
@@ -24,17 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _hosts(tmp_path: Path, train: dict) -> Path:
     return local_hosts(tmp_path, job="snapro", train=train)
-
-
-@pytest.fixture
-def ddp(tmp_path, monkeypatch):
-    runner = CliRunner()
-    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
-
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args])
-
-    return run
 
 
 def _snapshot(tmp_path: Path) -> Path:

@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from local_job import local_hosts
 from trainer import workdir
 
@@ -62,17 +60,6 @@ def _project(tmp_path: Path) -> Path:
     (project / "helpers.py").write_text("")
     (project / "train.py").write_text(TUTORIAL)
     return project
-
-
-@pytest.fixture
-def ddp(tmp_path, monkeypatch):
-    runner = CliRunner()
-    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
-
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args])
-
-    return run
 
 
 def _snapshots(tmp_path: Path) -> list[Path]:
