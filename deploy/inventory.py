@@ -140,7 +140,7 @@ def _no_nul(v: str) -> str:
 # bypass what check verified or what stop and the program rely on.
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND", "DDP_STAGES",
-                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
+                "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", "DDP_PROCS", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
                 STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV)
 
 
@@ -527,6 +527,11 @@ class Train(_Model):
     code: Code | None = None
     """Sync this local directory as the job's working directory; none: the code is in the image
     (docker) or installed for train.python (host)."""
+    spawn: bool = False
+    """The program starts its own workers (``mp.spawn``, ``start_processes``): torchrun runs one
+    process per node, which starts ``DDP_PROCS`` workers (the node's procs) with every GPU of the
+    node visible; its node's rank is torchrun's ``GROUP_RANK``, the node count ``GROUP_WORLD_SIZE``
+    (docs/own-code.md, "A program that starts its own workers")."""
 
     @field_validator("python")
     @classmethod
@@ -547,6 +552,9 @@ class Train(_Model):
     def _one_program(self) -> "Train":
         if self.module is not None and self.script is not None:
             raise ValueError("give train.module or train.script, not both")
+        if self.spawn and self.builtin:
+            raise ValueError("train.spawn: the built-in trainer does not start its own workers; "
+                             "set train.module or train.script, or leave spawn out")
         return self
 
     @property
@@ -724,6 +732,11 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
                     f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
     if inv.job.min_nodes is not None and inv.job.min_nodes > len(inv.nodes):
         out.append((("job", "min_nodes"), f"{inv.job.min_nodes} is more than the {len(inv.nodes)} nodes listed"))
+    procs = {n.nprocs for n in inv.nodes}
+    if inv.train.spawn and len(procs) > 1:
+        out.append((("train", "spawn"), f"the nodes run {', '.join(map(str, sorted(procs)))} processes: a program "
+                    "that starts its own workers counts its ranks as GROUP_RANK x DDP_PROCS + i, one DDP_PROCS "
+                    "on every node; give every node the same procs"))
     if inv.rendezvous.last_call() >= inv.rendezvous.join_timeout:
         out.append((("rendezvous", "last_call_timeout"), f"{inv.rendezvous.last_call()} must be less than "
                     f"join_timeout ({inv.rendezvous.join_timeout}): a round of fewer nodes would time out first"))

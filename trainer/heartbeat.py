@@ -377,17 +377,19 @@ ours() {  # PID: it runs with the job's uid, and one of $roots is in its chain o
     }
     exit 1 }'
 }
-for p in /proc/[0-9]*; do
-  pid=${p#/proc/}
-  grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
-  rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
-  lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
-  [ -n "$lrank" ] || continue
-  ours "$pid" || continue
-  worker "$pid" "$rank" "$lrank"
-done
-# workers forked by the launcher's zygote: their /proc environment is the launcher's (marker, no
-# ranks); the zygote names each in workers/LOCAL_RANK as "PID RANK"
+above() {  # PID: the processes between it and the first of $roots, each followed by a space
+  awk -v p="$1" -v roots="$roots" 'BEGIN {
+    f = "/proc/" p "/stat"; if ((getline s < f) <= 0) exit; close(f); sub(/.*\) /, "", s); split(s, w, " "); p = w[2]
+    for (n = 0; n < 4096 && p > 0 && !index(roots, " " p " "); n++) {
+      printf "%s ", p
+      f = "/proc/" p "/stat"; if ((getline s < f) <= 0) exit; close(f); sub(/.*\) /, "", s); split(s, w, " "); p = w[2]
+    }
+  }'
+}
+# workers named in workers/LOCAL_RANK as "PID RANK": those the launcher's zygote forked (their /proc
+# environment is the launcher's: marker, no ranks), and a process a worker started that formed a
+# group of its own (train.spawn; trainer/progress_hook), whose environment holds its parent's ranks
+parents=" "
 if [ -d "$1/workers" ] && [ ! -L "$1/workers" ]; then
   for w in "$1"/workers/[0-9]*; do
     lrank=${w##*/}
@@ -399,9 +401,25 @@ if [ -d "$1/workers" ] && [ ! -L "$1/workers" ]; then
     case $seen in *" $pid "*) continue ;; esac
     grep -qzxF -e "$marker" "/proc/$pid/environ" 2>/dev/null || continue
     ours "$pid" || continue
+    parents="$parents$(above "$pid")"
     worker "$pid" "$rank" "$lrank"
   done
 fi
+# torchrun's workers: their environment holds the ranks. Not one: a worker that only started ranks
+# of their own (an ancestor of one named above), or a process below a rank or such a worker (a data
+# loader's worker, multiprocessing's resource tracker), which holds the environment it was started with
+for p in /proc/[0-9]*; do
+  pid=${p#/proc/}
+  case "$seen$parents" in *" $pid "*) continue ;; esac
+  grep -qzxF -e "$marker" "$p/environ" 2>/dev/null || continue
+  rank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  lrank=$(tr '\0' '\n' < "$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=\([0-9]\{1,9\}\)$/\1/p' | head -n 1)
+  [ -n "$lrank" ] || continue
+  ours "$pid" || continue
+  below=0; for a in $(above "$pid"); do case "$seen$parents" in *" $a "*) below=1; break ;; esac; done
+  [ $below = 0 ] || continue
+  worker "$pid" "$rank" "$lrank"
+done
 echo "workers $found"
 [ -n "$ask" ] && [ -n "$fr" ] || exit 0
 i=0

@@ -293,6 +293,8 @@ def _warn(message: str) -> None:
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 TORCH_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
 """torchrun's prefix of a teed worker's lines when neither its option nor PREFIX_TEMPLATE_ENV gives one."""
+CHILD_LABEL = b"\x1eddp-rank "
+"""Begins a line of a rank of its own that a worker started (trainer/progress_hook: its ``LABEL``)."""
 RELAY_LINE_BYTES = 1 << 16
 """A line longer than this is printed in parts, each with the worker's prefix."""
 RELAY_DRAIN_S = 10.0
@@ -379,14 +381,28 @@ class Relay:
                         kept -= len(tail.popleft())
                 if out is None:
                     continue
+                said = prefix
+                if line.startswith(CHILD_LABEL):  # a rank of its own the worker started (progress hook)
+                    said, line = self.relabel(line, prefix)
                 try:
                     with self.lock:
-                        out.write(prefix + line)
+                        out.write(said + line)
                         out.flush()
                 except (OSError, ValueError):
                     # This process's output is gone (its tee killed): the lines are dropped, and the
                     # worker, whose writes would fill the pipe, is never held up by it.
                     out = None
+
+    def relabel(self, line: bytes, prefix: bytes) -> tuple[bytes, bytes]:
+        """The prefix of a line a rank of its own labelled (``CHILD_LABEL RANK LOCAL_RANK \\x1e``), and
+        the line without the label; a label that is not exactly that is text of the worker's ``prefix``."""
+        head, sep, rest = line[len(CHILD_LABEL):].partition(b"\x1e")
+        words = head.split(b" ")
+        if not sep or len(words) != 2 or not all(w.isdigit() and len(w) <= 9 for w in words):
+            return prefix, line
+        return Template(self.template).safe_substitute(
+            role_name="", rank=words[0].decode(), local_rank=words[1].decode(),
+            hostname=socket.gethostname()).encode(), rest
 
     def drain(self, timeout: float = RELAY_DRAIN_S) -> None:
         """Waits for the workers' last lines: up to ``timeout`` for a pipe a process still holds."""

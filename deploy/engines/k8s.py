@@ -26,7 +26,7 @@ from trainer.entry import RUN_MODULE
 from ..errors import InputError
 from ..inventory import Inventory
 from ..job.payload import payload
-from ..job.plan import contract_env, rdzv_conf, tool_flags
+from ..job.plan import contract_env, rdzv_conf, tool_flags, torchrun_procs
 from ..job.runtime import STOP_GRACE_S
 from ..job.secretenv import source
 
@@ -179,7 +179,7 @@ class PyTorchJob(Kind):
                            "template": pod_template(inv, self, pvc, image)} for role, n in counts.items() if n}
         return [{
             "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata(inv, namespace),
-            "spec": {"nprocPerNode": str(procs), "runPolicy": {"backoffLimit": backoff_limit(inv)},
+            "spec": {"nprocPerNode": torchrun_procs(inv, procs), "runPolicy": {"backoffLimit": backoff_limit(inv)},
                      "pytorchReplicaSpecs": replicas},
         }]
 
@@ -280,7 +280,7 @@ def launch_args(inv: Inventory, kind: Kind) -> list[str]:
     nodes, procs, _ = inv.shape
     s = inv.storage
     nnodes = f"{inv.job.min_nodes}:{nodes}" if inv.elastic else str(nodes)
-    torchrun = ["--nnodes", nnodes, "--nproc-per-node", str(procs), "--rdzv-backend", "c10d",
+    torchrun = ["--nnodes", nnodes, "--nproc-per-node", torchrun_procs(inv, procs), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", kind.endpoint(inv), "--rdzv-id", inv.rdzv_id,
                 "--max-restarts", str(inv.job.max_restarts)]
     program = payload(inv).program_args(s.data.container, s.checkpoints.container, tool_flags(inv))

@@ -26,7 +26,7 @@ from trainer.output import LOG_DIR_ENV
 
 from ..inventory import Inventory
 from ..job.payload import payload
-from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags
+from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags, torchrun_procs
 from ..job.runs import NODES_OF, parse as parse_runs
 from ..job.runtime import BEGIN_STOP, PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
 from ..node import node_program
@@ -164,7 +164,7 @@ def launcher_args(inv: Inventory) -> list[str]:
     """trainer.launch's options that are the same on every node (TASK adds the rest), --, the program."""
     s = inv.slurm
     data, ckpt = runtime(inv).job_dirs()
-    opts = ["--nnodes", str(s.nodes), "--nproc-per-node", str(s.nprocs), "--rdzv-backend", "c10d",
+    opts = ["--nnodes", str(s.nodes), "--nproc-per-node", torchrun_procs(inv, s.nprocs), "--rdzv-backend", "c10d",
             "--rdzv-id", inv.rdzv_id, "--max-restarts", str(inv.job.max_restarts)]
     return [*opts, *payload(inv).launcher_options(), "--",
             *payload(inv).program_args(data, ckpt, tool_flags(inv))]

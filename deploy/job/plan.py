@@ -66,7 +66,7 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
         conf = f"is_host=1,{conf}"
     return (
         "--nnodes", nnodes(inv),
-        "--nproc-per-node", str(node.nprocs),
+        "--nproc-per-node", torchrun_procs(inv, node.nprocs),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint(inv),
         "--rdzv-id", inv.rdzv_id if rdzv_id is None else rdzv_id,
@@ -75,6 +75,12 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
         "--local-addr", node.address,
         "--node-rank", str(index),
     )
+
+
+def torchrun_procs(inv: Inventory, procs: int) -> str:
+    """torchrun's --nproc-per-node for a node of ``procs`` processes: one where the program starts
+    them itself (train.spawn: DDP_PROCS tells it how many)."""
+    return "1" if inv.train.spawn else str(procs)
 
 
 def rdzv_conf(inv: Inventory) -> str:
@@ -149,6 +155,8 @@ def contract_env(inv: Inventory, data: str, ckpt: str, code: CodeDir | None = No
     device, backend = device_flags(inv)[1::2]
     env = {"DDP_DATA_DIR": data, "DDP_CKPT_DIR": ckpt, "DDP_RUN_ID": inv.rdzv_id, "DDP_DEVICE": device,
            "DDP_BACKEND": backend, "DDP_STAGES": str(inv.job.stages)}
+    if inv.train.spawn:  # the workers the one process torchrun starts on a node starts (homogeneous nodes)
+        env["DDP_PROCS"] = str(inv.shape[1])
     if run is not None:
         env[RUN_ID_ENV] = run
     if code is not None:

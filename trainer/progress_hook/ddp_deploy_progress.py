@@ -16,8 +16,15 @@ GAP_MS PHASE`` in place, ``-`` for what it does not know:
 
 A program that beats itself (the built-in trainer, or the one line of docs/failures.md) keeps its
 own step: the hook writes that step back and the longer of the two longest intervals. Only the
-worker torchrun started writes ``start`` and ``ended``; a process it starts (a data loader's
-worker, a spawned trainer) beats only where it runs collectives itself.
+worker torchrun started writes ``start``; a process it starts (a data loader's worker) beats only
+where it runs collectives itself. One that forms a process group of its own (a worker that
+``mp.spawn`` or ``start_processes`` started: train.spawn) becomes a rank of its own there: its
+file is its place on the node, ``RANK - GROUP_RANK x DDP_PROCS`` (else the worker's), made anew
+so that the worker that started it writes it no more, and it is named in ``workers/`` as the
+zygote names the workers it forks (``PID RANK``), where the node's diagnosis finds it. Its output
+shares the worker's pipes to the launcher, which labels every line with the worker's rank; so each
+line it prints begins with :data:`LABEL` and its rank (``sed`` writes it), which the launcher puts
+in its place (trainer/launch.py).
 
 Standalone on purpose: the standard library only, and nothing of the ``trainer`` package, which
 the program may have one of its own of.
@@ -32,6 +39,9 @@ import sys
 import time
 
 HEARTBEAT_DIR_ENV = "DDP_HEARTBEAT_DIR"
+WORKERS_DIR = "workers"
+LABEL = "\x1eddp-rank "
+"""Begins a line of a rank of its own: ``LABEL RANK LOCAL_RANK \\x1e`` then the line."""
 OWNER_ENV = "DDP_PROGRESS_PID"
 """The worker's pid: a process it starts inherits it, and knows it is not the worker."""
 COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "reduce", "gather",
@@ -71,6 +81,36 @@ class _Beats:
         if os.getpid() == self.pid:  # not a child forked from the worker, which runs its atexit too
             self.put("ended" if self.formed else "left")
 
+    def rank_of_its_own(self, rank: str) -> "_Beats":
+        """This process's own beats, where it is not the worker torchrun started but formed a group
+        of its own as ``rank`` (see the module's docstring)."""
+        directory = os.path.dirname(self.path)
+        local = os.path.basename(self.path)
+        procs, node = os.environ.get("DDP_PROCS", ""), os.environ.get("GROUP_RANK", "")
+        if rank.isdigit() and procs.isdigit() and node.isdigit() and 0 <= int(rank) - int(node) * int(procs) < int(procs):
+            local = str(int(rank) - int(node) * int(procs))
+        own = _Beats(os.path.join(directory, local), rank)
+        own.step, own.formed = self.step, True
+        try:  # a file of its own: the worker's open one (its parent's) is written no more
+            os.unlink(own.path)
+        except OSError:
+            pass
+        own.put("run", create=True)
+        atexit.register(own.end)
+        try:
+            os.makedirs(os.path.join(directory, WORKERS_DIR), mode=0o700, exist_ok=True)
+            named = os.path.join(directory, WORKERS_DIR, local)
+            temp = f"{named}.{own.pid}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"{own.pid} {own.rank}\n")
+            os.replace(temp, named)
+        except OSError:
+            pass
+        _label_output(own.rank, local)
+        return own
+
+
     def put(self, phase: str, create: bool = False) -> None:
         if self.phase in ENDS and phase not in ENDS:
             return
@@ -94,6 +134,26 @@ class _Beats:
             self.written = line
         except OSError:
             pass  # never the program's end: the watch has the worker's start, its output
+
+
+def _label_output(rank: str, local: str) -> None:
+    """This process's stdout and stderr through ``sed``, which begins each line with the label of its
+    rank. ``sed`` leaves the heartbeat directory out of its environment: no diagnosis takes it for a rank."""
+    import subprocess
+
+    if not (rank.isdigit() and local.isdigit()):
+        return
+    env = {k: v for k, v in os.environ.items() if k not in (HEARTBEAT_DIR_ENV, "LOCAL_RANK", "RANK")}
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            if stream is not None:
+                stream.flush()
+            sed = subprocess.Popen(["sed", "-u", f"s/^/{LABEL}{rank} {local}\x1e/"], stdin=subprocess.PIPE,
+                                   stdout=fd, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        except (OSError, ValueError):
+            return  # its lines keep the worker's label
+        os.dup2(sed.stdin.fileno(), fd)
+        sed.stdin.close()
 
 
 def install(environ=os.environ) -> bool:
@@ -153,16 +213,25 @@ def _after(fn, phase_before: str | None = None):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if phase_before is not None and _beats is not None:
+        global _beats
+        if phase_before is not None and _beats is not None and _is_worker():
             _beats.put(phase_before)
         out = fn(*args, **kwargs)
         if _beats is not None:
-            if phase_before == "init":  # its rank in the group, where a process it started runs it
-                _beats.rank = _rank(_beats.rank)
+            if phase_before == "init":
+                if _is_worker():
+                    _beats.rank = _rank(_beats.rank)
+                else:  # a process the worker started, a rank of its own
+                    _beats = _beats.rank_of_its_own(_rank("-"))
             _beats.progress()
         return out
     setattr(call, MARK, True)
     return call
+
+
+def _is_worker() -> bool:
+    """This process is the worker torchrun started (not one it started: those inherit its pid here)."""
+    return os.environ.get(OWNER_ENV) == str(os.getpid())
 
 
 def _rank(known: str) -> str:
