@@ -105,7 +105,8 @@ def test_the_readme_s_own_code_example_is_a_valid_train_section(tmp_path):
 def test_the_readme_s_metrics_helper_prints_the_line_status_reads(capsys):
     from deploy.job.plan import parse_status
 
-    code = re.search(r"```python\n(.*?)```", _readme_section("Your own training code"), re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", _readme_section("Your own training code"), re.S)
+    (code,) = [block for block in blocks if "def report(" in block]
     scope: dict = {}
     exec(code, scope)
     scope["report"](kind="train", epoch=0, step=1, loss=0.5)
@@ -121,7 +122,8 @@ def test_every_variable_the_readme_promises_a_program_is_set_by_the_plan():
     promised = set(re.findall(r"^\| `(DDP_[A-Z_]+)`(?:, `(DDP_[A-Z_]+)`)?", _readme_section("Your own training code"), re.M))
     promised = {v for pair in promised for v in pair if v}
     inv = loads("job: {name: j}\nrendezvous: {node: a}\nnodes: [{name: a, address: 10.0.0.1}]\nstorage:\n"
-                "  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n")
+                "  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n"
+                "train: {script: train.py, spawn: true}\n")  # spawn: DDP_PROCS too
     from deploy.job.runtime import CodeDir
 
     env = dict(plan.launch_spec(inv, 0, code=CodeDir("abc", "/c/x"), run="20261123-101341-6d79").env)

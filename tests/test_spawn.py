@@ -16,6 +16,7 @@ import pytest
 
 from deploy.inventory import InventoryError, load
 from deploy.job.plan import contract_env, torchrun_options
+from deploy.job.runtime import runtime
 from local_job import beats_dir, local_hosts
 from torch_ends import NEWEST_ONLY
 from trainer.launch import Relay
@@ -122,20 +123,24 @@ def test_a_forked_worker_that_hangs_is_named_by_status_and_doctor_and_stop_ends_
         parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in workers}
         assert len(parents) == 1 and not parents & workers  # both forked by the one process torchrun started
         assert _rank_lines(ddp, hosts, 1)[-1] == "worker 1 step 2"
-        stopped = ddp(hosts, "stop")
+        stopped = ddp(hosts, "stop")  # graceful: torchrun's SIGTERM to the process it started
         assert stopped.exit_code == 0, stopped.output
+        wait_until(lambda: not _processes(beats), 30, "every process of the job gone after the stop")
     finally:
         ddp(hosts, "stop", "--now")
-    assert json.loads(ddp(hosts, "status", "--json").stdout)[0]["state"].startswith("stopped"), ddp(hosts, "status").output
-    marker = f"DDP_HEARTBEAT_DIR={beats}".encode()
-    left = []
+    assert json.loads(ddp(hosts, "status", "--json").stdout)[0]["state"].startswith("stopped")
+
+
+def _processes(beats: str) -> list[str]:
+    """The processes whose environment names the job's heartbeat directory (its workers and theirs)."""
+    marker, found = f"DDP_HEARTBEAT_DIR={beats}".encode(), []
     for p in Path("/proc").iterdir():
         try:
             if p.name.isdigit() and marker in (p / "environ").read_bytes().split(b"\0"):
-                left.append(p.name)
+                found.append(p.name)
         except OSError:
             continue
-    assert not left, f"processes of the job left after stop: {left}"
+    return found
 
 
 # --- what hosts.yaml may say -------------------------------------------------------------------------
@@ -154,6 +159,12 @@ def test_torchrun_starts_one_process_per_node_which_is_told_how_many_to_start(tm
     options = torchrun_options(inv, 0)
     assert options[options.index("--nproc-per-node") + 1] == "1"
     assert contract_env(inv, "/data", "/ckpt")["DDP_PROCS"] == "3"
+    gpus = json.loads((tmp_path / "hosts.yaml").read_text())
+    for node in gpus["nodes"]:
+        node["gpus"] = 3
+    (tmp_path / "hosts.yaml").write_text(json.dumps(gpus))
+    inv = load(tmp_path / "hosts.yaml")
+    assert dict(runtime(inv).gpu_env(inv.nodes[0]))["CUDA_VISIBLE_DEVICES"] == "0,1,2"  # all of the node's, for one process
     plain = load(_inventory(tmp_path / "plain", {"script": "train.py"}, procs=(3, 3)))
     options = torchrun_options(plain, 0)
     assert options[options.index("--nproc-per-node") + 1] == "3" and "DDP_PROCS" not in contract_env(plain, "/d", "/c")
@@ -176,3 +187,23 @@ def test_a_label_that_is_not_exactly_a_ranks_is_text_of_the_workers_line():
     for line in (b"\x1eddp-rank 3\x1ehello\n", b"\x1eddp-rank x 1\x1ehello\n", b"\x1eddp-rank 3 1 hello\n",
                  b"\x1eddp-rank 1234567890 1\x1ehello\n"):
         assert relay.relabel(line, b"[rank0]: ") == (b"[rank0]: ", line)
+
+
+def test_slurm_and_kubernetes_start_one_process_per_node_too():
+    from deploy.engines import k8s, slurm
+    from deploy.inventory import loads
+
+    storage = "storage:\n  data: {host: /d, container: /data}\n  checkpoints: {host: /c, container: /ckpt}\n"
+    spawn = "train: {script: train.py, spawn: true}\n"
+    batch = loads("job: {name: big, runtime: host}\nslurm: {login: {address: 10.0.0.5}, nodes: 2, gpus_per_node: 8}\n"
+                  + storage + spawn)
+    args = slurm.launcher_args(batch)
+    assert args[args.index("--nproc-per-node") + 1] == "1"
+    assert ("DDP_PROCS", "8") in slurm.job_env(batch, "20261123-101341-6d79")
+    pods = loads("job: {name: small}\nrendezvous: {node: a}\nnodes:\n  - {name: a, address: 10.0.0.1, procs: 2}\n"
+                 "  - {name: b, address: 10.0.0.2, procs: 2}\n" + storage + spawn)
+    (job,) = k8s.manifests(pods, kind="pytorchjob", pvc="shared-nfs")
+    assert job["spec"]["nprocPerNode"] == "1"
+    for kind in k8s.KINDS.values():
+        launch = k8s.launch_args(pods, kind)
+        assert launch[launch.index("--nproc-per-node") + 1] == "1"
