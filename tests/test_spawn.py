@@ -79,6 +79,7 @@ def _rank_lines(ddp, hosts: Path, rank: int) -> list[str]:
     return [line.split("| ", 1)[1] for line in r.stdout.splitlines() if "| " in line]
 
 
+@pytest.mark.e2e
 def test_a_tutorial_that_spawns_its_workers_trains_resumes_and_each_worker_is_a_rank_of_its_own(
         torch_python, tmp_path, ddp):
     hosts = _hosts(tmp_path, torch_python.python)
@@ -101,6 +102,7 @@ def test_a_tutorial_that_spawns_its_workers_trains_resumes_and_each_worker_is_a_
     assert status["state"] == "exited(0)" and status["ranks"] == 2, status
 
 
+@pytest.mark.e2e
 @NEWEST_ONLY
 def test_a_forked_worker_that_hangs_is_named_by_status_and_doctor_and_stop_ends_every_process(
         torch_python, tmp_path, ddp):
