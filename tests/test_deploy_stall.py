@@ -5,6 +5,7 @@ real launcher and torchrun on this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -492,27 +493,33 @@ def test_the_recorder_is_turned_on_only_for_a_launched_job_and_only_where_torch_
     assert own[flight.buffer_env()] == "4096"  # the job's own size is kept
 
 
-def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_answer(tmp_path):
-    beats = tmp_path / "beats"
+@contextlib.contextmanager
+def _answering_worker(beats: Path, rank: str, seq: int, op: str, every: float):
+    """A sleeping process with the job's environment in ``beats`` (as a worker waiting in a collective
+    is), and a flight watch that answers each request with ``seq`` and ``op``: yields the process."""
     beats.mkdir()
-    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "3"}
+    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": rank}
     worker = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
                               env=env, stdout=subprocess.PIPE, text=True)
-    assert worker.stdout.readline().strip() == "ready"  # exec'd, with the job's environment (a fork not yet is not)
-    # asleep, as a worker waiting in a collective is (under load it was still running its last bytecodes)
-    wait_until(lambda: Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S", 10,
-               "the worker asleep", interval=0.05)
     watch = flight.FlightWatch(str(beats), 0, lambda collectives, active: json.dumps({"entries": [
-        {"process_group": ["0", ""], "collective_seq_id": 41, "profiling_name": "gloo:all_reduce"}]}), every=0.05)
-    thread = threading.Thread(target=watch.run, daemon=True)
-    thread.start()
+        {"process_group": ["0", ""], "collective_seq_id": seq, "profiling_name": f"gloo:{op}"}]}), every=every)
     try:
-        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"], capture_output=True,
-                             text=True, timeout=30)
+        assert worker.stdout.readline().strip() == "ready"  # exec'd, with the job's environment (a fork not yet is not)
+        # asleep, as a worker waiting in a collective is (under load it was still running its last bytecodes)
+        wait_until(lambda: Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S", 10,
+                   "the worker asleep", interval=0.05)
+        threading.Thread(target=watch.run, daemon=True).start()
+        yield worker
     finally:
         watch.close()
         worker.kill()
         worker.wait()
+
+
+def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_answer(tmp_path):
+    with _answering_worker(tmp_path / "beats", "3", 41, "all_reduce", every=0.05) as worker:
+        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(tmp_path / "beats"), "/bin/true"],
+                             capture_output=True, text=True, timeout=30)
     assert got.returncode == 0, got.stderr
     assert f"rank {worker.pid} 3 0 S" in got.stdout and f"fr {worker.pid} 41 all_reduce" in got.stdout.splitlines()
     (ranked,) = doctor.parse("node1", got.stdout)
@@ -522,24 +529,10 @@ def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_a
 def test_two_diagnoses_at_once_each_print_the_workers_answer(tmp_path):
     # the launcher's watch diagnoses a stall while the operator's status does: each writes its request,
     # a worker answers the newest only, and the first asker once kept its stall with no collective
-    beats = tmp_path / "beats"
-    beats.mkdir()
-    env = {**os.environ, "DDP_HEARTBEAT_DIR": str(beats), "LOCAL_RANK": "0", "RANK": "0"}
-    worker = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
-                              env=env, stdout=subprocess.PIPE, text=True)
-    assert worker.stdout.readline().strip() == "ready"
-    watch = flight.FlightWatch(str(beats), 0, lambda collectives, active: json.dumps({"entries": [
-        {"process_group": ["0", ""], "collective_seq_id": 7, "profiling_name": "gloo:broadcast"}]}), every=0.5)
-    thread = threading.Thread(target=watch.run, daemon=True)
-    thread.start()
-    try:
-        askers = [subprocess.Popen(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"],
+    with _answering_worker(tmp_path / "beats", "0", 7, "broadcast", every=0.5) as worker:
+        askers = [subprocess.Popen(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(tmp_path / "beats"), "/bin/true"],
                                    stdout=subprocess.PIPE, text=True) for _ in range(2)]
         said = [asker.communicate(timeout=30)[0] for asker in askers]
-    finally:
-        watch.close()
-        worker.kill()
-        worker.wait()
     for out in said:
         assert f"fr {worker.pid} 7 broadcast" in out.splitlines(), said
 
