@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from deploy.observe import doctor
 from deploy.job import plan
+from deploy.job.runtime import CodeDir
 from deploy.engines import slurm
 from deploy.cli import cli
 from deploy.errors import InventoryError
@@ -97,19 +98,31 @@ def _run_task(tmp_path, inv, node: str, node_id: int, env_extra=None) -> list[st
     """The per-node task of the batch script, run here with Slurm's variables set and a fake
     interpreter that prints what it got."""
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\nenv | grep -E '^(DDP_|GLOO_|NCCL_)' | sort\n")
+    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\nenv | grep -E '^(DDP_|GLOO_|NCCL_)' | sort\n"
+                    "echo \"cwd $(pwd)\"\n")
     fake.chmod(0o755)
     argv = slurm.srun_argv(inv, "R1")
     task = argv[argv.index("sh"):]
     args = [str(tmp_path / "runs") if a == f"{inv.storage.checkpoints.host}/.ddp-deploy/mnist/runs/R1" else a
             for a in task]
-    args = [str(fake) if a == inv.python_path() else a for a in args]
+    args = [str(fake) if a == inv.python_path() else str(tmp_path / "work") if a == "/nas/ckpt/work" else a
+            for a in args]
     addrs, head = "node1=198.18.0.11 node2=198.18.0.12", "node1"
     args = [addrs if a == "$addrs" else head if a == "$head" else a for a in args]
     env = {"PATH": os.environ["PATH"], "SLURMD_NODENAME": node, "SLURM_NODEID": str(node_id), **(env_extra or {})}
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
+
+
+def test_without_train_code_or_a_container_each_task_works_in_its_nodes_own_directory_as_on_a_host_fleet(tmp_path):
+    got = _run_task(tmp_path, inventory(), "node2", 1)
+    assert got[-1] == f"cwd {tmp_path}/work/node2", got  # not where sbatch ran ($HOME on the login node)
+    code = CodeDir("abc", "/nas/ckpt/.ddp-deploy/code/snapshots/abc")
+    assert slurm.work_root(inventory(), code) == ""  # the launcher makes the same directory (trainer/workdir.py)
+    pyxis = inventory(job={"name": "mnist", "runtime": "docker"},
+                      slurm={**BASE["slurm"], "container": {"kind": "pyxis", "image": "reg.example/ddp:1"}})
+    assert slurm.work_root(pyxis, None) == ""  # the image's working directory
 
 
 def test_each_task_gets_its_own_address_and_only_the_first_node_hosts_the_rendezvous(tmp_path):

@@ -76,8 +76,8 @@ class Slurm(Engine):
                                    failed_checks=render.print_checks)
             click.echo(submitted.describe())
             if wait:
-                click.echo(job.verdict(inv, remote, job.follow(inv, remote, timeout, self.st.redact, render.say),
-                                       self.st.redact))
+                click.echo(job.verdict(inv, remote, job.follow(inv, remote, timeout, self.st.redact, render.say,
+                                                               first_step=True), self.st.redact))
 
     def status(self, as_json: bool, follow: bool, run_id: str | None) -> None:
         inv = self.inv
@@ -92,6 +92,10 @@ class Slurm(Engine):
             s = job.job_state(inv, remote, self.st.redact)
             first = job.first_failure(inv, remote, s, self.st.redact) if not s.active else None
             states = job.node_states(inv, remote, s, self.st.redact, warn=render.warn)
+            # a stall named where it is shown: the culprit's node, rank and frame (deploy/observe/doctor.py)
+            why = job.diagnose(inv, remote, s, self.st.redact).summary if any(v.stall for v in states.values()) \
+                else None
+        untrained = fleet.nothing_trained(states) if not s.active else None
         if as_json:
             import json
             from dataclasses import asdict
@@ -100,7 +104,8 @@ class Slurm(Engine):
                                    "exit_code": s.exit_code, "elapsed": s.elapsed, "nodelist": s.nodelist,
                                    "requeued": s.restarts,
                                    "nodes": [view.as_data(n, inv.slurm.nprocs, v) for n, v in states.items()],
-                                   "first_failure": asdict(first) if first else None}))
+                                   "first_failure": asdict(first) if first else None,
+                                   "stall_diagnosis": why, "nothing_trained": untrained}))
             return
         if s.job_id is None:
             click.echo(f"{inv.job.name}: never submitted (ddp-deploy launch)")
@@ -111,8 +116,12 @@ class Slurm(Engine):
                         + (f", requeued {s.restarts}x" if s.restarts else "")))
         if states:
             render.out.print(view.table(inv.job.name, {n: inv.slurm.nprocs for n in states}, states))
+        if why:
+            click.echo(safe(f"stalled: {why} (`ddp-deploy doctor` shows each rank)"))
         if first:
             click.echo(f"first failure: {first.describe()}")
+        if untrained:
+            click.echo(f"{untrained} ({fleet.NOTHING_TRAINED_HINT})")
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv

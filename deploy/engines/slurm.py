@@ -28,7 +28,8 @@ from ..inventory import Inventory
 from ..job.payload import payload
 from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags, torchrun_procs
 from ..job.runs import NODES_OF, parse as parse_runs
-from ..job.runtime import BEGIN_STOP, PROGRESS, RECORD_STOP, STOP_GRACE_S, CodeDir, job_dir, operator, runtime, spy_beside
+from ..job.runtime import (BEGIN_STOP, PROGRESS, RECORD_STOP, STOP_GRACE_S, WORK_SUBDIR, CodeDir, job_dir, operator,
+                           runtime, spy_beside)
 from ..node import node_program
 from ..text import lines as text_lines
 
@@ -38,11 +39,12 @@ from ..text import lines as text_lines
 HEARTBEATS = "/dev/shm/ddp-heartbeat-slurm-$SLURM_JOB_ID@$SLURMD_NODENAME"
 
 # $1 = "NAME=ADDR ..." of every allocated node, $2 = the first node's name, $3 = the rendezvous
-# port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, then
-# the launcher's other options, --, the program's flags. Runs on each node (srun, one task per
-# node): its address from the map (Slurm's NodeAddr), the NIC holding it for gloo and NCCL unless
-# train.env names one, its output kept in the run's directory (trainer.launch tees it there).
-TASK = r"""addrs=$1; head=$2; port=$3; conf=$4; kept=$5; py=$6; shift 6
+# port, $4 = --rdzv-conf (without is_host), $5 = the run's directory, $6 = the interpreter, $7 = where
+# the nodes' working directories are ("": the task's own), then the launcher's other options, --,
+# the program's flags. Runs on each node (srun, one task per node): its address from the map
+# (Slurm's NodeAddr), the NIC holding it for gloo and NCCL unless train.env names one, its output
+# kept in the run's directory (trainer.launch tees it there).
+TASK = r"""addrs=$1; head=$2; port=$3; conf=$4; kept=$5; py=$6; work=$7; shift 7
 self=""; head_addr=""
 for kv in $addrs; do
   [ "${kv%%=*}" = "$SLURMD_NODENAME" ] && self=${kv#*=}
@@ -59,6 +61,7 @@ case "$head_addr" in *:*) endpoint="[$head_addr]:$port" ;; *) endpoint="$head_ad
 DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME; """ + HEARTBEAT_DIR_ENV + "=" + HEARTBEATS + r"""
 export DDP_NODE_NAME """ + LOG_DIR_ENV + " " + HEARTBEAT_DIR_ENV + r"""
 mkdir -p "$kept/$SLURMD_NODENAME" || exit 1
+if [ -n "$work" ]; then mkdir -p "$work/$SLURMD_NODENAME" && cd "$work/$SLURMD_NODENAME" || exit 1; fi
 exec "$py" -c """ + shlex.quote(RUN_MODULE) + r""" trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
 """
 
@@ -193,7 +196,17 @@ def srun_argv(inv: Inventory, run: str, code: CodeDir | None = None) -> list[str
                 argv += ["--pwd", workdir]
             argv.append(s.container.image)
     return [*argv, "sh", "-c", TASK, "sh", "$addrs", "$head", str(inv.rendezvous.port), rdzv_conf(inv), kept,
-            python, *launcher_args(inv)]
+            python, work_root(inv, code), *launcher_args(inv)]
+
+
+def work_root(inv: Inventory, code: CodeDir | None) -> str:
+    """Where each node's working directory is made and entered by the task: without a container and
+    without train.code, ``$DDP_CKPT_DIR/work`` (the host runtime's, as on an SSH fleet), so that
+    the job does not run where ``sbatch`` happened to; "" otherwise (train.code's launcher makes
+    the same directory itself, trainer/workdir.py; a container keeps the image's)."""
+    if code is not None or inv.slurm.container is not None:
+        return ""
+    return f"{runtime(inv).job_dirs()[1]}/{WORK_SUBDIR}"
 
 
 _SCRIPT_VARS = ("$addrs", "$head")

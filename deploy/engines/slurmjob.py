@@ -24,7 +24,7 @@ from pathlib import Path
 from ..checks.preflight import Check
 from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..inventory import load
-from ..job import codesync, outcome, plan, record, runs, runtime, secretenv
+from ..job import codesync, outcome, phases, plan, record, runs, runtime, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, view
@@ -80,23 +80,36 @@ def job_state(inv, remote, redact=str) -> slurm.SlurmState:
     return secretenv.masked(slurm.parse_status(on_login(remote, inv, slurm.status_argv(inv), "status").stdout), redact)
 
 
-def follow(inv, remote, timeout, redact, say: Say = quiet, every: float = 10.0) -> slurm.SlurmState:
+def follow(inv, remote, timeout, redact, say: Say = quiet, every: float = 10.0, *,
+           first_step: bool = False) -> slurm.SlurmState:
     """Polls the job until Slurm is done with it: a line when its state changes, else at most every
-    ``every`` seconds while its progress moves."""
+    ``every`` seconds while its progress moves. With ``first_step`` (``launch --wait``), the run's
+    first step too, from the time Slurm started it, said and kept in its record (deploy/job/phases.py
+    FirstStep), as on the SSH fleet."""
     deadline = None if timeout is None else time.monotonic() + timeout
     said, state, at = None, None, 0.0
     diagnosed, probed = False, None
+    first: phases.FirstStep | None = None
     while True:
         s = job_state(inv, remote, redact)
         line = progress_line(s)
         if s.state != state or (line != said and time.monotonic() - at >= every):
             say(line)
             said, state, at = line, s.state, time.monotonic()
+        if first is None and first_step and s.state == "RUNNING":
+            first = phases.FirstStep(say, lambda found, run=s.run: record.keep_first_step(
+                inv, remote, login(inv), run, found, say))
         if not s.active:
+            if first is not None:
+                first.see(node_states(inv, remote, s, redact))
+                first.end()
             return s
         if probed is None or time.monotonic() - probed >= slurm.PROGRESS_EVERY_S:
             probed = time.monotonic()
-            stalled = {n: v.stall for n, v in node_states(inv, remote, s, redact).items() if v.stall}
+            states = node_states(inv, remote, s, redact)
+            if first is not None:
+                first.see(states)
+            stalled = {n: v.stall for n, v in states.items() if v.stall}
             if stalled and not diagnosed:  # once per stall: where it stopped, then what every rank is doing
                 say(safe(f"stalled: {', '.join(f'{n} {view.stall_text(v)}' for n, v in stalled.items())}; "
                          f"{diagnose(inv, remote, s, redact).summary} (`ddp-deploy doctor` shows each rank)"))

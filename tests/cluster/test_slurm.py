@@ -17,7 +17,7 @@ from deploy.engines.choose import api
 from deploy.engines.slurmjob import SlurmJob
 from hung_job import hanging_program
 
-from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, wait_until
+from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, start_ddp, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -60,6 +60,11 @@ def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh
     assert "COMPLETED" in launched
     job_id, run = _slurm_job(fresh_nas)
     assert f"as Slurm job {job_id}" in launched
+    said = re.search(r"^first step after [0-9.]+ s \((node[12]): ", launched, re.M)
+    assert said, launched[-3000:]  # seen while it ran, and kept with the run:
+    assert said[0] in ok(ddp(cluster, hosts, "status", "--run", run)).stdout
+    # without train.code, each node's task ran in its own working directory on the shared volume
+    assert sorted(p.name for p in (fresh_nas / "ckpt" / "work").iterdir()) == ["node1", "node2"]
     state = slurm.run(["scontrol", "show", "job", "-o", job_id]).stdout
     assert "JobState=COMPLETED" in state and "NodeList=node[1-2]" in state
     final = records(fresh_nas)[-1]
@@ -100,11 +105,16 @@ STOP_ATTEMPTS = 3
 def test_a_stopped_job_leaves_slurm_and_a_new_launch_resumes_from_its_checkpoint(cluster, slurm, fresh_nas, tmp_path):
     hosts = _hosts(cluster, slurm, tmp_path / "hosts.yaml")
     for attempt in range(1, STOP_ATTEMPTS + 1):
-        ok(ddp(cluster, hosts, "launch"))
-        wait_until(lambda: complete_checkpoint_steps(fresh_nas), 300, "a checkpoint", interval=1)
-        job_id, first_run = _slurm_job(fresh_nas)
-        state = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)["state"]
-        stopped = ok(ddp(cluster, hosts, "stop", timeout=300)).stdout
+        waiting = start_ddp(cluster, hosts, "launch", "--wait", "--timeout", "600")
+        try:
+            wait_until(lambda: complete_checkpoint_steps(fresh_nas), 300, "a checkpoint", interval=1)
+            job_id, first_run = _slurm_job(fresh_nas)
+            state = json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)["state"]
+            stopped = ok(ddp(cluster, hosts, "stop", timeout=300)).stdout
+            _, waited = waiting.communicate(timeout=120)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
         if attempt == STOP_ATTEMPTS or "final" not in [r["kind"] for r in records(fresh_nas)]:
             break
         print(f"attempt {attempt}: Slurm job {job_id} finished before `stop` reached it; launching it again")
@@ -112,6 +122,12 @@ def test_a_stopped_job_leaves_slurm_and_a_new_launch_resumes_from_its_checkpoint
         empty_nas(fresh_nas)
     assert "RUNNING" in state
     assert f"stopped Slurm job {job_id}" in stopped
+    # the `launch --wait` that watched it ends as a stop (exit 3), and status says what runs says
+    assert waiting.returncode == 3, waited[-3000:]
+    assert f"stopped: Slurm job {job_id}: the job was stopped by " in waited and "`ddp-deploy stop`" in waited, waited
+    shown = {n["node"]: n["state"] for n in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)["nodes"]}
+    assert all(v.startswith("stopped (graceful") for v in shown.values()) and len(shown) == NODES, shown
+    assert json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["outcome"].startswith("stopped by ")
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
     assert _queue(slurm) == []
     saved = complete_checkpoint_steps(fresh_nas)[-1]
@@ -175,6 +191,8 @@ def test_a_hung_job_under_slurm_shows_every_node_stalled_and_doctor_names_the_ra
             assert {b["step"] for b in n["heartbeats"]} == {4} and len(n["heartbeats"]) == PROCS, n
         table = ok(ddp(cluster, hosts, "status")).stdout
         assert table.count("stalled ") == NODES and table.count("last step 4 since") == NODES, table
+        assert f"stalled: {CULPRIT} (`ddp-deploy doctor` shows each rank)" in table, table  # status names it itself
+        assert json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)["stall_diagnosis"] == CULPRIT
 
         found = ok(ddp(cluster, hosts, "doctor")).stdout.splitlines()
         assert found[0] == CULPRIT, found
