@@ -35,3 +35,14 @@ def local_hosts(tmp_path: Path, *, job: str, train: dict, procs: int = 1, name: 
         "train": {"python": sys.executable, **train},
     }))
     return hosts
+
+
+def kept_run(tmp_path: Path, *, job: str, run: str, program: str) -> tuple[Path, Path]:
+    """hosts.yaml for node ``here`` whose shared volume (``tmp_path/nas``) keeps run ``run`` of
+    ``program``, nothing in it yet but its record: the inventory and the node's directory of the run
+    (where its ``log`` and ``exits`` go)."""
+    hosts = local_hosts(tmp_path, job=job, train={"script": "train.py"})
+    kept = tmp_path / "nas/ckpt/.ddp-deploy" / job / "runs" / run / "here"
+    kept.mkdir(parents=True)
+    (kept.parent / "run.json").write_text(json.dumps({"program": program}))
+    return hosts, kept

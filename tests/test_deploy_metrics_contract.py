@@ -10,6 +10,7 @@ import pytest
 
 from deploy.observe import doctor, view
 from deploy.observe import plot as plotting
+from local_job import kept_run, local_hosts
 
 RUN = "20261205-120000-abcd"
 
@@ -58,16 +59,7 @@ def test_plot_draws_an_eval_line_s_acc_and_its_train_and_eval_lines_as_curves_of
 def fleet(tmp_path):
     """A one-node local inventory whose shared volume holds one kept run of a program of its own,
     finished: its log (``log`` below), no metrics.jsonl."""
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": "ownprog", "runtime": "host"}, "rendezvous": {"node": "here"},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local"}],
-        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
-    }))
-    kept = tmp_path / "ckpt/.ddp-deploy/ownprog/runs" / RUN / "here"
-    kept.mkdir(parents=True)
-    (kept.parent / "run.json").write_text('{"program": "train.py"}')
+    hosts, kept = kept_run(tmp_path, job="ownprog", run=RUN, program="train.py")
     (kept / "exits").write_text("1764936010 0\n")
     return hosts, kept / "log"
 
@@ -114,8 +106,6 @@ def test_doctor_shows_a_rank_s_stack_on_a_line_of_its_own_with_no_escaped_newlin
 
 
 def test_logs_of_a_job_never_launched_says_why_once(tmp_path):
-    from local_job import local_hosts
-
     hosts = local_hosts(tmp_path, job="neverlaunched", train={"args": []})
     r = _cli(hosts, "logs")
     assert r.exit_code == 1
@@ -209,7 +199,6 @@ def test_the_first_step_is_kept_in_the_run_s_record_once_beside_the_launch_phase
 
     from deploy.inventory import load
     from deploy.job import record
-    from local_job import local_hosts
 
     inv = load(local_hosts(tmp_path, job="firststep", train={"args": []}))
     root = tmp_path / "nas/ckpt"

@@ -17,6 +17,7 @@ from deploy.errors import InputError, RuntimeFailure
 from deploy.observe import plot as plotting
 from deploy.observe.plot import NO_RUN, PANELS, SIZE_IN, DPI, records_by_run, render, series
 from trainer.output import RUN_ID_ENV
+from local_job import kept_run
 from trainer_helpers import ROOT, SMALL, trainer_env
 
 FIRST, SECOND = "20261123-101500-a1b2", "20261123-104000-c3d4"
@@ -242,16 +243,7 @@ def test_a_run_of_strings_alone_is_a_one_line_failure(tmp_path):
 def fleet(tmp_path):
     """A one-node local inventory whose shared volume holds one kept run of a program of its own:
     a log with METRICS lines, no metrics.jsonl."""
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({
-        "job": {"name": "anyprog", "runtime": "host"}, "rendezvous": {"node": "here"},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local"}],
-        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
-    }))
-    kept = tmp_path / "ckpt/.ddp-deploy/anyprog/runs" / RUN / "here"
-    kept.mkdir(parents=True)
-    (kept.parent / "run.json").write_text('{"program": "-m mine"}')
+    hosts, kept = kept_run(tmp_path, job="anyprog", run=RUN, program="-m mine")
     (kept / "log").write_text(PROGRAM_LOG)
     return hosts
 
@@ -273,7 +265,7 @@ def test_plot_draws_a_run_from_its_log_s_metrics_lines_without_metrics_jsonl_and
 
 
 def test_plot_takes_a_run_from_metrics_jsonl_when_it_has_the_run_s_records(fleet, tmp_path, job):
-    (tmp_path / "ckpt/metrics.jsonl").write_text(job)
+    (tmp_path / "nas/ckpt/metrics.jsonl").write_text(job)
     r = _plot(fleet, "-o", str(tmp_path / "out.png"), "--run", FIRST, "--run", RUN)
     assert r.exit_code == 0, r.output
     said, _, left_out = r.stdout.partition("; ")
