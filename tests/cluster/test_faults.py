@@ -26,7 +26,7 @@ import torch
 from procs import children_of
 from trainer import launch
 
-from .operator_cli import (complete_checkpoint_steps, containers_on, ddp, empty_nas, node_states, ok,
+from .operator_cli import (complete_checkpoint_steps, containers_on, ddp, empty_nas, node_states, ok, start_ddp,
                            records, wait_until)
 
 pytestmark = pytest.mark.cluster
@@ -475,7 +475,7 @@ def _listening(cluster, node: str) -> list[tuple[str, str]]:
 
 def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and_ends_bit_identical(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    asked, said = _stopped_mid_run(cluster, hosts, fresh_nas)
+    asked, said, waiting = _stopped_mid_run(cluster, hosts, fresh_nas)
     took = time.time() - asked
     _no_containers_anywhere(cluster)
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
@@ -491,6 +491,7 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
     # status shows each node of the stopped run as runs does (its container gone: not absent)
     shown = {n["node"]: n["state"] for n in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)}
     assert shown == {h.name: f"stopped (graceful, checkpoint at step {stop['step']})" for h in cluster.hosts}, shown
+    _ended_as_a_stop(waiting, f"graceful, checkpoint at step {stop['step']}")
 
     relaunched = time.time()
     ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
@@ -515,26 +516,40 @@ def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and
 STOP_ATTEMPTS = 3
 
 
-def _stopped_mid_run(cluster, hosts: Path, nas: Path, *how: str) -> tuple[float, str]:
-    """Launches the job and stops it (`stop`, with ``how`` as its options) half an interval past a
-    checkpoint; returns when the stop was asked and what it said. Where the job finished before the
-    stop reached it, the fault never happened: the job runs again on an empty NAS, STOP_ATTEMPTS
-    times in all (the caller asserts that the last one was stopped mid-run)."""
+def _stopped_mid_run(cluster, hosts: Path, nas: Path, *how: str) -> tuple[float, str, subprocess.Popen]:
+    """Launches the job with ``launch --wait`` and stops it (`stop`, with ``how`` as its options) half
+    an interval past a checkpoint; returns when the stop was asked, what it said, and the ended
+    ``launch --wait`` (its stderr read: ``.waited``). Where the job finished before the stop reached
+    it, the fault never happened: the job runs again on an empty NAS, STOP_ATTEMPTS times in all (the
+    caller asserts that the last one was stopped mid-run)."""
     for attempt in range(1, STOP_ATTEMPTS + 1):
-        ok(ddp(cluster, hosts, "launch"))
-        _run_past_a_checkpoint(nas)
-        asked = time.time()
-        said = ok(ddp(cluster, hosts, "stop", *how)).stdout
+        waiting = start_ddp(cluster, hosts, "launch", "--wait", "--timeout", "900")
+        try:
+            _run_past_a_checkpoint(nas)
+            asked = time.time()
+            said = ok(ddp(cluster, hosts, "stop", *how)).stdout
+            _, waiting.waited = waiting.communicate(timeout=120)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
         if attempt == STOP_ATTEMPTS or "final" not in [r["kind"] for r in records(nas)]:
-            return asked, said
+            return asked, said, waiting
         print(f"attempt {attempt}: the job finished before `stop {' '.join(how)}` reached it; launching it again")
         empty_nas(nas)
 
 
+def _ended_as_a_stop(waiting: subprocess.Popen, how: str) -> None:
+    """``launch --wait`` of a stopped job: exit 3 and one line that says who stopped it and how."""
+    assert waiting.returncode == 3, waiting.waited[-3000:]
+    said = [line for line in waiting.waited.splitlines() if line.startswith(("stopped: ", "error: "))]
+    assert len(said) == 1 and said[0].startswith("stopped: the job was stopped by ") and f"({how}" in said[0], said
+
+
 def test_a_job_stopped_now_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    _stopped_mid_run(cluster, hosts, fresh_nas, "--now")
+    _, _, waiting = _stopped_mid_run(cluster, hosts, fresh_nas, "--now")
     stopped = time.time()
+    _ended_as_a_stop(waiting, "--now, no checkpoint")
     assert "stopped" not in [r["kind"] for r in records(fresh_nas)], "--now gave the job no time for a checkpoint"
     _no_containers_anywhere(cluster)
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
