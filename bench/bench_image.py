@@ -1,4 +1,4 @@
-"""Image delivery on shaped links (issue 10): star vs chain vs registry to 1..K nodes, in one run.
+"""Image delivery on shaped links: star vs chain vs registry to 1..K nodes, in one run.
 
 Setup, not timed:
   - a K-node test cluster (tests/cluster/netcluster.py), plus the registry namespace

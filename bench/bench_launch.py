@@ -1,4 +1,4 @@
-"""`launch` to the first training step, against its floor, on the real test cluster (issue 25).
+"""`launch` to the first training step, against its floor, on the real test cluster.
 
 The floor is the same job started by hand: on every node at once, over SSH, ``docker run`` of the
 same image with ``python -m torch.distributed.run`` (torchrun) and the same trainer flags, the

@@ -1,6 +1,6 @@
 """Where the test suite's CPU goes, by kind of process: trainer workers, torchrun agents,
-preflight probes, the operator CLI, pytest itself, Docker, ssh, ... (issue 22: the suite is
-bound by its 2 cores, so a cut must remove core-seconds, not only waiting).
+preflight probes, the operator CLI, pytest itself, Docker, ssh, ... (the suite is bound by
+its 2 cores, so a cut must remove core-seconds, not only waiting).
 
 Two sources, both from the kernel:
 - BSD process accounting (``accton``, Debian's ``acct``): one record per process that ended,

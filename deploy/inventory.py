@@ -909,7 +909,7 @@ def _build_models() -> None:
     defined (a model's parts before it), as importing this module did before defer_build: all at
     once, here, rather than each at its first use, which may come in several threads at once
     (``ssh_for`` in the fan-out's): pydantic releases before 2.14 build a model unsafely there
-    (pydantic issue 13419)."""
+    (two threads building one model can each see it half-built)."""
     with _BUILDING:
         for model in _Model.__subclasses__():
             if not model.__pydantic_complete__:

@@ -303,8 +303,7 @@ def test_a_node_that_cannot_be_reached_on_its_port_is_named_with_what_to_do(tmp_
 
 def test_a_late_word_from_a_node_passed_over_itself_or_of_a_node_with_the_whole_stream_fails_nothing(tmp_path):
     """The race of the test above under full load: b, passed over by a, tried c only after c had
-    the whole stream from a and its relay had ended, and its LOST of c failed c (a clean-clone run
-    at 541b10e). Each of the two facts alone makes the word moot; a sender that is one, of a node
+    the whole stream from a and its relay had ended, and its LOST of c failed c. Each of the two facts alone makes the word moot; a sender that is one, of a node
     that lacks bytes, still passes it over."""
     inv = _inv(tmp_path, ("a", "b", "c"))
     stream = _whole(_saved(tmp_path, 1))

@@ -1,5 +1,5 @@
 """deploy/ is packages by concern whose imports flow one way: no import circles, each package
-imports only those below it, and nothing imports the CLI (issue 24).
+imports only those below it, and nothing imports the CLI.
 
 Every import of a deploy module counts, at the top, inside a function or under TYPE_CHECKING:
 each one ties the two modules together all the same. From the bottom: the base (errors, text,

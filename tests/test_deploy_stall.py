@@ -1,4 +1,4 @@
-"""A job that stops making progress is shown as stalled, never as running (issue 23, first part):
+"""A job that stops making progress is shown as stalled, never as running:
 each rank's heartbeat, the node's status script that reads it, and the judgment against
 job.stall_timeout. The status scripts run for real in sh; the jobs in the e2e tests run under the
 real launcher and torchrun on this machine."""

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("DDP_OPERATOR_WHEELS", ROOT / ".wheels-operator"))
-GOAL_MB = 200  # issue 24: SkyPilot, dstack and TorchX install in seconds; the trainer's extra is ~5.8 GB
+GOAL_MB = 200  # SkyPilot, dstack and TorchX install in seconds; the trainer's extra is ~5.8 GB
 
 
 def _size_mb(path: Path) -> float:

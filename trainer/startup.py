@@ -1,4 +1,4 @@
-"""Where a process's time went before its first step (issue 25): from its launcher's start (the
+"""Where a process's time went before its first step: from its launcher's start (the
 agent that spawned it: torchrun or trainer.launch, started by the container or the node's
 supervisor) to the process's own start, its imports, the process group (the rendezvous of the
 workers), the data, the model and the resume. Each node's first process prints it in one line:

@@ -293,8 +293,7 @@ def install(zygote: Zygote) -> None:
         # can be gone while the agent has yet to read its end (a Popen's zombie would hold the group
         # until the agent reaps it). torch's killpg then raises ProcessLookupError and the agent dies
         # of it: a stall's restart SIGKILLs a node's workers while its agent closes them for the
-        # first one's end, and that node never came back (a clean-clone run at 64e9753). Nothing is
-        # left to signal.
+        # first one's end, and that node never came back. Nothing is left to signal.
         try:
             close(self, death_sig)
         except ProcessLookupError:

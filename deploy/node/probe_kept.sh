@@ -1,4 +1,4 @@
-# A CPU node's probe answer, kept for the next launch (deploy/checks/preflight.py, issue 25).
+# A CPU node's probe answer, kept for the next launch (deploy/checks/preflight.py).
 # $1 = reuse | keep, $2 = the probe command's key (sha256 of its argv, made by the operator: the
 # image's name, the code snapshot's path, which is named by its content, the environment, the
 # flags), $3 = the image's name; the probe's argv follows.

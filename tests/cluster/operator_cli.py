@@ -71,8 +71,8 @@ def trainer_processes_on(cluster, node: str) -> list[str]:
 def records(nas: Path) -> list[dict]:
     """The trainer's records in metrics.jsonl, each line that is one whole JSON object: a line is
     torn where rank 0 was killed while it wrote it (a SIGKILL ends a write between pages), or
-    still being written as it is read (in a clean-clone run at 7a09fc1, the rendezvous node's
-    container killed mid-epoch: ``Unterminated string``)."""
+    still being written as it is read (the rendezvous node's container killed mid-epoch:
+    ``Unterminated string``)."""
     path = nas / "ckpt" / "metrics.jsonl"
     if not path.exists():
         return []

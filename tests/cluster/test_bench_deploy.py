@@ -1,6 +1,6 @@
 """bench/bench_deploy.py in its smoke mode on the session's cluster: every part once, on 1 node
 against 2 (check, deploy of a missing image, a repeated deploy, launch to the first step, deploy
-after a code-only change), so that the deploy benchmark cannot rot (issue 25). Its cold deploy
+after a code-only change), so that the deploy benchmark cannot rot. Its cold deploy
 to one node ships the whole image; to two, they hold the base (cold_all=False). No time is
 asserted; what is asserted is that each part was timed, and the bytes the benchmark exists to
 watch: nothing shipped again for an unchanged image, a code-only change far smaller than the image.

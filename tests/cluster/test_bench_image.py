@@ -1,6 +1,6 @@
 """bench/bench_image.py in its smoke mode on the session's cluster and registry: every way the tool
 has, to 1 node and to 2, and the chain's repair on all 3 (the middle node's link down
-mid-transfer), so that the image delivery benchmark cannot rot (issue 25). Small: a base of a few
+mid-transfer), so that the image delivery benchmark cannot rot. Small: a base of a few
 kilobytes (FROM scratch) instead of the torch base, 12 MB of random bytes on top, links shaped
 slow enough that the repair happens mid-transfer. No time is asserted; what is asserted is what
 the table stands on: each row timed, verified on its nodes and its bytes counted on the uplink,

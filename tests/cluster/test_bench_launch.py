@@ -1,6 +1,6 @@
 """bench/bench_launch.py in its smoke mode on the session's cluster: one round on one node (a launch
 whose node probes, a relaunch taking the probe answer the node kept, and the floor: the same job's
-torchrun started by hand over SSH), so that the launch benchmark cannot rot (issue 25). No figure
+torchrun started by hand over SSH), so that the launch benchmark cannot rot. No figure
 is asserted; what is asserted is that each run was timed and split into its parts, as the
 benchmark's table shows them.
 """

@@ -61,9 +61,8 @@ WORKER_CLOSE_S = 30
 # A lost node: the survivors' collectives give up after the dist timeout, their agents stop the
 # other workers (WORKER_CLOSE_S), their next rendezvous ends after the join timeout (the rendezvous
 # store's reads too: min(join, 60)), and Docker starts each container MAX_RESTARTS more times.
-# Typically about 90 s here; CI once took over the 140 s of the formula without the close term,
-# where it kept no log (a failed cluster test now shows every node's). (Shorter timeouts, 10 and
-# 15 s, let the survivors give up in about 55 s, but as often went past their bound: issue 22.)
+# A loaded machine needs the close term: without it a CI machine went past the formula's bound.
+# (Shorter timeouts, 10 and 15 s, let the survivors give up sooner, but as often past their bound.)
 # Each attempt also starts its launcher first (Docker starts the container again, then `import torch`
 # and the agent: 4 s of a core here alone, several times that while the other lane of `make test`
 # trains on the same 2 cores): START_S of it.
@@ -206,9 +205,8 @@ def _last_step_before(nas: Path, moment: float) -> int:
 def _redone(nas: Path, resumed: dict) -> int:
     """The steps trained before a kill that the job trained again: the interrupted attempt's last step
     (its last record before the ``resumed`` one, not before the kill: a killed torchrun's workers go
-    on until its zygote sees it gone, and the whole job with them; in the clean-clone run at d1f4702
-    the host runtime's trained 4 steps past the kill, a checkpoint among them) less the step resumed
-    from."""
+    on until its zygote sees it gone, and the whole job with them: a few steps past the kill, a
+    checkpoint among them) less the step resumed from."""
     return _last_step_before(nas, resumed["time"]) - resumed["step"]
 
 
@@ -459,7 +457,7 @@ def _assert_listening_on_own_addresses(cluster) -> None:
     """While a job trains: the rendezvous store, the workers' store and gloo listen on each node's
     own address from hosts.yaml, never on every address of the machine. (Asked of the elastic job,
     which trains long enough for three nodes' answers: the 64-step job of the stop tests could end
-    meanwhile on a less loaded machine, as it did once at cc003e3.)"""
+    meanwhile on a less loaded machine.)"""
     for h in cluster.hosts:
         job = [(where, who) for where, who in _listening(cluster, h.name) if '"sshd"' not in who]
         assert len(job) >= PROCS, job

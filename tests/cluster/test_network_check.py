@@ -3,8 +3,8 @@
 Every node's link is shaped (both directions) to FAST, node3's to a tenth of it. The check runs
 through the CLI with the docker runtime (the job's image, gloo on the nodes' eth0); each figure
 it reports must be the shaped rate, at most 25 % above it (tc caps the link) and at most 40 % below
-(the measurement's own CPU: on the loaded 2 cores of a clean-clone run, 149 Mbit/s of 200 once,
-at 474ac27, where tests/FAULTS.md's run read 190), and node3 alone must be named as slow.
+(the measurement's own CPU: on 2 cores loaded by the rest of the suite, a 200 Mbit/s link can
+read 150), and node3 alone must be named as slow.
 """
 
 from __future__ import annotations
