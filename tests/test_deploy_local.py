@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from local_job import beats_dir, local_hosts
 from procs import alive, children_of, parent_of, with_environ
 from trainer import heartbeat
@@ -32,17 +30,6 @@ TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "25
 
 def _inventory(tmp_path: Path, args: list[str], procs: int = 2) -> Path:
     return local_hosts(tmp_path, job="localtest", train={"args": args}, procs=procs)
-
-
-@pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
-
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
-
-    yield run
 
 
 def _state(ddp, hosts):
@@ -347,8 +334,8 @@ BUSY_NODE_PROCESSES = 1500
 def test_a_node_busy_with_processes_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp_path):
     # The supervisor kills what the ended command left before it records the exit (deploy/node/
     # kill_run.sh), and launch looks for that record 1 s after the start: a grep for each process
-    # on the node took longer than that here with this many (a clean-clone run at 7c8d234, its
-    # cores busy, took the launch for a success).
+    # on the node takes longer than that with this many on busy cores (and the launch was taken for
+    # a success).
     hosts = _failing_at_once(tmp_path)
     crowd = subprocess.Popen(["sh", "-c", f"for i in $(seq {BUSY_NODE_PROCESSES}); do sleep 600 & done; wait"],
                              start_new_session=True)

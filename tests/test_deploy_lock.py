@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from deploy.job import lock
-from deploy.cli import cli
 from deploy.errors import RuntimeFailure
 from deploy.inventory import load, loads
 from deploy.nodes.remote import Remote
@@ -84,15 +82,6 @@ def per_node_locks(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(lock.PATH_ENV, str(d / "{address}"))
     return d
 
-
-@pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args], env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
-
-    return run
 
 
 class Holder:

@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from deploy.job import outcome, plan
 from deploy.job.runtime import HOST_STATUS
 from local_job import local_hosts
@@ -74,13 +72,6 @@ def test_a_host_node_reads_stopping_while_the_stop_runs_then_stopped_as_its_reco
     assert done.stop == outcome.Stop(1764072063, "root@op", True, 40) and done.metrics.startswith("METRICS ")
     (kept.parent / "here.stopped").unlink()  # no stop of this run: nothing runs, nothing says why
     assert _host_status(run, tmp_path / "beats").state == "absent"
-
-
-@pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
-    return lambda hosts, *args: runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
 
 
 def _hosts(tmp_path: Path, program: str, procs: int = 1) -> Path:

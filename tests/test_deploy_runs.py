@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from deploy.job import record, runs, secretenv
-from deploy.cli import cli
 from deploy.inventory import loads
 from test_deploy_local import TRAIN_ARGS, _inventory
 
@@ -111,13 +109,6 @@ train: {secrets: {TOKEN: {env: MY_TOKEN}}}
 
 
 # ---------------------------------------------------------------- through the CLI, real launches
-
-@pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
-    return lambda hosts, *args: runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
-
 
 def _hosts(tmp_path: Path, args: list[str], keep: int) -> Path:
     hosts = _inventory(tmp_path, args, procs=1)
