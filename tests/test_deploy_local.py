@@ -97,7 +97,7 @@ def test_check_deploy_launch_wait_status_logs_stop_with_the_real_trainer(ddp, tm
     assert ddp(hosts, "stop").exit_code == 0  # idempotent
 
 
-def test_a_failing_trainer_fails_launch_wait_and_status_with_one_line_naming_the_cause(ddp, tmp_path):
+def test_a_failing_trainer_fails_launch_wait_and_status_naming_the_cause(ddp, tmp_path):
     # valid flags (hosts.yaml's validation passes them), but the data is not there
     hosts = _inventory(tmp_path, ["--dataset", "cifar10", "--no-download", "--epochs", "1"])
     r = ddp(hosts, "launch", "--wait", "--timeout", "120")
@@ -218,7 +218,7 @@ LONG_ARGS = ["--dataset", "synthetic", "--epochs", "2", "--synthetic-size", "204
              "--log-every", "1", "--ckpt-every", "8"]
 
 
-def test_stop_lets_the_job_write_a_checkpoint_at_its_step_and_a_relaunch_redoes_nothing(ddp, tmp_path):
+def test_stop_lets_the_job_checkpoint_at_its_step_and_a_relaunch_redoes_nothing(ddp, tmp_path):
     hosts = _inventory(tmp_path, LONG_ARGS)
     assert ddp(hosts, "launch").exit_code == 0
     _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 11 for r in _records(tmp_path)), "step 11")
@@ -238,7 +238,7 @@ def test_stop_lets_the_job_write_a_checkpoint_at_its_step_and_a_relaunch_redoes_
     assert after[-1]["kind"] == "final"
 
 
-def test_a_job_whose_ranks_stopped_before_its_own_stop_began_is_stopped_by_it_with_the_step_said(ddp, tmp_path):
+def test_ranks_stopped_before_the_stop_began_are_stopped_by_it_with_their_step(ddp, tmp_path):
     # A stop reaches the nodes one after another: a node's ranks may have stopped already, told by
     # the ranks of a node whose stop began first (trainer/stopping.py). Here one worker gets the
     # SIGTERM, as another node's would, and the node's part ends (max_restarts 0) before `stop`.
@@ -269,7 +269,7 @@ def test_stop_now_kills_at_once_without_a_checkpoint(ddp, tmp_path):
     assert _tagged(run_dir) == []
 
 
-def test_a_killed_torchrun_is_started_again_by_the_host_supervisor_and_the_job_finishes(ddp, tmp_path):
+def test_a_killed_torchrun_is_restarted_by_the_host_supervisor_and_finishes(ddp, tmp_path):
     hosts = _inventory(tmp_path, LONG_ARGS)
     hosts.write_text(hosts.read_text().replace('"max_restarts": 0', '"max_restarts": 1'))
     assert ddp(hosts, "launch").exit_code == 0
@@ -331,7 +331,7 @@ def test_a_node_that_fails_at_once_fails_the_launch_and_is_cleaned_up(ddp, tmp_p
 BUSY_NODE_PROCESSES = 1500
 
 
-def test_a_node_busy_with_processes_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp_path):
+def test_a_busy_node_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp_path):
     # The supervisor kills what the ended command left before it records the exit (deploy/node/
     # kill_run.sh), and launch looks for that record 1 s after the start: a grep for each process
     # on the node takes longer than that with this many on busy cores (and the launch was taken for
@@ -348,7 +348,7 @@ def test_a_node_busy_with_processes_still_fails_the_launch_of_a_job_that_fails_a
 
 
 
-def test_a_node_slow_to_clear_what_a_failed_command_left_still_fails_the_launch_at_once(ddp, tmp_path, monkeypatch):
+def test_a_node_slow_to_clear_a_failed_command_still_fails_the_launch_at_once(ddp, tmp_path, monkeypatch):
     """The same race made certain: the supervisor's one grep over the node's processes (deploy/node/
     kill_run.sh) takes 3 s here, past launch's second, and the failure is still reported at once
     (the supervisor says the command ended before it clears what it left)."""

@@ -143,7 +143,7 @@ WHO = f"{getpass.getuser()}@{socket.gethostname()}"
 
 @pytest.mark.parametrize("second", [FLEET, [("z", "127.0.0.3"), ("y", "127.0.0.2"), ("x", "127.0.0.4")]],
                          ids=["the same fleet", "an overlapping fleet named and ordered otherwise"])
-def test_two_operators_starting_at_the_same_moment_exactly_one_proceeds_the_other_is_told_who(
+def test_two_operators_at_once_one_proceeds_and_the_other_is_told_who(
         tmp_path, per_node_locks, holders, second):
     first = _inventory(tmp_path / "first.yaml", FLEET)
     other = _inventory(tmp_path / "second.yaml", second)
@@ -171,7 +171,7 @@ def test_two_operators_starting_at_the_same_moment_exactly_one_proceeds_the_othe
         assert _locks(per_node_locks) == []
 
 
-def test_the_order_is_by_address_then_ssh_port_whatever_the_inventory_s_order_and_names():
+def test_the_order_is_by_address_then_ssh_port_whatever_the_inventory_says():
     inv = loads("job: {name: j}\nrendezvous: {node: z}\nstorage:\n  data: {host: /d, container: /data}\n"
                 "  checkpoints: {host: /c, container: /ckpt}\nnodes:\n"
                 "  - {name: z, address: 10.0.0.3}\n"
@@ -321,7 +321,7 @@ def test_dry_runs_name_the_lock_and_take_nothing(ddp, tmp_path, fleet_lock_path)
 
 
 @pytest.mark.e2e
-def test_launch_releases_the_lock_once_the_job_has_started_and_wait_follows_without_it(tmp_path, fleet_lock_path):
+def test_launch_releases_the_lock_once_started_and_wait_follows_without_it(tmp_path, fleet_lock_path):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
     deploy = [sys.executable, "-m", "deploy", "--hosts", str(hosts)]
@@ -383,7 +383,7 @@ def _seen(hosts: Path) -> lock.Seen:
         return lock.survey(inv, remote).locks["here"]
 
 
-def test_a_lock_appears_whole_so_whoever_looks_while_another_takes_it_finds_it_free_or_sees_its_owner(
+def test_a_lock_appears_whole_free_or_with_its_owner_to_whoever_looks(
         tmp_path, fleet_lock_path, this_machine):
     """The taker is parked at the one step that puts its lock in place (a `mv` of our own on its
     PATH that waits for a file): meanwhile a look finds no lock, another operator takes it and is
@@ -426,7 +426,7 @@ def test_a_lock_appears_whole_so_whoever_looks_while_another_takes_it_finds_it_f
         taker.wait(timeout=60)
 
 
-def test_an_earlier_version_s_lock_being_taken_is_named_by_the_owner_it_writes_a_moment_later_and_one_never_completed_as_such(
+def test_an_earlier_version_s_lock_is_named_by_its_owner_or_as_never_completed(
         tmp_path, fleet_lock_path, this_machine):
     """Versions before the whole lock made its directory, then wrote the owner file: one who looks
     in between waits a moment for it (a refusal then names who holds the lock), and says so where
@@ -463,7 +463,7 @@ def test_a_lock_s_owner_names_this_machine_s_id_and_boot_id(this_machine):
     assert (owner["machine"], owner["boot"]) == (this_machine, THIS_BOOT)
 
 
-def test_a_live_lock_from_another_machine_with_this_hostname_is_not_stale_and_a_plain_unlock_keeps_it(
+def test_a_live_lock_of_another_machine_with_this_hostname_is_not_stale(
         ddp, tmp_path, fleet_lock_path, this_machine):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     owner = _lock_by(fleet_lock_path, machine=OTHER_MACHINE)  # its pid does not exist here: it runs there
@@ -487,7 +487,7 @@ def test_a_live_lock_from_another_machine_with_this_hostname_is_not_stale_and_a_
     assert not fleet_lock_path.exists()
 
 
-def test_a_lock_from_this_machine_is_stale_once_its_process_ended_though_the_hostname_changed_since(
+def test_a_lock_of_this_machine_is_stale_once_its_process_ended(
         ddp, tmp_path, fleet_lock_path, this_machine):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     owner = _lock_by(fleet_lock_path, host="the-old-name")
@@ -499,7 +499,7 @@ def test_a_lock_from_this_machine_is_stale_once_its_process_ended_though_the_hos
     assert not fleet_lock_path.exists()
 
 
-def test_a_lock_taken_before_this_machine_s_last_boot_is_stale_whatever_process_has_its_pid_now(
+def test_a_lock_taken_before_the_last_boot_is_stale_whoever_has_its_pid_now(
         tmp_path, fleet_lock_path, this_machine):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     _lock_by(fleet_lock_path, pid=os.getpid(), boot="00000000-0000-0000-0000-000000000000")
@@ -507,7 +507,7 @@ def test_a_lock_taken_before_this_machine_s_last_boot_is_stale_whatever_process_
 
 
 @pytest.mark.parametrize("pid, stale", [("dead", True), ("live", False)])
-def test_an_owner_file_without_machine_id_is_judged_by_hostname_and_pid_as_before_and_says_so(
+def test_an_owner_without_machine_id_is_judged_by_hostname_and_pid_and_says_so(
         tmp_path, fleet_lock_path, this_machine, pid, stale):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     owner = _lock_by(fleet_lock_path, machine=None, boot=None, pid=_dead_pid() if pid == "dead" else os.getpid())
@@ -519,7 +519,7 @@ def test_an_owner_file_without_machine_id_is_judged_by_hostname_and_pid_as_befor
         assert why is None
 
 
-def test_an_owner_file_without_machine_id_from_another_hostname_is_judged_by_its_heartbeat_only(
+def test_an_owner_without_machine_id_of_another_host_is_judged_by_heartbeat(
         tmp_path, fleet_lock_path, this_machine):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     _lock_by(fleet_lock_path, machine=None, boot=None, host=socket.gethostname() + "-not")
@@ -549,7 +549,7 @@ def test_an_owner_file_with_an_impossible_pid_is_a_stale_lock_not_a_crash(ddp, t
 
 # A lock removed under its holder.
 
-def test_the_heartbeat_records_a_lock_removed_under_it_and_confirm_then_refuses_naming_the_node(
+def test_a_lock_removed_under_its_heartbeat_makes_confirm_refuse_naming_the_node(
         tmp_path, fleet_lock_path, monkeypatch):
     monkeypatch.setattr(lock, "HEARTBEAT_EVERY", 0.1)
     inv = load(_inventory(tmp_path / "hosts.yaml", ONE))
@@ -577,7 +577,7 @@ def _unlock_force(hosts: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("meanwhile", ["removed", "taken", "taken after a beat"])
-def test_a_launch_whose_lock_is_removed_while_it_prepares_starts_nothing_and_names_the_node(
+def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
         ddp, tmp_path, holders, monkeypatch, fleet_lock_path, meanwhile):
     """Taken after a beat: the launch's heartbeat found the lock removed, then stopped beating,
     before the other operator took it; the launch still names who holds it now."""
@@ -740,7 +740,7 @@ GARBAGE = {
 
 
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
-def test_an_owner_file_that_names_no_owner_is_shown_as_text_and_cleared_by_a_forced_unlock(
+def test_an_owner_file_naming_no_owner_is_shown_as_text_and_force_unlocked(
         ddp, tmp_path, fleet_lock_path, kind):
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     fleet_lock_path.mkdir()

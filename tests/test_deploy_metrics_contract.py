@@ -20,7 +20,7 @@ RUN = "20261205-120000-abcd"
     (97.5, "97.5%"), (1.5, "1.5%"), (100, "100.0%"),  # above 1 up to 100: a percentage as printed
     (250, "250"), (-0.5, "-0.5"), (100.01, "100.01"),  # outside 0..100: the number, never scaled
 ])
-def test_acc_is_a_fraction_up_to_1_a_percentage_up_to_100_and_anything_else_is_shown_as_printed(acc, shown):
+def test_acc_is_a_fraction_up_to_1_a_percentage_up_to_100_else_shown_as_printed(acc, shown):
     p = view.Progress.from_line("METRICS " + json.dumps({"kind": "eval", "step": 3, "acc": acc}))
     assert p.acc == acc  # status --json keeps the value the program printed
     assert p.cells()["acc"] == shown
@@ -45,7 +45,7 @@ def _plotted(fig) -> dict[tuple[str, str], tuple[list, list]]:
             for ax in fig.axes for line in ax.get_lines()}
 
 
-def test_plot_draws_an_eval_line_s_acc_and_its_train_and_eval_lines_as_curves_of_their_own(tmp_path):
+def test_plot_draws_eval_acc_and_train_and_eval_lines_as_curves_of_their_own(tmp_path):
     runs = plotting.log_records(f"@@run {RUN}\n{OWN_LOG}")
     fig = plotting.render(runs, tmp_path / "p.png", from_logs=[RUN])
     assert [ax.get_title(loc="left") for ax in fig.axes] == ["epoch", "loss", "acc"]  # no panel of the time
@@ -225,7 +225,7 @@ def test_the_first_step_is_kept_in_the_run_s_record_once_beside_the_launch_phase
 
 
 @pytest.mark.parametrize("example", ["charlm", "regress"])
-def test_an_example_s_readme_describes_the_train_section_as_it_is_and_its_metrics_as_the_tool_reads_them(example):
+def test_an_example_s_readme_describes_its_train_section_and_metrics_as_they_are(example):
     import re
 
     import yaml

@@ -175,14 +175,14 @@ PROGRAM_LOG = "\n".join([
 RUN = "20261125-120000-beef"
 
 
-def test_a_program_s_metrics_lines_are_read_from_its_log_skipping_what_is_not_a_json_object():
+def test_a_program_s_metrics_lines_are_read_from_its_log_skipping_non_objects():
     runs = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}@@run 20261125-130000-0000\n")
     assert list(runs) == [RUN]  # a run without a METRICS line is left out
     assert [r["step"] for r in runs[RUN]] == [1, 2, 3, 4]  # rank 0's alone, prefixed once or twice
     assert plotting.numeric_fields(runs) == ["loss", "lr", "$\\frac{"]
 
 
-def test_a_log_s_metrics_line_is_of_the_rank_its_stream_s_prefix_names_not_one_it_printed():
+def test_a_log_s_metrics_line_is_of_the_rank_its_prefix_names_not_one_it_printed():
     logs = (f"@@run {RUN}\n" '[rank1]: [rank0]: METRICS {"step": 7, "loss": 0.0}\n'
             '[rank0]: METRICS {"step": 1, "loss": 2.0}\n[rank1]: METRICS {"step": 1, "loss": 3.0}\n')
     assert plotting.log_records(logs) == {RUN: [{"step": 1, "loss": 2.0}]}
@@ -204,14 +204,14 @@ def test_a_line_break_of_splitlines_inside_a_line_starts_no_record_nor_run(brk):
     assert records_by_run(jsonl) == {RUN: [json.loads(kept)]}
 
 
-def test_a_field_is_drawn_against_the_step_and_values_that_are_not_numbers_are_left_out():
+def test_a_field_is_drawn_against_the_step_leaving_out_what_is_not_a_number():
     records = plotting.log_records(f"@@run {RUN}\n{PROGRAM_LOG}")[RUN]
     assert plotting.field_series(records, "loss") == ([1.0, 3.0, 4.0], [2.5, 1.5, 1.0])  # "NaN" is a string
     assert plotting.field_series(records, "lr") == ([1.0, 3.0, 4.0], [0.1, 0.05, 0.05])  # 1e308 is beyond LARGEST
     assert plotting.field_series(records, "huge") == ([], [])  # 400 digits: no float holds it
 
 
-def test_a_secret_equal_to_the_metrics_prefix_is_masked_after_the_lines_are_read_not_before():
+def test_a_secret_equal_to_the_metrics_prefix_is_masked_after_the_lines_are_read():
     from deploy.job.secretenv import Redactor
 
     redact = Redactor({"TOKEN": "METRICS", "KEY": "s3cr3t-field"})
@@ -257,7 +257,7 @@ def _plot(hosts, *args):
                               env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
 
 
-def test_plot_draws_a_run_from_its_log_s_metrics_lines_without_metrics_jsonl_and_says_so(fleet, tmp_path):
+def test_plot_draws_a_run_from_its_log_without_metrics_jsonl_and_says_so(fleet, tmp_path):
     r = _plot(fleet, "-o", str(tmp_path / "out.png"))
     assert r.exit_code == 0, r.output
     assert r.stdout == f"wrote {tmp_path / 'out.png'}: 1 run ({RUN} from its logs' METRICS lines)\n"

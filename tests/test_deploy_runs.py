@@ -39,7 +39,7 @@ def test_run_ids_sort_by_start_time_and_name_the_second():
     assert sorted([late, early]) == [early, late]
 
 
-def test_starting_a_run_writes_its_record_and_the_current_one_and_prunes_the_oldest_beyond_the_count(tmp_path):
+def test_starting_a_run_writes_its_records_and_prunes_the_oldest_beyond_keep(tmp_path):
     inv = _inv(tmp_path, keep=2)
     tb = Path(runs.tensorboard_dir(inv))
     ids = [runs.new_id(1_700_000_000 + i) for i in range(3)]
@@ -63,7 +63,7 @@ def test_the_run_being_started_is_never_pruned_even_when_older_ones_sort_after_i
     assert sorted(p.name for p in Path(runs.runs_dir(inv)).iterdir()) == sorted([now, newer])
 
 
-def test_listing_reads_each_run_s_record_exit_codes_and_last_metrics_and_picks_by_id_start(tmp_path):
+def test_listing_reads_each_run_s_record_exits_and_metrics_and_picks_by_id(tmp_path):
     inv = _inv(tmp_path, keep=5)
     ok, bad = runs.new_id(1_700_000_000), runs.new_id(1_700_000_100)
     for run, code in ((ok, 0), (bad, 1)):
@@ -210,7 +210,7 @@ BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u202
 
 
 @pytest.mark.parametrize("brk", BREAKS)
-def test_a_kept_node_s_metrics_line_is_rank_0_s_and_what_follows_a_line_break_of_splitlines_stays_in_it(tmp_path, brk):
+def test_a_kept_node_s_metrics_line_is_rank_0_s_whatever_line_breaks_it_holds(tmp_path, brk):
     inv = _inv(tmp_path, keep=5)
     run = runs.new_id(1_700_000_000)
     _sh(runs.start_argv(inv, run), b"{}")

@@ -64,7 +64,7 @@ def _torch_folders(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_printed_secret_is_masked_in_every_file_the_run_leaves_and_torchs_log_folders_are_gone(tmp_path, monkeypatch):
+def test_a_printed_secret_is_masked_in_every_file_the_run_leaves(tmp_path, monkeypatch):
     project = tmp_path / "leaky"
     project.mkdir()
     (project / "leak.py").write_text(LEAK)
@@ -99,7 +99,7 @@ def _leaks(tmp_path: Path, *more: Path) -> dict[str, list[Path]]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("prefork", ["1", "0"], ids=["forked workers", "torchrun's own start"])
-def test_a_printed_secret_rests_in_no_file_while_the_job_runs_nor_after_stop_now_kills_it(
+def test_a_printed_secret_rests_in_no_file_while_running_nor_after_stop_now(
         tmp_path, monkeypatch, prefork):
     """Every file the launcher, torchrun and the workers write on the node (TMPDIR, the run's log,
     the heartbeats), while the job runs, and once ``stop --now`` has SIGKILLed it all, holds no spelling
@@ -148,7 +148,7 @@ main()
 
 
 @pytest.mark.e2e
-def test_a_secret_in_a_recorded_error_rests_in_no_file_during_the_next_attempt_nor_after_the_launcher_is_killed(
+def test_a_secret_in_a_recorded_error_rests_in_no_file_after_a_restart_or_a_kill(
         tmp_path, torch_python):
     """The launcher as a node runs it with secrets (its tee, torchrun its child): a worker prints the
     value and fails with it in torch's recorded error; torchrun starts it again. Neither during
@@ -187,7 +187,7 @@ def test_a_secret_in_a_recorded_error_rests_in_no_file_during_the_next_attempt_n
     assert not _leaks(tmp_path)
 
 @pytest.mark.e2e
-def test_a_job_with_secrets_still_checkpoints_when_stopped_and_leaves_no_torch_folder(tmp_path, monkeypatch):
+def test_a_job_with_secrets_checkpoints_when_stopped_and_leaves_no_torch_folder(tmp_path, monkeypatch):
     hosts = _job(tmp_path, monkeypatch, {"args": LONG_ARGS})
     assert _ddp(hosts, "launch").exit_code == 0
     _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
@@ -216,7 +216,7 @@ def test_the_launchers_output_and_its_copy_in_the_run_log_are_masked_as_printed(
     assert log.splitlines() == ["a ***", '["***"]', "no newline at the end '***'"]
 
 
-def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_by_the_next_launcher_on_the_machine(
+def test_torchs_log_folder_is_removed_at_the_end_or_by_the_next_launcher(
         tmp_path, monkeypatch):
     """A launcher holds its folder's lock while it runs; one killed (kill -9, in a process of its
     own here) holds nothing, and the next launcher removes its folder but not a running one's, nor
@@ -251,7 +251,7 @@ def test_torchs_log_folder_is_removed_at_the_end_and_a_killed_launchers_by_the_n
     assert list(tmp_path.iterdir()) == [earlier]
 
 
-def test_a_teed_launcher_killed_alone_leaves_its_folder_held_by_its_child_torchrun_until_that_ends(
+def test_a_launcher_killed_alone_leaves_its_folder_to_its_torchrun_until_it_ends(
         tmp_path, monkeypatch):
     """A launcher that copies its job's output (the run's log) runs torchrun as its child, in a
     session of its own; killed alone (kill -9), its child runs on and writes into the folder."""
@@ -279,7 +279,7 @@ def test_a_teed_launcher_killed_alone_leaves_its_folder_held_by_its_child_torchr
 
 
 @pytest.mark.parametrize("when", ["before its maker opened it", "before its maker locked it"])
-def test_a_log_folder_removed_by_another_launcher_before_its_maker_held_it_is_made_again_and_held(
+def test_a_log_folder_removed_before_its_maker_held_it_is_made_again_and_held(
         tmp_path, monkeypatch, when):
     """Between its making and its lock a folder is nobody's: another launcher starting then may
     remove it (here: one sweeps at that moment, once)."""

@@ -300,7 +300,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
                  recovery_phases=phases)
 
 
-def test_a_node_lost_for_good_fails_the_job_in_bounded_time_and_a_later_launch_resumes(
+def test_a_node_lost_for_good_fails_the_job_in_time_and_a_relaunch_resumes(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
     ok(ddp(cluster, hosts, "launch"))
     newest, _ = _run_past_a_checkpoint(fresh_nas)
@@ -345,7 +345,7 @@ def _training_after(nas: Path, moment: float) -> dict:
                       "a training step", interval=0.2)[0]
 
 
-def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_returns(
+def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
     with _elastic_job(cluster, tmp_path) as elastic:
         ok(ddp(cluster, elastic, "launch"))
@@ -377,7 +377,7 @@ def test_an_elastic_job_trains_on_without_a_lost_node_and_takes_it_back_when_it_
                  left_running="nothing (all exited 0)", bit_identical="n/a (resized: deterministic)")
 
 
-def test_join_adds_a_node_left_out_and_once_it_is_lost_for_good_the_others_finish_without_it(
+def test_join_adds_a_node_and_once_it_is_lost_the_others_finish_without_it(
         cluster, fresh_nas, hosts, tmp_path, record_fault):
     with _elastic_job(cluster, tmp_path) as elastic:
         ok(ddp(cluster, elastic, "--without", "node3", "launch"))  # node3: a spare
@@ -420,7 +420,7 @@ def test_join_adds_a_node_left_out_and_once_it_is_lost_for_good_the_others_finis
                  bit_identical="n/a (resized: deterministic)")
 
 
-def test_the_rendezvous_node_lost_for_good_ends_the_job_in_bounded_time_and_it_resumes_without_it(
+def test_the_rendezvous_node_lost_ends_the_job_in_time_and_it_resumes_without_it(
         cluster, fresh_nas, hosts, reference, record_fault):
     ok(ddp(cluster, hosts, "launch"))
     newest, _ = _run_past_a_checkpoint(fresh_nas)
@@ -471,7 +471,7 @@ def _listening(cluster, node: str) -> list[tuple[str, str]]:
     return [(line.split()[3], line.split()[-1]) for line in out.splitlines()]
 
 
-def test_a_stopped_job_checkpoints_at_its_step_and_a_relaunch_redoes_nothing_and_ends_bit_identical(
+def test_a_stopped_job_checkpoints_and_its_relaunch_ends_bit_identical(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
     asked, said, waiting = _stopped_mid_run(cluster, hosts, fresh_nas)
     took = time.time() - asked
@@ -543,7 +543,7 @@ def _ended_as_a_stop(waiting: subprocess.Popen, how: str) -> None:
     assert len(said) == 1 and said[0].startswith("stopped: the job was stopped by ") and f"({how}" in said[0], said
 
 
-def test_a_job_stopped_now_launched_again_resumes_and_never_loads_a_damaged_checkpoint(
+def test_a_job_stopped_now_resumes_and_never_loads_a_damaged_checkpoint(
         cluster, fresh_nas, hosts, reference, record_fault, stop_after):
     _, _, waiting = _stopped_mid_run(cluster, hosts, fresh_nas, "--now")
     stopped = time.time()
@@ -670,7 +670,7 @@ def host_reference(cluster, host_hosts) -> dict:
     return _uninterrupted_weights(cluster, host_hosts)
 
 
-def test_host_runtime_a_nodes_torchrun_killed_mid_epoch_is_started_again_and_the_job_ends_bit_identical(
+def test_host_runtime_a_killed_torchrun_starts_again_and_ends_bit_identical(
         cluster, fresh_nas, host_hosts, host_reference, record_fault):
     try:
         ok(ddp(cluster, host_hosts, "launch"))

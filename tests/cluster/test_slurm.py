@@ -178,7 +178,7 @@ def _no_heartbeats_left(slurm) -> None:
     assert left == [], f"heartbeat directories left behind: {left}"
 
 
-def test_a_hung_job_under_slurm_shows_every_node_stalled_and_doctor_names_the_rank_through_srun(
+def test_a_hung_slurm_job_shows_every_node_stalled_and_doctor_names_the_rank(
         cluster, slurm, fresh_nas, tmp_path):
     hosts = _hung(cluster, slurm, tmp_path, "report")
     try:

@@ -58,7 +58,7 @@ def _deployed_hang(cluster, tmp_path: Path, *, stall_timeout: float = STALL_TIME
     return hosts
 
 
-def test_a_rank_that_sleeps_before_a_collective_shows_every_node_stalled_at_its_step_in_bounded_time(
+def test_a_rank_sleeping_before_a_collective_shows_every_node_stalled_in_time(
         cluster, fresh_nas, tmp_path, record_fault):
     hosts = _deployed_hang(cluster, tmp_path, rank=3, pause=0.2)  # node2's second process
     try:
@@ -149,7 +149,7 @@ def _shown_stalled(cluster, hosts: Path, timeout: float, limit: float = STALL_TI
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_kind_of_hang_is_shown_stalled_in_bounded_time_and_doctor_names_the_one_rank_behind_it(
+def test_each_kind_of_hang_is_shown_stalled_in_time_and_doctor_names_its_rank(
         cluster, fresh_nas, tmp_path, record_fault, fault):
     line, culprit = FAULTS[fault]
     hosts = _deployed_hang(cluster, tmp_path, rank=3, pause=0.2, fault=line)
@@ -238,7 +238,7 @@ def _named_silent_stall(cluster, hosts: Path, culprit: str) -> float:
     return round(seen - last, 1)
 
 
-def test_a_node_whose_link_goes_down_mid_training_is_named_and_the_others_shown_stalled(
+def test_a_node_whose_link_goes_down_is_named_and_the_others_shown_stalled(
         cluster, fresh_nas, tmp_path, record_fault):
     hosts = _deployed_hang(cluster, tmp_path, rank=-1, pause=0.2, ssh={"connect_timeout": 3})  # no rank hangs by itself
     try:
@@ -267,7 +267,7 @@ def test_a_node_whose_link_goes_down_mid_training_is_named_and_the_others_shown_
                  left_running="nothing after stop --now", bit_identical="n/a")
 
 
-def test_a_rank_that_exits_0_early_is_named_as_the_cause_and_never_a_rank_it_left_waiting(
+def test_a_rank_that_exits_0_early_is_named_as_the_cause_not_those_it_left(
         cluster, fresh_nas, tmp_path, record_fault):
     """With gloo the others do not wait for good: the leaver's connections close, their all-reduce
     fails, and the job ends; what must be named is the rank that left, not those it failed."""
@@ -291,7 +291,7 @@ def test_a_rank_that_exits_0_early_is_named_as_the_cause_and_never_a_rank_it_lef
                  left_running="nothing", bit_identical="n/a")
 
 
-def test_on_stall_stop_in_docker_ends_every_node_of_a_hung_job_names_the_culprit_and_nothing_restarts_it(
+def test_on_stall_stop_ends_every_node_names_the_culprit_and_nothing_restarts(
         cluster, fresh_nas, tmp_path, record_fault):
     # max_restarts 1: Docker's restart policy is on, and would start a container that failed
     hosts = _deployed_hang(cluster, tmp_path, rank=3, pause=0.2, on_stall="stop", max_restarts=1)
@@ -328,7 +328,7 @@ RESTART_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "3072", "--batch-
 # past step 12, and the rank it stops holds every other one there until the restart
 
 
-def test_on_stall_restart_in_docker_resumes_a_job_hung_by_a_stopped_rank_and_it_ends_bit_identical(
+def test_on_stall_restart_resumes_a_hung_job_and_it_ends_bit_identical(
         cluster, fresh_nas, tmp_path, record_fault):
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="docker", procs=2, interface="eth0",
                                      train_args=RESTART_TRAIN,
