@@ -24,7 +24,7 @@ from deploy.observe import view
 from deploy.inventory import loads
 from local_job import local_hosts
 from procs import alive
-from test_deploy_local import _tagged, _wait_for, ddp  # noqa: F401  (ddp: the fixture)
+from test_deploy_local import _tagged, _wait_for
 from test_deploy_runs import _inv
 
 # A program that runs until told to end (a file named after its job appears) and, on SIGTERM,
@@ -130,7 +130,8 @@ def test_a_stopped_run_shows_who_stopped_it_when_and_the_step_it_checkpointed_at
 # --- the node-side scripts, by a real sh ---------------------------------------------------------
 
 
-def test_kill_run_spares_a_process_whose_run_directory_differs_where_a_pattern_would_match(tmp_path):
+def test_kill_run_spares_another_run_directory_s_process_a_pattern_would_match(tmp_path):
+    """kill_run spares a process whose run directory differs, where a pattern would match."""
     def tagged_sleep(run_dir: str) -> subprocess.Popen:
         return subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], "DDP_DEPLOY_RUN": run_dir})
 
@@ -233,7 +234,8 @@ def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
 
 
-def test_a_stopped_run_reads_as_stopped_by_whom_when_and_at_which_step_not_as_no_exit_recorded(tmp_path):
+def test_a_stopped_run_reads_as_stopped_by_whom_when_and_at_which_step(tmp_path):
+    """A stopped run reads as stopped by whom, when and at which step, not as no exit recorded."""
     stop = f"{START + 63} node graceful 40 root@op\n"
     run = _kept(tmp_path, {"a": {"stopped": stop, "log": "METRICS {\"step\": 40}\n"}, "b": {"stopped": stop}})
     assert run.outcome() == f"stopped by root@op at {_clock(START + 63)} (graceful, checkpoint at step 40)"
@@ -322,7 +324,8 @@ def _stand_ins(tmp_path: Path, scripts: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(tmp_path)}
 
 
-def test_a_slurm_stop_is_kept_in_each_nodes_directory_with_only_what_was_said_after_it(tmp_path):
+def test_a_slurm_stop_is_kept_in_each_node_s_directory_with_only_what_came_after_it(tmp_path):
+    """A Slurm stop is kept in each node's directory, with only what was said after it."""
     inv = loads(f"""
 job: {{name: demo, runtime: host}}
 slurm: {{login: {{address: 198.18.0.10}}, nodes: 2}}
