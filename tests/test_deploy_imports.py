@@ -25,7 +25,7 @@ LAYERS = (
     {"engines"},
     {"cli", "__main__"},
 )
-BASE_MODULES = {"__init__", "__main__", "cli", "errors", "inventory", "text"}
+BASE_MODULES = {"__init__", "__main__", "cli", "errors", "text"}
 
 
 def _name(path: Path, root: Path = DEPLOY) -> str:

@@ -20,7 +20,7 @@ _HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 # Paths reach remote shells (quoted) and `docker -v SRC:DST` (where ':' and ',' break).
 _PATH = re.compile(r"[A-Za-z0-9_./+@=-]+")
 _IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]*")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -93,7 +93,7 @@ def _path(v: str) -> str:
     return v
 
 
-def _local_path(v: str) -> str:
+def local_path(v: str) -> str:
     if not v or any(ord(c) < 32 for c in v):
         raise ValueError("expected a file path without control characters")
     return v
@@ -121,14 +121,14 @@ RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_O
                 STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV)
 
 
-def _identifier(v: str) -> str:
-    if not _ENV_NAME.fullmatch(v):
+def identifier(v: str) -> str:
+    if not ENV_NAME.fullmatch(v):
         raise ValueError("an environment variable name: letters, digits and '_', not starting with a digit")
     return v
 
 
 def _env_name(v: str) -> str:
-    _identifier(v)
+    identifier(v)
     if v in RESERVED_ENV:
         raise ValueError(f"{v} is set by the tool (GPUs: nodes[].gpu_ids; the rest: docs/own-code.md)")
     return v
@@ -166,7 +166,7 @@ JobName = Annotated[str, AfterValidator(_job_name)]
 Address = Annotated[str, AfterValidator(_address)]
 AbsPath = Annotated[str, AfterValidator(_abs_path)]
 PathStr = Annotated[str, AfterValidator(_path)]
-LocalPath = Annotated[str, AfterValidator(_local_path)]
+LocalPath = Annotated[str, AfterValidator(local_path)]
 """A path only ever opened on the operator's machine (never sent to a shell)."""
 ImageRef = Annotated[str, AfterValidator(_image)]
 StallTimeout = Annotated[object, BeforeValidator(_stall_timeout)]

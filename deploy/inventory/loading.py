@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from ..errors import InventoryError, Issue
 from .fields import MAX_NUMBER
-from .rules import _CrossFieldProblems
-from .schema import Inventory, _Model
+from .rules import CrossFieldProblems
+from .schema import Inventory, Model
 
 
 MAX_BYTES = 1 << 20
@@ -73,7 +73,7 @@ def loads(text: str, *, label: str = "hosts.yaml", base_dir: Path | None = None)
         inv = Inventory.model_validate(data)
     except ValidationError as e:
         raise InventoryError([_issue(label, tuple(err["loc"]), _message(err), lines) for err in e.errors()]) from e
-    except _CrossFieldProblems as e:
+    except CrossFieldProblems as e:
         raise InventoryError([_issue(label, loc, msg, lines) for loc, msg in e.problems]) from e
     inv._base_dir = base_dir or Path.cwd()
     return inv
@@ -89,7 +89,7 @@ def _build_models() -> None:
     (``ssh_for`` in the fan-out's): pydantic releases before 2.14 build a model unsafely there
     (two threads building one model can each see it half-built)."""
     with _BUILDING:
-        for model in _Model.__subclasses__():
+        for model in Model.__subclasses__():
             if not model.__pydantic_complete__:
                 model.model_rebuild()
 

@@ -4,13 +4,9 @@ limits, the built-in trainer's flags): each as a field path and a message."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .schema import Inventory, Node, Train
 
 
-class _CrossFieldProblems(Exception):
+class CrossFieldProblems(Exception):
     """Not a ValueError on purpose: pydantic lets it through with its field paths intact."""
 
     def __init__(self, problems: list[tuple[tuple, str]]):
@@ -18,8 +14,9 @@ class _CrossFieldProblems(Exception):
         self.problems = problems
 
 
-def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
-    """Rules that span several fields, as (field path, message) pairs."""
+def cross_field_problems(inv) -> list[tuple[tuple, str]]:
+    """Rules that span several fields of ``inv`` (the schema's Inventory, as its validator sees it:
+    this module imports nothing of the schema), as (field path, message) pairs."""
     out: list[tuple[tuple, str]] = []
     names = Counter(n.name for n in inv.nodes)
     pairs = Counter((n.address, n.connection) for n in inv.nodes)
@@ -65,7 +62,7 @@ def cross_field_problems(inv: Inventory) -> list[tuple[tuple, str]]:
     return out
 
 
-def _slurm_problems(inv: Inventory) -> list[tuple[tuple, str]]:
+def _slurm_problems(inv) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
     s = inv.slurm
     if inv.nodes:
@@ -89,7 +86,7 @@ def _slurm_problems(inv: Inventory) -> list[tuple[tuple, str]]:
     return out
 
 
-def _train_problems(train: Train, node_envs: list[dict[str, str]], stages: int) -> list[tuple[tuple, str]]:
+def _train_problems(train, node_envs: list[dict[str, str]], stages: int) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
     if train.builtin:
         # The trainer's own parser, here: a bad flag is exit 2 now, not exited(1) after restarts.
@@ -126,13 +123,13 @@ def _divisible(gpus: int, stages: int) -> list[str]:
     return []
 
 
-def _layout_problems(n: Node, i: int, stages: int) -> list[tuple[tuple, str]]:
+def _layout_problems(n, i: int, stages: int) -> list[tuple[tuple, str]]:
     """A GPU node's processes, each with ``stages`` of its GPUs: a layout that fits the node,
     or what does not fit, each message naming the node."""
     return [(where, f"node {n.name}: {message}") for where, message in _layout(n, i, stages)]
 
 
-def _layout(n: Node, i: int, stages: int) -> list[tuple[tuple, str]]:
+def _layout(n, i: int, stages: int) -> list[tuple[tuple, str]]:
     if n.gpus == 0:
         if n.gpu_ids is not None:
             return [(("nodes", i, "gpu_ids"), "gpu_ids on a CPU node (gpus: 0); set gpus to the node's GPU count")]

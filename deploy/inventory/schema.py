@@ -15,18 +15,18 @@ from ..errors import InventoryError, Issue
 from .fields import (
     AbsPath, Address, Arg, EnvName, EnvValue, GpuId, ImageRef, JobName, LocalPath, MAX_CONNECT_TIMEOUT,
     MAX_FREE_GB, MAX_KEEP_RUNS, MAX_NODES, MAX_PER_NODE, MAX_RESTARTS, ModuleName, PathStr, Port, SafeName,
-    ScriptPath, StallTimeout, WEEK, _ENV_NAME, _identifier, _local_path,
+    ScriptPath, StallTimeout, WEEK, ENV_NAME, identifier, local_path,
 )
-from .rules import _CrossFieldProblems, cross_field_problems
+from .rules import CrossFieldProblems, cross_field_problems
 
 
-class _Model(BaseModel):
+class Model(BaseModel):
     # defer_build: each model's validator is built when the first inventory is read (_build_models),
     # not when this module is imported: a command that reads none (--help) does not pay for it.
     model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
 
 
-class Job(_Model):
+class Job(Model):
     name: JobName
     """Container name prefix and default rendezvous id."""
     runtime: Literal["docker", "host"] = "docker"
@@ -70,7 +70,7 @@ class Job(_Model):
         return self
 
 
-class Rendezvous(_Model):
+class Rendezvous(Model):
     node: SafeName | None = None
     """Name of the node that hosts the c10d store (must be in nodes; required with nodes). On
     Slurm: none, the allocation's first node hosts it."""
@@ -88,7 +88,7 @@ class Rendezvous(_Model):
         return self.last_call_timeout or max(1, min(30, self.join_timeout // 3))
 
 
-class SshOverrides(_Model):
+class SshOverrides(Model):
     host: Address | None = None
     """Where SSH connects for this node, if not ``address`` (which stays the node's address for
     the rendezvous and the NIC): a DNS name, an IP, or a Host alias of ``ssh.config``."""
@@ -100,7 +100,7 @@ class SshOverrides(_Model):
     connect_timeout: int | None = Field(default=None, ge=1, le=MAX_CONNECT_TIMEOUT)
 
 
-class Ssh(_Model):
+class Ssh(Model):
     """SSH defaults for every node. Keys or the agent only: there is no password field."""
 
     user: SafeName = "root"
@@ -126,7 +126,7 @@ class Ssh(_Model):
 Env = dict[EnvName, EnvValue]
 
 
-class Node(_Model):
+class Node(Model):
     name: SafeName
     address: Address
     connection: Literal["ssh", "local"] = "ssh"
@@ -180,7 +180,7 @@ def _sbatch_option(v: str) -> str:
     return v
 
 
-class SlurmLogin(_Model):
+class SlurmLogin(Model):
     """Where the tool runs sbatch, squeue, scancel: a login node, reached as nodes are (SSH or local)."""
 
     name: SafeName = "login"
@@ -189,17 +189,17 @@ class SlurmLogin(_Model):
     ssh: SshOverrides | None = None
 
 
-class SlurmContainer(_Model):
+class SlurmContainer(Model):
     """The container route of Slurm sites, for job.runtime docker (rendered; docs/slurm-kubernetes.md)."""
 
     kind: Literal["pyxis", "apptainer"]
     """pyxis: ``srun --container-image`` (enroot); apptainer: ``apptainer exec`` on each node."""
-    image: Annotated[str, AfterValidator(_local_path)]
+    image: Annotated[str, AfterValidator(local_path)]
     """What the site's runtime opens: for pyxis an image reference or a .sqsh file, for apptainer
     a .sif file or a ``docker://`` reference."""
 
 
-class Slurm(_Model):
+class Slurm(Model):
     """Run the job on a Slurm cluster (instead of nodes): sbatch on the login node, one torchrun per
     allocated node started by srun, the rendezvous on the allocation's first node."""
 
@@ -231,7 +231,7 @@ class Slurm(_Model):
         return self.procs_per_node or max(1, self.gpus_per_node // self._stages)
 
 
-class Image(_Model):
+class Image(Model):
     name: ImageRef = "ddp-trainer:latest"
     dockerfile: LocalPath = "Dockerfile"
     context: LocalPath = "."
@@ -275,17 +275,17 @@ class Image(_Model):
     @classmethod
     def _env_like_keys(cls, v: dict[str, str]) -> dict[str, str]:
         for k in v:
-            if not _ENV_NAME.fullmatch(k):
+            if not ENV_NAME.fullmatch(k):
                 raise ValueError(f"build arg name {k!r} must look like an identifier")
         return v
 
 
-class Mount(_Model):
+class Mount(Model):
     host: AbsPath
     container: AbsPath
 
 
-class Storage(_Model):
+class Storage(Model):
     data: Mount
     checkpoints: Mount
     min_free_gb: float = Field(default=1, ge=0, le=MAX_FREE_GB)
@@ -298,11 +298,11 @@ TOOL_FLAGS = {"--device": _BY_GPUS, "--backend": _BY_GPUS,
               "--stages": "from job.stages, which also gives each process that many of a node's GPUs"}
 
 
-class Secret(_Model):
+class Secret(Model):
     """Where the operator's machine reads a secret at launch: never written in hosts.yaml, never
     printed (shown as ``***``), sent to the nodes over SSH's stdin, not on any command line."""
 
-    env: Annotated[str, AfterValidator(_identifier)] | None = None
+    env: Annotated[str, AfterValidator(identifier)] | None = None
     """A variable of the operator's environment."""
     file: LocalPath | None = None
     """A file on the operator's machine (relative to hosts.yaml's directory); one trailing newline
@@ -315,7 +315,7 @@ class Secret(_Model):
         return self
 
 
-class Code(_Model):
+class Code(Model):
     """A local directory synced to the shared volume as a snapshot and used as the working directory."""
 
     path: LocalPath
@@ -324,7 +324,7 @@ class Code(_Model):
     """gitignore-style patterns left out, on top of the project's .gitignore files and .git/."""
 
 
-class Train(_Model):
+class Train(Model):
     python: PathStr = "python3"
     """Host runtime: interpreter on the nodes that has this package installed. A
     relative path containing '/' is resolved against the directory of hosts.yaml."""
@@ -390,7 +390,7 @@ class Train(_Model):
         return v
 
 
-class Inventory(_Model):
+class Inventory(Model):
     job: Job
     rendezvous: Rendezvous = Field(default_factory=Rendezvous)
     ssh: Ssh = Field(default_factory=Ssh)
@@ -411,7 +411,7 @@ class Inventory(_Model):
             part._stages = self.job.stages
         problems = cross_field_problems(self)
         if problems:
-            raise _CrossFieldProblems(problems)
+            raise CrossFieldProblems(problems)
         return self
 
     @property
