@@ -3,7 +3,7 @@
 At the end of every run: where the time went (cluster, e2e and unit tests, each with its share),
 the slowest tests, and every test over its own limit or the whole run over the suite's. A test's
 limit is its kind's (``LIMITS``) unless it says otherwise with ``@pytest.mark.budget(seconds)``;
-the suite's is ``$DDP_TEST_BUDGET_S`` (default ``SUITE_LIMIT_S``: CI's 30 minutes less its installs).
+the suite's is ``$DDP_TEST_BUDGET_S`` (default ``SUITE_LIMIT_S``: the tests' share of CI's 35 minutes, its installs left out).
 ``$DDP_TEST_TIMES=FILE`` also writes every test's seconds there as JSON (docs/testing.md).
 
 Each test's CPU is measured too, where it ran: what its worker process and every process it
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 
-SUITE_LIMIT_S = 25 * 60
+SUITE_LIMIT_S = 32 * 60
 DISK_PATH, DISK_EVERY_S = "/var/tmp", 0.5
 LIMITS = {"cluster": 120.0, "e2e": 45.0, "unit": 10.0}
 SLOWEST = 15

@@ -53,8 +53,8 @@ def lane(nodeid: str) -> str:
 CLUSTER_DISK_GB = 11.0
 """What one cluster lane may hold on /var/tmp's filesystem at once, the other tests beside it, in GB
 (10^9 bytes): its nodes' image stores, the image chain's spool file on each node (the whole stream,
-1.2 GB), the operator's saved images, a test's own image cache. A clean-clone run with two lanes
-peaked at 18.0 GB above its start (bench/RESULTS.md, "Disk")."""
+1.2 GB), the operator's saved images, a test's own image cache; with room for a run that builds
+the clusters' cache beside them (bench/RESULTS.md, "Disk")."""
 CACHE_DISK_GB = 8.5
 """What the clusters' cache (netcluster.CACHE_DIR: the base image, the operators' stores, the nodes'
 store that each node's starts as a copy of, the containerd node's) takes where it is still to be

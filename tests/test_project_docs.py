@@ -156,3 +156,38 @@ def test_the_readme_stays_short_tells_no_history_and_links_every_page_of_the_doc
     assert not re.findall(r"`[0-9a-f]{7,40}`", readme)  # a commit belongs to git, not to what the tool is
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert pages and {m for m in re.findall(r"\]\(docs/([\w-]+\.md)\)", readme)} == pages
+
+
+RECORDS = ("bench/results/",)
+"""Data a benchmark wrote (each run's JSON, which names the tree it measured): not prose."""
+NUMBERED_WORK = re.compile(r"\b(?:[Ii]ssue|[Ss]ession)s? #?\d+|\bCI at stop \d+")
+
+
+def _tracked_text() -> dict[str, str]:
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    texts = {}
+    for name in filter(None, names.split("\0")):
+        if name.startswith(RECORDS):
+            continue
+        try:
+            texts[name] = (ROOT / name).read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+    return texts
+
+
+def test_no_file_of_the_repository_narrates_its_history():
+    """A record says what is true now; how it came to be is git's: no commit of this repository named
+    (as short or long hash), no numbered past work item."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: no history to compare with")
+    history = subprocess.run(["git", "rev-list", "--all"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    prefixes = {c[:n] for c in history for n in range(7, 41)}
+    named = {}
+    for name, text in _tracked_text().items():
+        found = [t for t in re.findall(r"(?<![0-9A-Za-z])[0-9a-f]{7,40}(?![0-9A-Za-z])", text) if t in prefixes]
+        found += NUMBERED_WORK.findall(text)
+        if found:
+            named[name] = found[:5]
+    assert not named, named
