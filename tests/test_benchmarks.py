@@ -40,7 +40,8 @@ def _scratch() -> set[Path]:
 
 
 @pytest.mark.e2e
-def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_loop_and_writes_nothing(tmp_path):
+def test_the_trainer_benchmark_runs_the_trainer_and_both_loops_and_writes_nothing(tmp_path):
+    """The trainer benchmark runs the trainer, the tutorial's loop and the bare loop, and writes nothing."""
     r = _one_rank_smoke("bench_trainer.py", tmp_path)
     shown = [line.split()[0] for line in r.stdout.splitlines() if "samples/s" in line]
     assert shown == ["a_ours", "b_reference", "c_bare"], r.stdout
@@ -49,7 +50,8 @@ def test_the_trainer_benchmark_runs_the_trainer_the_tutorials_loop_and_the_bare_
 
 
 @pytest.mark.e2e
-def test_the_step_parts_benchmark_times_every_rung_from_the_bare_loop_to_the_trainer_and_writes_nothing(tmp_path):
+def test_the_step_parts_benchmark_times_every_rung_to_the_trainer_and_writes_nothing(tmp_path):
+    """The step-parts benchmark times every rung from the bare loop to the trainer, and writes nothing."""
     r = _one_rank_smoke("bench_step_parts.py", tmp_path)
     table = r.stdout[r.stdout.index("rung "):].splitlines()[1:]
     assert [line.split()[0] for line in table] == ["bare", "+gather", "+stats", "+sched", "+beat", "+stop", "+log",
@@ -58,7 +60,8 @@ def test_the_step_parts_benchmark_times_every_rung_from_the_bare_loop_to_the_tra
 
 
 @pytest.mark.e2e
-def test_the_parallelism_benchmark_compares_dp_ddp_and_ddp_with_stages_and_writes_nothing(tmp_path):
+def test_the_parallelism_benchmark_compares_dp_ddp_and_stages_and_writes_nothing(tmp_path):
+    """The parallelism benchmark compares DP, DDP and DDP with stages, and writes nothing."""
     r = subprocess.run([sys.executable, str(BENCH / "bench_parallel.py"), "--smoke", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -118,7 +121,7 @@ def test_the_faults_table_is_made_from_the_recorded_figures():
         assert line.endswith(f"| {sum(row['recovery_phases'].values()):.1f} s |")
 
 
-def test_the_suite_cpu_report_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path, capsys):
+def test_suite_cpu_classes_each_ended_process_by_the_command_line_it_started_with(tmp_path, capsys):
     """suite_cpu's report on a recording made here: process accounting's records (struct acct_v3)
     matched to the sampled command lines by pid and start second; a pid used again later is
     another process; one never sampled is classed by its command name. (Recording needs root and

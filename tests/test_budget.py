@@ -71,7 +71,8 @@ def _run(tmp_path: Path, budget_s: str, *args: str) -> tuple[subprocess.Complete
 
 
 @pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
-def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_nothing_fails(tmp_path, lanes):
+def test_a_test_or_a_suite_over_its_limit_is_named_and_nothing_fails(tmp_path, lanes):
+    """A test over its own limit and a suite over its limit are named, and nothing fails."""
     proc, times = _run(tmp_path, "0.1", *lanes)
     assert proc.returncode == 0, proc.stdout  # a report, not a failure
     report = proc.stdout[proc.stdout.index("time budget"):]
@@ -87,7 +88,8 @@ def test_a_test_over_its_own_limit_and_a_suite_over_its_limit_are_named_and_noth
 
 
 @pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
-def test_the_session_s_fixtures_torn_down_in_a_process_s_last_test_are_counted_apart_from_it(tmp_path, lanes):
+def test_session_fixtures_torn_down_in_a_process_s_last_test_are_counted_apart(tmp_path, lanes):
+    """The session's fixtures torn down in a process's last test are counted apart from it."""
     proc, times = _run(tmp_path, "600", *lanes)
     assert sum(t["cpu_s"] for t in times["session_teardown"]) >= 0.45, times["session_teardown"]
     assert sum(t["s"] for t in times["session_teardown"]) >= 0.75, times["session_teardown"]
@@ -99,7 +101,8 @@ def test_the_session_s_fixtures_torn_down_in_a_process_s_last_test_are_counted_a
 
 
 @pytest.mark.parametrize("lanes", [(), ("-n", "2")], ids=["one process", "two xdist workers"])
-def test_each_tests_cpu_counts_its_childrens_work_and_the_report_names_the_most_costly(tmp_path, lanes):
+def test_each_test_s_cpu_counts_its_children_and_the_report_names_the_most_costly(tmp_path, lanes):
+    """Each test's CPU counts its children's work, and the report names the most costly."""
     proc, times = _run(tmp_path, "600", *lanes)
     cpu = {name.split("::")[1]: t["cpu_s"] for name, t in times["tests"].items()}
     assert cpu["test_work_in_a_child"] >= 0.5  # the child's half second, and its interpreter's start
@@ -146,7 +149,8 @@ def test_the_report_says_how_busy_the_cores_were_and_the_figure_counts_work_done
     assert isinstance(times["busy_core_s"], float) and times["busy_core_s"] >= 0 and times["cores"] == os.cpu_count()
 
 
-def test_the_machine_s_speed_is_the_cpu_of_a_fresh_import_of_torch_at_the_start_and_the_end(tmp_path, monkeypatch):
+def test_the_machine_s_speed_is_a_fresh_torch_import_s_cpu_at_the_start_and_the_end(tmp_path, monkeypatch):
+    """The machine's speed is the CPU of a fresh import of torch, at the start and at the end."""
     import budget
 
     monkeypatch.delenv("DDP_TEST_REFERENCE", raising=False)

@@ -66,8 +66,8 @@ def _hosts(tmp_path: Path, connection: str) -> Path:
 
 
 @pytest.mark.parametrize("args", [["--help"], ["status", "--help"]], ids=["help", "verb-help"])
-def test_the_cli_starts_without_importing_the_ssh_stack_packaging_pathspec_or_the_inventory_s_libraries(
-        tmp_path, args):
+def test_the_cli_starts_without_importing_the_ssh_stack_or_other_heavy_libraries(tmp_path, args):
+    """The CLI starts without importing the SSH stack, packaging, pathspec or the inventory's libraries."""
     imported = _imported(tmp_path, *args)
     assert "click" in imported  # the probe saw the CLI run
     assert imported.isdisjoint(NOT_AT_START | READING_HOSTS), sorted(imported & (NOT_AT_START | READING_HOSTS))
@@ -91,13 +91,14 @@ def test_a_verb_that_runs_on_local_nodes_never_imports_the_ssh_stack(tmp_path):
 
 @pytest.mark.parametrize("args", [["validate"], ["launch", "--dry-run"], ["stop", "--dry-run"]],
                          ids=["validate", "launch-dry-run", "stop-dry-run"])
-def test_a_verb_that_connects_to_no_node_never_imports_the_ssh_stack_even_for_ssh_nodes(tmp_path, args):
+def test_a_verb_that_reaches_no_node_never_imports_the_ssh_stack_even_for_ssh_nodes(tmp_path, args):
+    """A verb that connects to no node never imports the SSH stack, even for SSH nodes."""
     imported = _imported(tmp_path, "--hosts", str(_hosts(tmp_path, "ssh")), *args)
     assert READING_HOSTS <= imported
     assert imported.isdisjoint(NOT_AT_START), sorted(imported & NOT_AT_START)
 
 
-def test_a_remote_for_ssh_nodes_still_reads_ssh_config_at_once_and_one_for_local_nodes_does_not(tmp_path):
+def test_an_ssh_remote_still_reads_ssh_config_at_once_and_a_local_one_does_not(tmp_path):
     """The SSH stack is imported where it is used: a Remote for SSH nodes makes its SSH transport
     (which reads ssh.config with paramiko) when it is made, as before; one for local nodes has none."""
     probe = ("import sys\nfrom deploy.inventory import load\nfrom deploy.nodes.remote import Remote\n"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from cluster.conftest import NODE_LOG_HEAD, NODE_LOG_LINES, kept_log_excerpt
 
 
-def test_a_failed_cluster_test_shows_a_node_s_first_end_its_last_lines_and_its_exits_without_cxx_frames(tmp_path):
+def test_a_failed_cluster_test_shows_a_node_s_first_end_last_lines_and_exits(tmp_path):
+    """A failed cluster test shows a node's first end, its last lines and its exits, without C++ frames."""
     log = tmp_path / "log"
     first = ["launcher started", "RuntimeError: the first end", *(f"frame #{i}: libtorch_cpu.so" for i in range(40))]
     middle = [f"middle {i}" for i in range(500)]

@@ -57,7 +57,8 @@ def test_a_failed_run_step_is_named_with_its_own_output_and_exit_code(name, kind
     assert failure.summary() == "exit code 3"
 
 
-def test_interleaved_buildkit_stages_blame_the_step_that_failed_not_the_one_cancelled_beside_it():
+def test_interleaved_buildkit_stages_blame_the_failed_step_not_the_cancelled_one():
+    """Interleaved BuildKit stages blame the step that failed, not the one cancelled beside it."""
     failure = read("buildx-multistage-fail.log").failure(1)
     assert failure.step == "[b 2/2] RUN for i in 1 2 3; do echo b$i; sleep 0.2; done; exit 5"
     assert failure.output == ("b1", "b2", "b3")
@@ -76,8 +77,8 @@ def test_a_classic_multistage_failure_keeps_only_the_failing_stage_s_output():
     ("buildkit-docker20-no-base.log", "[internal] load metadata for docker.io/library/nosuch:img", "no such host"),
     ("classic-no-dockerfile.log", None, "unable to prepare context: unable to evaluate symlinks in Dockerfile path"),
 ])
-def test_a_step_that_fails_without_output_or_a_build_that_fails_before_any_step_names_the_builders_error(
-        name, step, error):
+def test_a_silent_failed_step_or_a_build_failing_before_any_step_names_the_error(name, step, error):
+    """A step that fails without output, or a build that fails before any step, names the builder's error."""
     failure = read(name).failure(1)
     assert failure.step == step
     assert failure.output == ()
@@ -108,7 +109,8 @@ def test_a_long_failing_step_shows_its_last_lines_and_counts_the_others():
     assert failure.omitted == 7 and failure.summary() == "exit code 2"
 
 
-def test_the_classic_builder_s_stderr_that_came_early_is_shown_before_the_step_s_last_lines():
+def test_the_classic_builder_s_early_stderr_is_shown_before_the_step_s_last_lines():
+    """The classic builder's stderr that came early is shown before the step's last lines."""
     log = build.BuildLog()
     total = build.FAILED_STEP_LINES + 7
     # as the classic builder sends them (classic-fail.log): stderr in red, ahead of the stdout before it
@@ -130,14 +132,16 @@ def test_carriage_return_redraws_and_colours_are_dropped_from_a_line():
 # ------------------------------------------------------------------ the command and the platform
 
 
-def test_the_build_targets_the_given_platform_with_build_args_and_paths_relative_to_hosts_yaml():
+def test_the_build_targets_the_platform_with_build_args_and_paths_from_hosts_yaml():
+    """The build targets the given platform, with build args and paths relative to hosts.yaml."""
     inv = _inv()
     assert build.build_argv(inv, "linux/arm64") == [
         "docker", "build", "--platform", "linux/arm64", "-t", "t:1", "-f", "/repo/Dockerfile",
         "--build-arg", "BASE_IMAGE=local/cpu-base:1", "/repo"]
 
 
-def test_the_dry_run_shows_the_nodes_platform_read_then_the_build_with_it_then_the_image_s_check():
+def test_the_dry_run_shows_the_platform_read_then_the_build_then_the_image_s_check():
+    """The dry run shows the nodes' platform read, then the build with it, then the image's check."""
     lines = prepare.deployer(_inv()).dry_run(build=True)
     assert lines[0] == "[n1] docker version --format '{{.Server.Os}}/{{.Server.Arch}}'"
     built = next(line for line in lines if " build " in line)
@@ -174,8 +178,9 @@ esac
 
 
 @pytest.mark.parametrize("built", [False, True])
-def test_an_image_of_another_platform_than_the_nodes_is_refused_naming_nodes_both_platforms_and_the_fix(
-        tmp_path, monkeypatch, built):
+def test_an_image_of_another_platform_is_refused_naming_nodes_platforms_and_the_fix(tmp_path, monkeypatch, built):
+    """An image of another platform than the nodes' is refused, naming the nodes, both platforms and
+    the fix."""
     install_command(tmp_path, monkeypatch, "docker", FAKE_INSPECT)
     with pytest.raises(RuntimeFailure) as e:
         build.refuse_other_platform(_inv(), {"n1": "linux/amd64", "n2": "linux/amd64"}, built=built)
@@ -192,7 +197,8 @@ def _platform_rows(runtime, said):
     return {c.node: (c.ok, c.detail) for c in preflight._platforms(inv, list(said), results)}
 
 
-def test_check_shows_each_node_s_platform_and_fails_a_docker_node_of_another_platform():
+def test_check_shows_each_node_s_platform_and_fails_a_docker_node_of_another_one():
+    """check shows each node's platform, and fails a Docker node of another platform."""
     rows = _platform_rows("docker", {"n1": "linux/amd64", "n2": "linux/arm64", "n3": "linux/amd64"})
     assert rows["n1"] == (True, "linux/amd64") and rows["n3"] == (True, "linux/amd64")
     assert rows["n2"][0] is False
@@ -262,7 +268,8 @@ def fake_build(tmp_path, monkeypatch):
     return use
 
 
-def test_a_failed_build_streams_its_output_prints_the_failing_step_and_keeps_the_whole_log(fake_build, tmp_path):
+def test_a_failed_build_streams_its_output_names_the_failing_step_and_keeps_the_log(fake_build, tmp_path):
+    """A failed build streams its output, prints the failing step, and keeps the whole log."""
     # the fake waits after "line 2" until the view has seen it: the output is read as it comes
     view = fake_build("classic-fail.log", 3, "line 2")
     with pytest.raises(RuntimeFailure) as e:

@@ -106,7 +106,8 @@ def test_every_node_loads_the_exact_stream_and_this_machine_sends_it_once(tmp_pa
     assert not list((tmp_path / "spool").iterdir())  # no spool file left behind
 
 
-def test_a_stream_without_the_layers_every_node_holds_is_a_valid_tar_and_resumes_mid_piece(tmp_path):
+def test_a_stream_without_held_layers_is_a_valid_tar_and_resumes_mid_piece(tmp_path):
+    """A stream without the layers every node holds is a valid tar, and resumes mid-piece."""
     saved = _saved(tmp_path, 2)
     stream = oci.layout(saved, 1, "t:1")
     data = b"".join(d for _, d in stream.pieces(0))
@@ -116,7 +117,8 @@ def test_a_stream_without_the_layers_every_node_holds_is_a_valid_tar_and_resumes
     assert b"".join(d for _, d in stream.pieces(5000)) == data[5000:]
 
 
-def test_a_node_killed_mid_chain_is_named_and_the_nodes_after_it_still_get_everything(tmp_path):
+def test_a_node_killed_mid_chain_is_named_and_the_nodes_after_it_get_everything(tmp_path):
+    """A node killed mid-chain is named, and the nodes after it still get everything."""
     inv = _inv(tmp_path)
     saved = _saved(tmp_path, 32)
     stream = Throttled(saved.path, ((0, saved.size),))
@@ -301,10 +303,11 @@ def test_a_node_that_cannot_be_reached_on_its_port_is_named_with_what_to_do(tmp_
     assert c.failure is None and c.out[-1:] == [f"ID {_sha(stream)}"], (c.failure, c.out, c.err, c.load_exit)
 
 
-def test_a_late_word_from_a_node_passed_over_itself_or_of_a_node_with_the_whole_stream_fails_nothing(tmp_path):
+def test_a_late_word_from_a_passed_over_node_or_about_a_complete_one_fails_nothing(tmp_path):
     """The race of the test above under full load: b, passed over by a, tried c only after c had
-    the whole stream from a and its relay had ended, and its LOST of c failed c. Each of the two facts alone makes the word moot; a sender that is one, of a node
-    that lacks bytes, still passes it over."""
+    the whole stream from a and its relay had ended, and its LOST of c failed c. Each of the two
+    facts alone makes the word moot; a sender that is one, of a node that lacks bytes, still passes
+    it over."""
     inv = _inv(tmp_path, ("a", "b", "c"))
     stream = _whole(_saved(tmp_path, 1))
     run = chain._Run(inv, None, stream, ["a", "b", "c"], lambda *a: None, ())

@@ -151,7 +151,8 @@ def _hostile(kind: str, port: int, address: str = "127.0.0.1") -> socket.socket:
 HOSTILE = ("silent", "garbage", "non-ASCII hello", "non-ASCII proof", "too long", "slow")
 
 
-def test_malformed_silent_and_slow_handshakes_end_only_their_own_connection_within_the_stall(tmp_path):
+def test_malformed_silent_and_slow_handshakes_end_only_their_own_connection_in_time(tmp_path):
+    """Malformed, silent and slow handshakes end only their own connection, within the stall."""
     stream = _whole(_saved(tmp_path, 6))
     relay = Relay(tmp_path, stream)
     took: dict[str, float | None] = {}
@@ -183,7 +184,8 @@ def _sockets_held(pid: int) -> int:
     return held
 
 
-def test_connections_before_the_plan_are_bounded_in_number_and_end_within_the_stall_after_it(tmp_path):
+def test_connections_before_the_plan_are_bounded_and_end_within_the_stall_after_it(tmp_path):
+    """Connections before the plan are bounded in number, and end within the stall after it."""
     stream = _whole(_saved(tmp_path, 2))
     relay = Relay(tmp_path, stream, plan=False)
     connected = []
@@ -210,7 +212,8 @@ def test_connections_before_the_plan_are_bounded_in_number_and_end_within_the_st
     assert (code, lines[-1]) == (0, "EXIT 0"), lines
 
 
-def test_hostile_connections_to_every_relay_before_the_plan_leave_the_chain_reaching_every_node(tmp_path):
+def test_the_chain_reaches_every_node_despite_early_hostile_connections_to_relays(tmp_path):
+    """Hostile connections to every relay before the plan leave the chain reaching every node."""
     names = ("a", "b", "c")
     held: list[socket.socket] = []
 
@@ -259,7 +262,8 @@ class FakeReceiver:
             self.done.set()
 
 
-def test_a_receiver_answering_the_handshake_in_non_ascii_is_passed_over_and_the_chain_returns(tmp_path):
+def test_a_receiver_answering_in_non_ascii_is_passed_over_and_the_chain_returns(tmp_path):
+    """A receiver answering the handshake in non-ASCII is passed over, and the chain returns."""
     fakes = []
 
     def c_is_fake(link):  # c's port, as the others are told it, is held by a program answering in non-ASCII
@@ -340,7 +344,8 @@ def _chain_a_to_d_dooming_c(tmp_path: Path, what: str):
     return _chain(tmp_path, ("a", "b", "c", "d"), argv, doom_c)
 
 
-def test_a_forwarder_that_fails_mid_stream_is_reported_and_the_node_after_the_lost_one_gets_the_stream(tmp_path):
+def test_a_forwarder_lost_mid_stream_is_reported_and_the_next_node_gets_the_stream(tmp_path):
+    """A forwarder that fails mid-stream is reported, and the node after the lost one gets the stream."""
     run, remote, stream = _chain_a_to_d_dooming_c(tmp_path, "fail")
     with remote:
         _go_within(run, 30)
@@ -351,7 +356,8 @@ def test_a_forwarder_that_fails_mid_stream_is_reported_and_the_node_after_the_lo
                                         "passed over: d now takes the stream from b"), run.by_name["c"].failure
 
 
-def test_a_relay_stuck_mid_forward_while_it_still_reports_is_passed_over_within_the_bound(tmp_path, monkeypatch):
+def test_a_relay_stuck_mid_forward_yet_reporting_is_passed_over_within_the_bound(tmp_path, monkeypatch):
+    """A relay stuck mid-forward while it still reports is passed over within the bound."""
     monkeypatch.setattr(chain, "STUCK_FLOOR", 0.0)  # the bound is then 3 x stall_seconds
     run, remote, stream = _chain_a_to_d_dooming_c(tmp_path, "stick")
     with remote:
@@ -421,7 +427,8 @@ def _line_starting(relay: Relay, prefix: str, seconds: float) -> str:
     return ""
 
 
-def test_a_receiver_at_another_place_in_the_row_than_planned_is_refused_by_the_sender(tmp_path):
+def test_a_receiver_at_an_unplanned_place_in_the_row_is_refused_by_the_sender(tmp_path):
+    """A receiver at another place in the row than planned is refused by the sender."""
     stream = _whole(_saved(tmp_path, 1))
     real = Relay(tmp_path, stream, index=2, name="c")  # a relay of this transfer, but node 2, not 3
     sender = Relay(tmp_path, stream, index=1, name="b", downstream=[["d", "127.0.0.1", real.port, 3]])
@@ -430,7 +437,8 @@ def test_a_receiver_at_another_place_in_the_row_than_planned_is_refused_by_the_s
     assert sender.stop()[0] == real.stop()[0] == 3
 
 
-def test_an_impostor_receiver_gets_nothing_from_the_sender_that_the_real_receiver_accepts(tmp_path):
+def test_an_impostor_receiver_gets_nothing_from_the_sender_the_real_one_accepts(tmp_path):
+    """An impostor receiver gets nothing from the sender that the real receiver accepts."""
     stream = _whole(_saved(tmp_path, 1))
     real = Relay(tmp_path, stream, index=2, name="c", stall=10)  # time for the impostor's replay
     to_real = socket.create_connection(("127.0.0.1", real.port), timeout=5)
@@ -524,7 +532,8 @@ class Flood:
         self.worker.join(10)
 
 
-def test_a_flood_of_unproven_connections_does_not_push_a_real_sender_out_of_the_receiver(tmp_path):
+def test_a_flood_of_unproven_connections_never_pushes_a_real_sender_out(tmp_path):
+    """A flood of unproven connections does not push a real sender out of the receiver."""
     stream = _whole(_saved(tmp_path, 6))
     receiver = Relay(tmp_path, stream, index=2, name="c")
     flood = Flood(receiver.port)

@@ -16,7 +16,8 @@ from deploy.nodes.remote import Remote
 from test_deploy_codesync import _inv, _project, _put
 
 
-def test_a_link_to_a_file_outside_the_project_is_refused_naming_the_link_and_its_target(tmp_path):
+def test_a_link_out_of_the_project_is_refused_naming_the_link_and_its_target(tmp_path):
+    """A link to a file outside the project is refused, naming the link and its target."""
     root = _project(tmp_path / "proj")
     (tmp_path / "id_ed25519").write_text("PRIVATE KEY")
     (root / "pkg/key").symlink_to(tmp_path / "id_ed25519")
@@ -92,7 +93,8 @@ def _key(snap, path: str) -> str:
 
 
 @pytest.mark.parametrize("plant", ["other content", "a link", "writable by all", "another owner", "a directory"])
-def test_an_object_planted_in_the_store_is_replaced_before_a_snapshot_is_built_from_it(tmp_path, plant):
+def test_an_object_planted_in_the_store_is_replaced_before_a_snapshot_is_built(tmp_path, plant):
+    """An object planted in the store is replaced before a snapshot is built from it."""
     if plant == "another owner" and os.geteuid() != 0:
         pytest.skip("only root can give a file away")
     _project(tmp_path / "proj")
@@ -124,7 +126,8 @@ def test_an_object_planted_in_the_store_is_replaced_before_a_snapshot_is_built_f
     assert hashlib.sha256(planted.read_bytes()).hexdigest() == key
 
 
-def test_an_object_damaged_after_the_store_listed_it_is_caught_by_the_build_and_removed(tmp_path):
+def test_an_object_damaged_after_listing_is_caught_by_the_build_and_removed(tmp_path):
+    """An object damaged after the store listed it is caught by the build and removed."""
     good = b"print(1)\n"
     key = hashlib.sha256(good).hexdigest()
     objects = tmp_path / "store/objects"
@@ -139,7 +142,8 @@ def test_an_object_damaged_after_the_store_listed_it_is_caught_by_the_build_and_
     assert [p.name for p in (tmp_path / "store/snapshots").iterdir()] == []  # no half-built tree left
 
 
-def test_a_snapshot_a_program_wrote_into_is_moved_aside_naming_the_file_and_built_again(tmp_path):
+def test_a_snapshot_written_into_is_moved_aside_naming_the_file_and_built_again(tmp_path):
+    """A snapshot a program wrote into is moved aside, naming the file, and built again."""
     _project(tmp_path / "proj")
     inv = _inv(tmp_path)
     snap = codesync.snapshot_of(inv)

@@ -71,7 +71,8 @@ def test_a_node_without_torchrun_s_summary_still_says_what_its_program_said():
         "n failed first: trainer.launch: error: --entry needs a value")
 
 
-def test_torchrun_s_own_log_lines_are_never_taken_for_the_program_s_error_whatever_the_date():
+def test_torchrun_s_log_lines_are_never_the_program_s_error_whatever_their_date():
+    """torchrun's own log lines are never taken for the program's error, whatever the date."""
     for month_day in ("0523", "1123"):
         log = (f"W{month_day} 06:51:16.655000 14689 torch/distributed/run.py:982] error: not the program\n"
                "trainer: error: the program's words\n")
@@ -101,7 +102,8 @@ if dist.get_rank() == 0:
 """
 
 
-def test_a_rank_that_exited_0_while_the_other_was_in_all_reduce_is_named_not_the_one_that_lost_it():
+def test_a_rank_exiting_0_mid_all_reduce_is_named_not_the_one_that_lost_it():
+    """A rank that exited 0 while the other was in all-reduce is named, not the one that lost it."""
     first = first_failure({"node2": (SAMPLES / "rank1_of_2_exits_0_early.log").read_text()})
     assert isinstance(first, LeftEarly)
     assert (first.node, first.rank, first.exit_code, first.lost_by) == ("node2", 1, "0", "node2 rank 0")
@@ -130,18 +132,20 @@ def test_the_rank_that_left_is_found_on_another_node_than_the_first_failure():
     assert isinstance(first, LeftEarly) and (first.node, first.rank, first.lost_by) == ("node2", 3, "node1 rank 0")
 
 
-def test_a_rank_that_crashed_is_named_by_torchrun_s_summary_without_the_words_of_the_rank_it_cut_off():
+def test_a_crashed_rank_is_named_by_torchrun_s_summary_not_by_the_rank_it_cut_off():
+    """A rank that crashed is named by torchrun's summary, without the words of the rank it cut off."""
     first = first_failure({"node1": (SAMPLES / "rank1_of_2_exits_3.log").read_text()})
     assert first == Failure("node1", 1, "3", "2026-11-25_16:18:02", None)  # rank 0's "Connection reset" is not its
 
 
-def test_a_rank_that_raised_is_named_when_the_rank_it_cut_off_ended_first_and_torchrun_named_that_one():
+def test_a_raising_rank_is_named_even_when_torchrun_named_the_rank_it_cut_off():
+    """A rank that raised is named when the rank it cut off ended first, and torchrun named that one."""
     first = first_failure({"node2": (SAMPLES / "rank1_raises_and_ends_after_rank0_lost_it.log").read_text()})
     assert (first.node, first.rank, first.says) == ("node2", 1, "ValueError: rank 1 cannot read its shard")
     assert first.exit_code == "-15"  # torchrun stopped it: what the summary says of it
 
 
-def test_a_traceback_s_last_line_is_the_rank_s_own_whatever_torchrun_or_another_rank_wrote_in_between():
+def test_a_traceback_s_last_line_is_the_rank_s_own_whatever_was_written_in_between():
     """Under load torchrun's agent logs (it is stopping the others) while a rank's traceback is
     still being written, and another rank prints meanwhile: the exception is the rank's own line."""
     traceback = _raised(4, "Connection closed by peer [198.18.0.12]:4444").splitlines(keepends=True)
@@ -172,7 +176,8 @@ def test_a_real_rank_that_returns_early_is_named_as_the_cause(torch_python, tmp_
     assert (first.node, first.rank, first.lost_by) == ("node1", 1, "node1 rank 0")
 
 
-def test_a_node_whose_rank_exited_0_is_named_with_the_time_its_torchrun_s_exit_barrier_dates():
+def test_a_node_whose_rank_exited_0_is_named_with_its_exit_barrier_s_time():
+    """A node whose rank exited 0 is named with the time its torchrun's exit barrier dates."""
     first = first_failure({"node1": (SAMPLES / "node_of_rank0_loses_rank1.log").read_text(),
                            "node2": (SAMPLES / "node_of_rank1_exits_0_early.log").read_text()})
     assert isinstance(first, LeftEarly)
@@ -182,7 +187,8 @@ def test_a_node_whose_rank_exited_0_is_named_with_the_time_its_torchrun_s_exit_b
     assert type(alone) is Failure and (alone.node, alone.rank) == ("node1", 0)  # no word of node2: no guess
 
 
-def test_once_a_node_failed_the_nodes_that_exited_0_are_read_too_for_a_rank_that_left_early():
+def test_once_a_node_failed_the_nodes_that_exited_0_are_read_for_an_early_leaver():
+    """Once a node failed, the nodes that exited 0 are read too, for a rank that left early."""
     from deploy.engines.fleet import witnesses
     from deploy.job.plan import NodeState
 
@@ -204,7 +210,8 @@ if __name__ == "__main__":
 """
 
 
-def test_a_worker_that_mp_spawn_started_is_named_with_its_own_error_not_a_bare_process_raised(torch_python, tmp_path):
+def test_an_mp_spawn_worker_is_named_with_its_own_error_not_a_bare_process_raised(torch_python, tmp_path):
+    """A worker that mp.spawn started is named with its own error, not a bare 'process raised'."""
     script = tmp_path / "spawns.py"
     script.write_text(SPAWNS_A_WORKER_THAT_RAISES)
     first = first_failure({"node1": _torchrun(torch_python.python, "--script", str(script), "--")})
@@ -212,7 +219,8 @@ def test_a_worker_that_mp_spawn_started_is_named_with_its_own_error_not_a_bare_p
     assert first.says == "ProcessRaisedException: process 1: ValueError: worker 1 cannot read its shard"
 
 
-def test_the_launchers_word_on_a_write_through_the_code_is_in_the_first_failures_line():
+def test_the_launcher_s_word_on_a_write_to_the_code_is_in_the_first_failure_s_line():
+    """The launcher's word on a write through the code is in the first failure's line."""
     hint = ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it cannot "
             "be written; leave it out of train.code (train.code.ignore) so that the program writes its own, or "
             "write to $DDP_CKPT_DIR (/ckpt)")

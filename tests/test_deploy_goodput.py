@@ -22,7 +22,8 @@ def test_a_clean_run_counts_its_logged_steps_against_its_wall_time():
     assert got.describe() == "goodput 57% (20.0 s of 35.0 s in training steps that count)"
 
 
-def test_a_restart_from_a_checkpoint_takes_the_steps_done_again_out_and_is_an_incident():
+def test_a_restart_from_a_checkpoint_takes_out_the_redone_steps_and_is_an_incident():
+    """A restart from a checkpoint takes the steps done again out, and is an incident."""
     records = [train(10, 10), train(15, 20), train(20, 30),  # steps 20..30 were lost at the crash
                {"time": T0 + 34, "kind": "resumed", "step": 24, "world_size": 6, "from_world_size": 6},
                train(40, 34), train(45, 44)]

@@ -255,7 +255,8 @@ def _loaded_index(state: Path) -> str:
         return json.load(tf.extractfile("index.json"))["manifests"][0]["digest"]
 
 
-def test_a_containerd_node_gets_an_oci_layout_and_ends_with_the_manifest_digest_as_its_id(fake_docker):
+def test_a_containerd_node_gets_an_oci_layout_and_the_manifest_digest_as_its_id(fake_docker):
+    """A containerd node gets an OCI layout, and ends with the manifest digest as its ID."""
     image_id, _ = _image(fake_docker, [BASE, DEPS, CODE])
     _containerd(fake_docker)
     with Remote(_inv()) as remote:
@@ -284,7 +285,7 @@ def test_a_containerd_node_holding_the_previous_image_gets_only_the_layers_it_la
     assert (fake_docker / "node_id").read_text() == _ident(fake_docker).manifest
 
 
-def test_the_layers_only_a_containerd_node_s_previous_image_held_stay_alive_while_the_new_one_loads(fake_docker):
+def test_a_containerd_node_s_previous_layers_stay_alive_while_the_new_image_loads(fake_docker):
     """docker load moves the name before it unpacks the new image on the previous one's snapshots;
     containerd's collector may drop what no name then holds (containerd#3787; seen once in CI on
     Docker 26). The fake collects so whenever it can: the load holds the previous image by a second
@@ -318,7 +319,8 @@ def test_docker_saves_own_tar_without_layers_is_refused_by_the_containerd_store(
     assert problem == 'docker load failed (exit 1): failed to resolve layers: layer "layer0/layer.tar" not found'
 
 
-def test_a_containerd_node_already_holding_the_image_is_found_up_to_date_even_with_an_empty_cache(fake_docker):
+def test_a_containerd_node_holding_the_image_is_up_to_date_even_with_an_empty_cache(fake_docker):
+    """A containerd node already holding the image is found up to date, even with an empty cache."""
     image_id, _ = _image(fake_docker, [BASE, CODE])
     _containerd(fake_docker)
     with Remote(_inv()) as remote:
@@ -343,7 +345,8 @@ def test_a_load_that_exits_0_with_an_error_line_is_a_failure(fake_docker):
     assert (fake_docker / "node_id").read_text() == image_id  # the ID alone would have passed
 
 
-def test_a_containerd_image_loaded_without_all_its_content_fails_and_the_next_deploy_sends_every_layer(fake_docker):
+def test_a_partly_loaded_containerd_image_fails_and_the_next_deploy_sends_all_layers(fake_docker):
+    """A containerd image loaded without all its content fails, and the next deploy sends every layer."""
     image_id, diff_ids = _image(fake_docker, [BASE, CODE])
     _containerd(fake_docker)
     (fake_docker / "node_held.json").write_text(json.dumps([diff_ids[:1]]))
@@ -426,7 +429,8 @@ def test_the_cache_keeps_the_latest_images_and_drops_stale_temporary_files(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.x.tar", "c.x.tar", "d.x.tar.2-cd.tmp"]
 
 
-def test_the_directories_and_the_survey_share_one_command_and_a_failed_mkdir_names_itself(fake_docker):
+def test_directories_and_survey_share_one_command_and_a_failed_mkdir_names_itself(fake_docker):
+    """The directories and the survey share one command, and a failed mkdir names itself."""
     with Remote(_inv()) as remote, pytest.raises(RemoteFailure) as e:
         image.survey(_inv(), remote, ["sh", "-c", "echo '/nas is not writable by op' >&2; exit 1"],
                      what="creating the storage directories", hint="be root")

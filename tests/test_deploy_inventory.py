@@ -136,7 +136,8 @@ def test_environment_the_tool_sets_itself_cannot_be_overridden(name):
         loads(text)
 
 
-def test_image_transfer_auto_picks_registry_for_a_registry_name_star_for_compress_else_chain():
+def test_image_transfer_auto_picks_registry_or_star_by_the_settings_else_chain():
+    """image.transfer auto picks registry for a registry name, star for compress, else chain."""
     from deploy.inventory import Image
     assert Image().delivery == "chain"
     assert Image(name="registry.example.com:5000/team/ddp:1").delivery == "registry"
@@ -213,8 +214,9 @@ DIGITS_4000 = "9" * 4000
     ("slurm", "gpus_per_node", DIGITS_4000, "slurm.gpus_per_node", "less than or equal to 1024"),
     ("node", "procs", "9" * 5000, "nodes[0].procs", "more than the 4096 any number may have"),
 ])
-def test_a_count_or_duration_past_its_upper_bound_is_refused_naming_the_field_and_the_limit(
+def test_a_count_or_duration_past_its_bound_is_refused_naming_the_field_and_limit(
         tmp_path, part, key, value, field, limit):
+    """A count or duration past its upper bound is refused, naming the field and the limit."""
     line = f"{key}: {value}" if value is not None else key
     if part == "slurm":
         text = SLURM.format(slurm="" if key == "nodes" else f"\n  {line}")

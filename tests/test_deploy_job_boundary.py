@@ -91,7 +91,8 @@ def test_deploy_leaves_the_checkpoint_directory_roots_sticky_and_the_jobs_to_wri
     _as_job("mv", str(volume / "ckpt" / "model.pt"), str(volume / "ckpt" / "model2.pt"))
 
 
-def test_a_run_starts_nowhere_but_in_the_tools_own_directories_and_a_renamed_one_is_refused(volume):
+def test_a_run_starts_only_in_the_tools_own_directories_and_a_renamed_one_is_refused(volume):
+    """A run starts nowhere but in the tool's own directories, and a renamed one is refused."""
     inv = _deployed(volume)
     first = runs.new_id()
     assert _sh(runs.start_argv(inv, first), b"{}").returncode == 0
@@ -151,7 +152,8 @@ def test_what_the_job_wrote_is_read_with_its_rights_so_a_link_shows_nothing_of_r
     assert [r.id for r in listed] == [run]  # the tool's own records are still read
 
 
-def test_a_pruned_runs_tensorboard_files_are_removed_as_the_job_so_a_link_removes_nothing_of_roots(volume):
+def test_a_pruned_run_s_tensorboard_files_are_removed_as_the_job_not_as_root(volume):
+    """A pruned run's TensorBoard files are removed as the job, so a link removes nothing of root's."""
     inv = _inv(volume, keep=1)
     _sh(plan.make_dirs_argv(inv))
     first = runs.new_id(1_700_000_000)
@@ -184,7 +186,8 @@ def test_a_jobs_exits_file_is_read_bounded_and_forges_no_stop_node_or_run(volume
     assert found.nodes["a"].exits[-1] == (1700000002.5, 137)
 
 
-def test_a_start_refuses_run_directories_the_job_took_over_and_chowns_nothing_through_them(volume):
+def test_a_start_refuses_run_directories_the_job_took_over_and_chowns_nothing_there(volume):
+    """A start refuses run directories the job took over, and chowns nothing through them."""
     inv = _deployed(volume)
     run = runs.new_id()
     tool = volume / "ckpt" / RUN_SUBDIR

@@ -16,7 +16,8 @@ def _filter(program: str, log: bytes) -> bytes:
     return subprocess.run(["sh", "-c", program], input=log, capture_output=True, check=True, timeout=30).stdout
 
 
-def test_the_last_metrics_line_is_rank_0_s_never_another_rank_s_that_prints_rank_0_s_prefix():
+def test_the_last_metrics_line_is_rank_0_s_even_when_another_rank_prints_its_prefix():
+    """The last metrics line is rank 0's, never another rank's that prints rank 0's prefix."""
     log = (b'[rank0]: METRICS {"step": 1}\n[rank1]: METRICS {"step": 99}\n[rank1]: [rank0]: METRICS {"step": 98}\n'
            b'[rank2]: x\r[rank0]: METRICS {"step": 97}\n[rank0]: done\n')
     assert _filter(LAST_METRICS, log) == b'METRICS {"step": 1}\n'
@@ -28,7 +29,8 @@ def test_the_last_metrics_line_may_carry_rank_0_s_prefix_twice_or_none():
     assert _filter(LAST_METRICS, b'METRICS {"step": 3}\n') == b'METRICS {"step": 3}\n'  # no torchrun, no tee
 
 
-def test_the_last_metrics_line_keeps_a_carriage_return_in_it_and_a_nul_byte_in_the_log_changes_nothing():
+def test_the_last_metrics_line_keeps_its_carriage_return_and_a_nul_changes_nothing():
+    """The last metrics line keeps a carriage return in it, and a NUL byte in the log changes nothing."""
     log = b'[rank0]: METRICS {"step": 4}\r[rank1]: x\n[rank1]: \x00\x1b[2J\n'
     assert _filter(LAST_METRICS, log) == b'METRICS {"step": 4}\r[rank1]: x\n'
 

@@ -160,7 +160,8 @@ def test_infiniband_devices_reach_a_gpu_container_only_where_the_node_has_them()
     assert "/dev/infiniband" not in cpu  # gloo does not use verbs
 
 
-def test_network_check_runs_the_job_s_launcher_in_the_foreground_with_its_own_rendezvous_id():
+def test_network_check_runs_the_launcher_in_the_foreground_with_its_own_rendezvous():
+    """network-check runs the job's launcher in the foreground, with its own rendezvous id."""
     inv = _inv()
     cmds = plan.netcheck_plan(inv, {}, ("--size-mb", "4"))
     a = list(cmds["a"])
@@ -262,7 +263,8 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
 
 @pytest.mark.parametrize("said, absent", [("Error response from daemon: No such container: demo-a", True),
                                           ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False)])
-def test_docker_status_is_absent_only_for_a_missing_container_never_for_a_failing_engine(tmp_path, monkeypatch, said, absent):
+def test_docker_status_is_absent_for_a_missing_container_never_for_a_failing_engine(tmp_path, monkeypatch, said, absent):
+    """Docker status is absent only for a missing container, never for a failing engine."""
     install_command(tmp_path, monkeypatch, "docker", f"#!/bin/sh\necho '{said}' >&2\nexit 1\n")
     inv = _inv()
     r = subprocess.run(list(plan.status_argv(inv, inv.node("a"))), capture_output=True, text=True)
@@ -309,7 +311,8 @@ def test_without_refuses_an_unknown_node_and_going_below_min_nodes():
         elastic.without(["a", "b"])
 
 
-def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_only_the_others(tmp_path):
+def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_the_rest(tmp_path):
+    """The CLI without a node says where the rendezvous moved, and plans only the others."""
     from click.testing import CliRunner
 
     from deploy.cli import cli
@@ -365,7 +368,8 @@ def test_join_is_refused_for_a_fixed_size_job_and_an_unknown_node_before_connect
     assert unknown.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in unknown.stderr
 
 
-def test_join_dry_run_prints_the_node_s_start_command_and_where_the_rendezvous_comes_from(tmp_path):
+def test_join_dry_run_prints_the_node_s_start_command_and_its_rendezvous_source(tmp_path):
+    """join --dry-run prints the node's start command and where the rendezvous comes from."""
     elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
     r = _cli(tmp_path, elastic, "join", "c", "--dry-run")
     assert r.exit_code == 0, r.output
@@ -394,7 +398,8 @@ def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(t
                          "serves, if it has one (`ddp-deploy check` probes afresh and keeps it)" for n in "abc"]
 
 
-def test_two_jobs_of_one_name_from_other_checkpoint_roots_never_share_a_heartbeat_directory():
+def test_same_named_jobs_of_other_checkpoint_roots_never_share_a_heartbeat_directory():
+    """Two jobs of one name from other checkpoint roots never share a heartbeat directory."""
     # the launcher empties its directory and its watchdog takes every process naming it for its own:
     # two hosts.yaml that both call their job demo, run on one machine, must not meet there
     one, other = loads(THREE_NODES), loads(THREE_NODES.replace("/nas/ckpt", "/nas/other-ckpt"))
@@ -403,7 +408,8 @@ def test_two_jobs_of_one_name_from_other_checkpoint_roots_never_share_a_heartbea
     assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(one, one.node("b"))
 
 
-def test_a_cpu_job_s_workers_are_forked_from_a_zygote_unless_train_env_says_0_and_a_gpu_job_s_never_are():
+def test_cpu_workers_are_forked_from_a_zygote_unless_refused_and_gpu_ones_never():
+    """A CPU job's workers are forked from a zygote unless train.env says 0, and a GPU job's never are."""
     cpu = plan.launch_plan(_inv(**CPU_NODES))
     assert all(dict(s.env)["DDP_PREFORK"] == "1" for s in cpu)
     off = plan.launch_plan(_inv(**{**CPU_NODES, "train:\n": "train:\n  env: {DDP_PREFORK: '0'}\n"}))

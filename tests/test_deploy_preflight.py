@@ -233,8 +233,8 @@ def _torch_row(inv, remote, for_launch):
     return row.detail
 
 
-def test_a_launch_takes_the_probe_answer_check_kept_for_the_same_image_and_a_rebuilt_image_is_probed_again(
-        tmp_path, monkeypatch):
+def test_a_launch_reuses_check_s_probe_answer_for_its_image_and_probes_a_rebuilt_one(tmp_path, monkeypatch):
+    """A launch takes the probe answer check kept for the same image, and a rebuilt image is probed again."""
     install_command(tmp_path, monkeypatch, "docker", KEEPING_DOCKER)
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     runs = tmp_path / "runs"

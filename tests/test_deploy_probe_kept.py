@@ -27,8 +27,8 @@ def _inventory(tmp_path: Path, **train):
     return load(local_hosts(tmp_path, job="kept", train=train))
 
 
-def test_a_good_answer_is_reused_by_launch_until_a_package_is_installed_where_the_interpreter_imports_from(
-        tmp_path):
+def test_launch_reuses_a_good_answer_until_a_package_lands_where_python_imports_from(tmp_path):
+    """A good answer is reused by launch until a package is installed where the interpreter imports from."""
     inv = _inventory(tmp_path)
     extra = tmp_path / "site"  # on the interpreter's path, as a site-packages directory is
     extra.mkdir()

@@ -88,7 +88,8 @@ def test_a_name_that_names_a_registry_picks_the_registry_way(tmp_path):
     assert isinstance(deliveries.for_inventory(_inv(tmp_path, "localhost:5000/ddp:1", transfer="registry")), Registry)
 
 
-def test_the_planned_commands_push_once_read_the_manifest_and_pull_by_digest_on_each_node(tmp_path):
+def test_the_plan_pushes_once_reads_the_manifest_and_pulls_by_digest_on_each_node(tmp_path):
+    """The planned commands push once, read the manifest, and pull by digest on each node."""
     way = Registry(_inv(tmp_path))
     assert registry.push_argv(way.inv) == ["docker", "push", NAME]
     pull = registry.pull_argv(way.inv, DIGEST)
@@ -125,7 +126,8 @@ def test_the_digest_is_read_from_the_push_s_last_line():
     assert registry.push_digest("a25752f27aae: Pushed\n") is None
 
 
-def test_pull_progress_counts_each_downloaded_layer_s_size_and_leaves_out_those_the_node_had():
+def test_pull_progress_counts_downloaded_layers_sizes_not_those_the_node_had():
+    """Pull progress counts each downloaded layer's size and leaves out those the node had."""
     fresh = PullProgress.of(Manifest(DIGEST, IMAGE_ID, tuple(zip(BLOBS, SIZES))))
     seen = []
     for line in _pull_output() + [f"ID {IMAGE_ID}"]:
@@ -217,7 +219,8 @@ def _ship(tmp_path, held, nodes=("a", "b")):
     return out, seen
 
 
-def test_one_push_then_each_node_lacking_the_image_pulls_it_by_digest_and_is_verified(tmp_path, fake_docker):
+def test_one_push_then_each_node_lacking_the_image_pulls_by_digest_and_is_verified(tmp_path, fake_docker):
+    """One push, then each node lacking the image pulls it by digest and is verified."""
     out, seen = _ship(tmp_path, _held(("a", None), ("b", "sha256:old"), ("c", IMAGE_ID)), nodes=("a", "b", "c"))
     calls = _calls(fake_docker)
     assert [c for c in calls if c[0] == "push"] == [["push", NAME]]
@@ -245,7 +248,8 @@ def test_a_failed_push_names_the_registry_and_what_to_do_and_no_node_pulls(tmp_p
     assert not [c for c in _calls(fake_docker) if c[0] == "pull"]
 
 
-def test_a_registry_holding_another_config_under_the_digest_is_refused_before_any_pull(tmp_path, fake_docker):
+def test_a_registry_with_another_config_under_the_digest_is_refused_before_any_pull(tmp_path, fake_docker):
+    """A registry holding another config under the digest is refused before any pull."""
     other = _manifest()
     other["config"]["digest"] = "sha256:" + "e" * 64
     (fake_docker / "manifest.json").write_text(json.dumps(other))
@@ -270,7 +274,8 @@ def test_a_containerd_store_node_naming_the_image_by_the_pushed_digest_is_verifi
     assert out["a"].sent_bytes == sum(SIZES) and ("a", "verified", sum(SIZES), sum(SIZES)) in seen
 
 
-def test_an_image_built_on_the_containerd_store_is_verified_on_a_classic_node_by_its_config(tmp_path, fake_docker):
+def test_an_image_built_on_containerd_is_verified_on_a_classic_node_by_its_config(tmp_path, fake_docker):
+    """An image built on the containerd store is verified on a classic node by its config."""
     inv = _inv(tmp_path, nodes=("a",))
     with Remote(inv) as remote:  # that store's image ID here is the manifest's digest, the one pushed
         out = Registry(inv).ship(remote, DIGEST, _held(("a", None)))
@@ -299,8 +304,9 @@ def test_a_pull_that_leaves_another_image_under_the_name_is_refused(tmp_path, fa
     assert "is sha256:ffff" in str(e.value) and IMAGE_ID in str(e.value) and DIGEST in str(e.value)
 
 
-def test_a_containerd_node_on_the_pushed_digest_is_up_to_date_next_time_and_launch_reads_it_as_the_image(
-        tmp_path, fake_docker):
+def test_a_containerd_node_on_the_pushed_digest_is_up_to_date_and_launch_uses_it(tmp_path, fake_docker):
+    """A containerd node on the pushed digest is up to date the next time, and launch reads it as the
+    image."""
     (fake_docker / "pulled_id").write_text(DIGEST)  # that store names the pulled image by the pushed digest
     _ship(tmp_path, _held(("a", None)), nodes=("a",))
     surveyed = NodeImages("a", DIGEST, store=image.CONTAINERD)  # what the next survey or launch reads there

@@ -66,7 +66,8 @@ def test_the_redactor_hides_every_value_longest_first():
     assert not secretenv.Redactor({}) and secretenv.Redactor({})("abc") == "abc"
 
 
-def test_stdin_lines_reach_the_command_s_environment_verbatim_without_a_shell_reading_them():
+def test_stdin_lines_reach_the_command_s_environment_verbatim_without_a_shell():
+    """Stdin lines reach the command's environment verbatim, without a shell reading them."""
     values = {"TOKEN": "it's $(id) `x` \\n \"q\" ; rm", "OTHER": "a=b=c  spaced"}
     r = subprocess.run(["sh", "-c", SECRETS_FROM_STDIN, "sh", "env"], input=secretenv.stdin_lines(values),
                        capture_output=True, check=True)
@@ -116,7 +117,8 @@ def test_the_node_masks_an_output_stream_cut_anywhere_as_the_operator_masks_text
     assert len(stream.feed(b"=" * 1000)) == 1000 - (mask.longest - 1)
 
 
-def test_the_launcher_reads_the_secrets_names_from_a_reserved_variable_that_a_job_cannot_set(tmp_path):
+def test_the_launcher_reads_secret_names_from_a_reserved_variable_a_job_cannot_set(tmp_path):
+    """The launcher reads the secrets' names from a reserved variable that a job cannot set."""
     mask = Mask.from_environ("TOKEN,MISSING", {"TOKEN": "tok-123456", SECRET_NAMES_ENV: "TOKEN"})
     assert mask("a tok-123456 b") == "a *** b"
     hosts = INVENTORY.format(key="k").replace("  module: pkg.train\n",
@@ -139,7 +141,8 @@ def _states_for(stdout: str, secret: str) -> plan.NodeState:
 @pytest.mark.parametrize("secret, head, state", [("running", "running", "running"),
                                                   ("exited", "exited 1", "exited(1)"),
                                                   ("restarts", "restarting", "restarting")])
-def test_a_secret_equal_to_a_state_word_changes_neither_the_state_nor_what_launch_decides(secret, head, state):
+def test_a_secret_equal_to_a_state_word_changes_neither_the_state_nor_launch(secret, head, state):
+    """A secret equal to a state word changes neither the state nor what launch decides."""
     metrics = f'METRICS {{"step": 3, "note": "{secret}"}}'
     got = _states_for(f"{head}\nrestarts 2\n{metrics}\n", secret)
     assert (got.state, got.restarts) == (state, 2)

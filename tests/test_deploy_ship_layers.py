@@ -66,7 +66,8 @@ def test_held_prefix_is_the_longest_run_of_leading_layers_on_any_image():
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
-def test_the_rewritten_tar_drops_the_held_layer_files_and_keeps_every_other_member_intact(tmp_path, fmt):
+def test_the_rewritten_tar_drops_held_layers_and_keeps_every_other_member_intact(tmp_path, fmt):
+    """The rewritten tar drops the held layer files, and keeps every other member intact."""
     long_dirs = [f"{i}{'f' * 120}" for i in range(3)]  # names past 100 characters need extended headers
     data, image_id, diff_ids = docker_save_tar([b"base" * 3000, b"deps" * 5000, b"code"], "t:1", long_dirs, fmt)
     path = Path(tmp_path / "saved.tar")

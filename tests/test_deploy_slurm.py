@@ -115,7 +115,8 @@ def _run_task(tmp_path, inv, node: str, node_id: int, env_extra=None) -> list[st
     return done.stdout.splitlines()
 
 
-def test_without_train_code_or_a_container_each_task_works_in_its_nodes_own_directory_as_on_a_host_fleet(tmp_path):
+def test_without_train_code_or_a_container_each_task_works_in_its_node_s_directory(tmp_path):
+    """Without train.code or a container each task works in its node's own directory, as on a host fleet."""
     got = _run_task(tmp_path, inventory(), "node2", 1)
     assert got[-1] == f"cwd {tmp_path}/work/node2", got  # not where sbatch ran ($HOME on the login node)
     code = CodeDir("abc", "/nas/ckpt/.ddp-deploy/code/snapshots/abc")

@@ -30,7 +30,8 @@ def _snapshot(tmp_path: Path) -> Path:
 
 
 @pytest.mark.e2e
-def test_a_launch_says_which_file_it_moved_aside_from_a_snapshot_something_wrote_into(ddp, tmp_path):
+def test_a_launch_names_the_file_it_moved_aside_from_a_snapshot_something_wrote_into(ddp, tmp_path):
+    """A launch says which file it moved aside from a snapshot something wrote into."""
     project = tmp_path / "proj"
     project.mkdir()
     # a METRICS line: a run that shows nothing of training is no success (deploy/job/outcome.py)
@@ -78,7 +79,8 @@ def test_a_project_with_a_trainer_package_of_its_own_still_runs_the_bundles_laun
     assert ddp(hosts, "stop").exit_code == 0
 
 
-def test_the_images_entrypoint_runs_the_launcher_without_the_working_directory_on_its_path():
+def test_the_entrypoint_runs_the_launcher_without_the_working_directory_on_its_path():
+    """The image's entrypoint runs the launcher without the working directory on its path."""
     entry = next(line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT "))
     assert json.loads(entry[len("ENTRYPOINT "):]) == ["python", *module_argv("trainer.launch")]
     project = (ROOT / "docker/Dockerfile.project").read_text().splitlines()
@@ -124,7 +126,8 @@ def test_a_failed_write_through_the_code_is_found_in_each_writers_words(tmp_path
     assert snapshot_hint.written_paths([line], str(snap), str(work)) == [snapshot_hint.Write(named, kind)]
 
 
-def test_each_failed_write_is_said_in_one_line_naming_the_file_or_the_code_s_files_there(tmp_path):
+def test_each_failed_write_is_one_line_naming_the_file_or_the_code_s_files_there(tmp_path):
+    """Each failed write is said in one line, naming the file or the code's files there."""
     snap, work = _linked(tmp_path, ["model.pth", "train.py", "a/b.pt"])
     said = snapshot_hint.message(snapshot_hint.Write("model.pth", "link"), "/ckpt", str(snap), str(work))
     assert said == ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it "

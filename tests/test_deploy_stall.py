@@ -53,7 +53,8 @@ def test_a_rank_beats_in_place_with_its_step_rank_and_longest_interval(tmp_path)
     hb.close()
 
 
-def test_without_a_directory_a_beat_writes_nothing_and_an_unwritable_one_costs_a_warning_not_the_job(tmp_path, capsys):
+def test_a_beat_without_a_directory_writes_nothing_and_an_unwritable_one_only_warns(tmp_path, capsys):
+    """Without a directory a beat writes nothing, and an unwritable one costs a warning, not the job."""
     Heartbeat(None).beat(1)
     gone = Heartbeat(str(tmp_path / "missing"), 0, 0)
     gone.beat(1)
@@ -61,7 +62,8 @@ def test_without_a_directory_a_beat_writes_nothing_and_an_unwritable_one_costs_a
     assert capsys.readouterr().err.count("no heartbeat") == 1
 
 
-def test_the_launcher_empties_its_own_directory_and_refuses_a_link_or_a_file_in_its_place(tmp_path, capsys):
+def test_the_launcher_empties_its_directory_and_refuses_a_link_or_file_in_its_place(tmp_path, capsys):
+    """The launcher empties its own directory, and refuses a link or a file in its place."""
     mine = tmp_path / "beats"
     assert heartbeat.prepare(str(mine)) == str(mine) and mine.is_dir()
     (mine / "0").write_text("9 9 9\n")
@@ -113,7 +115,8 @@ def _host_status(run: Path, beats: Path) -> plan.NodeState:
     return plan.parse_status(out)
 
 
-def test_the_status_script_reports_each_ranks_beat_by_the_nodes_clock_and_the_log_s_age(tmp_path):
+def test_the_status_script_reports_each_rank_s_beat_by_node_clock_and_the_log_s_age(tmp_path):
+    """The status script reports each rank's beat by the node's clock, and the log's age."""
     run, proc = _running_host_run(tmp_path)
     try:
         beats = tmp_path / "beats"
@@ -186,7 +189,8 @@ def test_a_node_its_launcher_ended_on_a_stall_shows_stopped_stalled_and_only_the
 
 # --- the judgment ------------------------------------------------------------------------------------
 
-def test_auto_allows_ten_times_the_longest_interval_a_rank_has_shown_and_never_less_than_the_floor():
+def test_auto_allows_ten_times_a_rank_s_longest_interval_but_at_least_the_floor():
+    """auto allows ten times the longest interval a rank has shown, and never less than the floor."""
     assert stall.timeout("auto", (_beat(1, gap=2.0),)) == stall.FLOOR_S
     assert stall.timeout("auto", (_beat(1, gap=45.0), _beat(1, gap=90.0, local=1))) == 900.0  # a slow, healthy step
     assert stall.timeout("auto", (_beat(1, gap=None),)) == stall.FLOOR_S  # a user's beat says no interval
@@ -217,7 +221,8 @@ def test_a_program_without_heartbeats_is_judged_by_its_output_and_says_so():
     assert stall.judge("running", (), 2000.0, 5, started=False) is not None
 
 
-def test_a_plain_follower_prints_a_node_once_when_it_stalls_and_once_when_it_moves_again():
+def test_a_plain_follower_prints_a_node_once_as_it_stalls_and_once_as_it_moves_again():
+    """A plain follower prints a node once when it stalls, and once when it moves again."""
     shown = []
     follow = view.PlainFollower(shown.append, every=1e9)
     moving = plan.NodeState("running", 'METRICS {"step": 4}')
@@ -268,8 +273,8 @@ def _follow_until(hosts: Path, wanted: str, timeout: float = 60) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step_in_status_and_its_follow(
-        tmp_path, monkeypatch):
+def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(tmp_path, monkeypatch):
+    """A rank that stops taking part shows its node stalled at its last step, in status and in its follow."""
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # torch's log folder of a launcher that stop --now kills stays here
     code = tmp_path / "code"
@@ -412,7 +417,8 @@ def test_a_stopped_rank_a_gone_rank_and_a_silent_node_are_each_named_as_such():
                                                      "no node (exited, or never started)")
 
 
-def test_a_rank_in_backward_waits_in_ddp_s_gradient_all_reduce_and_the_rank_that_holds_it_up_is_named():
+def test_a_wait_in_ddp_s_gradient_all_reduce_names_the_rank_that_holds_it_up():
+    """A rank in backward waits in DDP's gradient all-reduce, and the rank that holds it up is named."""
     # DDP's all-reduce of the gradients runs from the autograd engine's hooks: py-spy sees backward
     autograd = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py"
     backward = _dump(("_engine_run_backward", autograd, 1072), ("backward", "/venv/lib/python3.11/site-packages/"
@@ -423,7 +429,8 @@ def test_a_rank_in_backward_waits_in_ddp_s_gradient_all_reduce_and_the_rank_that
     assert d.culprits == ("node1 rank 1",)
 
 
-def test_a_rank_in_ddp_s_broadcast_of_its_buffers_waits_and_the_rank_that_holds_it_up_is_named():
+def test_a_wait_in_ddp_s_buffer_broadcast_names_the_rank_that_holds_it_up():
+    """A rank in DDP's broadcast of its buffers waits, and the rank that holds it up is named."""
     # every forward of a DDP model with buffers (BatchNorm's statistics) broadcasts them from rank 0 first;
     # py-spy sees DDP's own method, outside torch/distributed/
     ddp = "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"
@@ -448,7 +455,8 @@ def test_a_rank_in_ddp_s_broadcast_of_its_buffers_waits_and_the_rank_that_holds_
     assert d.culprits == ("node1 rank 1",)
 
 
-def test_ranks_on_the_same_line_in_different_collectives_are_told_apart_by_the_flight_recorder():
+def test_the_flight_recorder_tells_apart_ranks_on_one_line_in_different_collectives():
+    """Ranks on the same line in different collectives are told apart by the flight recorder."""
     # rank 2 called one all_reduce more than the others: py-spy sees the same line, torch's record does not
     ranks = doctor.parse("node1", _node((10, 0, "S", WAITS), (11, 1, "S", WAITS), (12, 2, "S", WAITS))
                          + "\nfr 10 1233 all_reduce\nfr 11 1233 all_reduce\nfr 12 1234 all_reduce\nfr 12 9 x;y\nfr 99 1 all_reduce")
@@ -464,7 +472,8 @@ def test_ranks_on_the_same_line_in_different_collectives_are_told_apart_by_the_f
                for line in doctor.detail(d))
 
 
-def test_a_worker_s_flight_watch_answers_each_request_with_the_newest_collective_of_the_default_group(tmp_path):
+def test_a_worker_s_flight_watch_answers_with_the_default_group_s_newest_collective(tmp_path):
+    """A worker's flight watch answers each request with the newest collective of the default group."""
     entries = [{"process_group": ["0", "default_pg"], "collective_seq_id": 4, "profiling_name": "gloo:all_reduce"},
                {"process_group": ["0", "default_pg"], "collective_seq_id": 5, "profiling_name": "gloo:broadcast"},
                {"process_group": ["1", "stop"], "collective_seq_id": 99, "profiling_name": "gloo:all_reduce"},
@@ -483,7 +492,8 @@ def test_a_worker_s_flight_watch_answers_each_request_with_the_newest_collective
     assert not watch.check()  # not a token: never echoed
 
 
-def test_the_recorder_is_turned_on_only_for_a_launched_job_and_only_where_torch_reads_the_backend_s(tmp_path):
+def test_the_recorder_is_on_only_for_a_launched_job_where_torch_reads_its_backend_s(tmp_path):
+    """The recorder is turned on only for a launched job, and only where torch reads the backend's."""
     env = {"DDP_HEARTBEAT_DIR": str(tmp_path)}
     assert flight.enable("gloo", env) == (flight.dumper("gloo") is not None)
     assert set(env) - {"DDP_HEARTBEAT_DIR"} == ({flight.buffer_env()} if flight.dumper("gloo") else set())
@@ -516,7 +526,8 @@ def _answering_worker(beats: Path, rank: str, seq: int, op: str, every: float):
         worker.wait()
 
 
-def test_diagnose_asks_the_workers_for_their_newest_collective_and_prints_each_answer(tmp_path):
+def test_diagnose_asks_each_worker_for_its_newest_collective_and_prints_each_answer(tmp_path):
+    """diagnose asks the workers for their newest collective, and prints each answer."""
     with _answering_worker(tmp_path / "beats", "3", 41, "all_reduce", every=0.05) as worker:
         got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(tmp_path / "beats"), "/bin/true"],
                              capture_output=True, text=True, timeout=30)
@@ -537,7 +548,8 @@ def test_two_diagnoses_at_once_each_print_the_workers_answer(tmp_path):
         assert f"fr {worker.pid} 7 broadcast" in out.splitlines(), said
 
 
-def test_diagnose_never_writes_its_request_through_a_link_the_job_put_in_its_directory(tmp_path):
+def test_diagnose_never_writes_through_a_link_the_job_put_in_its_directory(tmp_path):
+    """diagnose never writes its request through a link the job put in its directory."""
     beats, outside = tmp_path / "beats", tmp_path / "precious"
     beats.mkdir()
     outside.write_text("kept\n")
@@ -639,7 +651,8 @@ def _records(hosts: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_on_stall_restart_kills_a_hung_node_s_workers_and_the_job_resumes_and_ends_bit_identical(tmp_path, monkeypatch):
+def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(tmp_path, monkeypatch):
+    """on_stall: restart kills a hung node's workers, and the job resumes and ends bit-identical."""
     import signal
 
     import torch
@@ -702,7 +715,8 @@ def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
         assert r.exit_code == 2 and said in r.stderr, r.output
 
 
-def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_while_ranks_move(tmp_path):
+def test_the_watchdog_acts_once_per_stall_not_before_a_beat_or_while_ranks_move(tmp_path):
+    """The watchdog acts once on a stall, and not before the first beat or while ranks move."""
     out = io.StringIO()
     dog = heartbeat.Watchdog(str(tmp_path), 5.0, "restart", out=out, settle=0)
     assert not dog.check()  # no beat yet: nothing to judge
@@ -721,7 +735,8 @@ def test_the_watchdog_acts_once_on_a_stall_and_not_before_the_first_beat_or_whil
                                    "from the newest checkpoint (job.on_stall: restart)\n")
 
 
-def test_a_rank_that_finished_leaves_no_beat_so_its_slow_exit_is_never_judged_a_stall(tmp_path):
+def test_a_finished_rank_leaves_no_beat_so_its_slow_exit_is_never_judged_a_stall(tmp_path):
+    """A rank that finished leaves no beat, so its slow exit is never judged a stall."""
     def judged(directory: Path) -> bool:
         old = time.time() - 60  # every beat left is a minute old: past any stall_timeout here
         for beat in directory.iterdir():
@@ -764,7 +779,8 @@ def test_a_stall_with_no_worker_left_names_where_the_agent_hangs(tmp_path):
     assert " < agent_hangs_here (test_deploy_stall.py:" in said and said.count(" < ") == 4, said
 
 
-def test_on_stop_the_watchdog_kills_and_ends_its_launcher_so_that_nothing_starts_the_workers_again(tmp_path):
+def test_on_stop_the_watchdog_ends_its_launcher_so_nothing_starts_the_workers_again(tmp_path):
+    """On stop the watchdog kills and ends its launcher, so that nothing starts the workers again."""
     out, ended = io.StringIO(), []
     dog = heartbeat.Watchdog(str(tmp_path), 5.0, "stop", out=out, end=lambda: ended.append(True), settle=0)
     Heartbeat(str(tmp_path), 0, 0).beat(9)
@@ -792,7 +808,7 @@ dist.all_reduce(t)
 
 
 @pytest.mark.e2e
-def test_once_its_watchdog_chose_to_stop_the_launcher_ends_with_0_even_when_its_workers_fail_first(tmp_path):
+def test_a_launcher_its_watchdog_stops_ends_with_0_even_if_its_workers_fail_first(tmp_path):
     """Under job.on_stall: stop every node's launcher stops its part; another node's stop (its
     workers' connections closing) may fail this node's workers before this launcher kills them:
     that is the same stop, and the node must not read as failed."""
@@ -814,7 +830,8 @@ def test_once_its_watchdog_chose_to_stop_the_launcher_ends_with_0_even_when_its_
     assert not beats.exists()
 
 
-def test_reported_a_stall_is_kept_once_with_the_stacks_of_the_workers_and_again_only_after_progress(tmp_path):
+def test_a_stall_is_kept_once_with_the_workers_stacks_and_again_only_after_progress(tmp_path):
+    """Reported, a stall is kept once with the stacks of the workers, and again only after progress."""
     beats, record = tmp_path / "beats", tmp_path / "run"
     beats.mkdir()
     record.mkdir()

@@ -83,7 +83,8 @@ def _strict(text: str):
 
 # ---------------------------------------------------------------- control characters
 
-def test_every_character_a_terminal_acts_on_is_written_as_its_escape_and_the_rest_as_it_is():
+def test_every_character_a_terminal_acts_on_is_escaped_and_the_rest_written_as_is():
+    """Every character a terminal acts on is written as its escape, and the rest as it is."""
     shown = safe(HOSTILE + " \u00fc\u65e5\u672c \\x1b")
     assert not _raw(shown)
     assert "clear\\x1b[2J" in shown and "title\\x1b]0;pwned\\x07" in shown and "csi\\x9b31m" in shown
@@ -205,7 +206,8 @@ def test_a_program_run_without_torchrun_s_prefixes_still_shows_its_progress(ddp,
     assert _strict(ddp(hosts, "status", "--json").stdout)[0]["step"] == 3
 
 
-def test_the_first_failure_is_of_the_rank_whose_stream_said_it_not_of_the_prefix_it_printed(ddp, hosts, tmp_path):
+def test_the_first_failure_is_the_rank_whose_stream_said_it_not_a_printed_prefix(ddp, hosts, tmp_path):
+    """The first failure is of the rank whose stream said it, not of the prefix it printed."""
     # torchrun's tee ends a line at a "\r" too: rank 0's "x\r[rank1]: ..." reaches the log so
     _ended(tmp_path, "1", "[rank0]: x\n[rank0]: [rank1]: trainer: error: boom\n")
     r = ddp(hosts, "status")
@@ -214,7 +216,8 @@ def test_the_first_failure_is_of_the_rank_whose_stream_said_it_not_of_the_prefix
 
 
 @pytest.mark.parametrize("brk", BREAKS)
-def test_a_line_break_of_splitlines_inside_a_failed_rank_s_line_is_shown_escaped_in_that_line(brk):
+def test_a_splitlines_break_inside_a_failed_rank_s_line_is_shown_escaped_in_it(brk):
+    """A line break of str.splitlines inside a failed rank's line is shown escaped, in that line."""
     found = failure.first_failure({"here": f"[rank0]: x{brk}[rank1]: trainer: error: boom\n"})
     assert found.describe() == f"here rank 0 failed first: x{repr(brk)[1:-1]}[rank1]: trainer: error: boom"
 
@@ -341,7 +344,8 @@ sys.exit("trainer: error: bad\x1b[2J\x1b]8;;https://evil.example\x1b\\link\x1b]8
 
 
 @pytest.mark.e2e
-def test_launch_wait_of_a_program_printing_escapes_and_huge_numbers_fails_with_one_line_of_text(ddp, tmp_path):
+def test_launch_wait_on_escapes_and_huge_numbers_fails_with_one_line_of_text(ddp, tmp_path):
+    """launch --wait of a program printing escapes and huge numbers fails with one line of text."""
     project = tmp_path / "hostile"
     project.mkdir()
     (project / "hostile.py").write_text(HOSTILE_PROGRAM)

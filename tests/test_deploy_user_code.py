@@ -42,7 +42,8 @@ def _ok(r):
     return r
 
 
-def test_a_package_from_a_synced_snapshot_trains_resumes_and_a_one_file_edit_sends_one_file(ddp, tmp_path):
+def test_a_synced_package_trains_resumes_and_a_one_file_edit_sends_one_file(ddp, tmp_path):
+    """A package from a synced snapshot trains and resumes, and a one-file edit sends one file."""
     project = tmp_path / "regress"
     shutil.copytree(ROOT / "examples/regress", project, ignore=shutil.ignore_patterns("runs", "__pycache__"))
     (project / "runs").mkdir()
@@ -119,7 +120,8 @@ def test_a_secret_reaches_the_program_and_shows_as_stars_everywhere_the_tool_pri
     assert SECRET not in kept and json.loads(kept)["secrets"] == {"API_TOKEN": "$TEST_API_TOKEN"}
 
 
-def test_a_module_that_does_not_import_is_refused_naming_the_error_and_nothing_starts(ddp, tmp_path):
+def test_a_module_that_does_not_import_is_refused_naming_the_error_starting_nothing(ddp, tmp_path):
+    """A module that does not import is refused, naming the error, and nothing starts."""
     project = tmp_path / "proj"
     (project / "pkg").mkdir(parents=True)
     (project / "pkg/__init__.py").write_text("")

@@ -61,7 +61,8 @@ def test_status_table_has_one_row_per_node_with_progress_columns():
     assert data["restarts"] == 1 and data["epochs"] == 8 and data["eta_s"] == 75.0 and data["metrics"] == TRAINER_LINE
 
 
-def test_plain_lines_follow_state_changes_at_once_and_progress_at_most_every_interval():
+def test_plain_lines_follow_state_changes_at_once_and_progress_at_most_per_interval():
+    """Plain lines follow state changes at once, and progress at most every interval."""
     said, now = [], [0.0]
     follow = view.PlainFollower(said.append, every=10, clock=lambda: now[0])
     running = plan.parse_status(f"running\nrestarts 0\n{TRAINER_LINE}\n")

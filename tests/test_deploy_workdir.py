@@ -67,7 +67,8 @@ def _snapshots(tmp_path: Path) -> list[Path]:
 
 
 @pytest.mark.e2e
-def test_a_tutorial_script_writes_where_it_stands_and_resumes_from_its_own_checkpoint(ddp, tmp_path):
+def test_a_tutorial_script_writes_where_it_stands_and_resumes_its_own_checkpoint(ddp, tmp_path):
+    """A tutorial script writes where it stands, and resumes from its own checkpoint."""
     project = _project(tmp_path)
     hosts = local_hosts(tmp_path, job="tutorial", train={"script": "train.py", "code": str(project)}, procs=2)
 
@@ -245,8 +246,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.e2e
-def test_without_train_code_the_host_runtime_runs_check_and_job_in_the_nodes_own_directory(ddp, tmp_path,
-                                                                                            monkeypatch):
+def test_without_train_code_the_host_runtime_runs_in_the_node_s_own_directory(ddp, tmp_path, monkeypatch):
+    """Without train.code the host runtime runs check and the job in the node's own directory."""
     shell = tmp_path / "operator-shell"
     shell.mkdir()
     (shell / "train.py").write_text(SAVES_WITHOUT_SYNC)

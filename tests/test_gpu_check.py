@@ -162,7 +162,8 @@ def test_resumed_weights_identical_to_an_uninterrupted_run_pass():
     assert ok and said == "bit-identical to an uninterrupted run's"
 
 
-def test_resumed_weights_that_differ_pass_only_where_two_uninterrupted_runs_differ_too():
+def test_resumed_weights_may_differ_only_where_two_uninterrupted_runs_differ_too():
+    """Resumed weights that differ pass only where two uninterrupted runs differ too."""
     differ = {"bit_identical": False, "max_abs_diff": 0.02}
     ok, said = gpu_check.judge_weights(differ, {"bit_identical": False, "max_abs_diff": 0.0076})
     assert ok and "nor are two uninterrupted runs (max |diff| 0.0076)" in said and "not deterministic" in said
@@ -234,7 +235,8 @@ def test_the_record_is_named_after_the_utc_time():
     assert gpu_check.report_name(later_in_utc) == "gpu-check-20261123T013005Z.json"
 
 
-def test_a_failing_step_records_its_error_and_last_lines_and_the_next_step_still_runs():
+def test_a_failing_step_records_its_error_and_last_lines_and_the_next_step_runs():
+    """A failing step records its error and last lines, and the next step still runs."""
     def fails(check):
         raise StepFailed("run amp-fp16: exit code 1", ["line 1", "RuntimeError: CUDA error"])
 
@@ -289,7 +291,8 @@ def test_a_run_that_exits_non_zero_fails_with_its_last_error_lines(tmp_path):
     assert failed.value.tail == [f"err {i}" for i in range(10, 30)]
 
 
-def test_the_last_lines_of_a_failed_torchrun_are_the_workers_not_the_launcher_s_report():
+def test_a_failed_torchrun_s_last_lines_are_the_workers_not_the_launcher_s_report():
+    """The last lines of a failed torchrun are the workers', not the launcher's report."""
     text = ("worker: loading\nRuntimeError: CUDA error: out of memory\n"
             "E1122 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 7)\n"
             "Traceback (most recent call last):\n  File \"launch.py\", line 1\n"
@@ -340,7 +343,8 @@ def test_printed_metrics_reads_lines_as_torchrun_echoes_them_with_the_rank():
 
 
 @pytest.mark.parametrize("gpus", [1, 3])
-def test_the_model_parallel_steps_are_skipped_with_a_reason_where_the_gpus_do_not_pair(gpus, tmp_path):
+def test_model_parallel_steps_are_skipped_with_a_reason_where_the_gpus_do_not_pair(gpus, tmp_path):
+    """The model-parallel steps are skipped, with a reason, where the GPUs do not pair."""
     check = gpu_check.Check(work=tmp_path, out=tmp_path / "out", gpus=gpus)
     ok, summary, detail = gpu_check.step_parallelism(check)
     assert ok is None and summary == f"skipped: {gpus} GPU(s) visible, the comparison needs an even count of 2 or more"

@@ -103,8 +103,9 @@ def _diagnose(beats: Path) -> str:
 # --- what doctor lists (heartbeat.DIAGNOSE) and the watchdog takes (heartbeat.workers) --------------
 
 @needs_root
-def test_doctor_lists_no_process_of_another_user_nor_one_outside_the_launcher_s_tree_that_carries_the_job_s_environment(
-        tmp_path, procs):
+def test_doctor_lists_no_other_user_s_process_nor_one_outside_the_launcher_s_tree(tmp_path, procs):
+    """Doctor lists no process of another user, nor one outside the launcher's tree that carries the job's
+    environment."""
     beats = tmp_path / "beats"
     beats.mkdir()
     marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"
@@ -126,7 +127,8 @@ def test_doctor_lists_no_process_of_another_user_nor_one_outside_the_launcher_s_
     assert all(alive(pid) for pid in (stranger, outside, named_stranger, named_outside))
 
 
-def test_doctor_finds_the_workers_of_the_launcher_named_in_the_directory_and_no_one_else_s(tmp_path, procs):
+def test_doctor_finds_the_workers_of_the_directory_s_launcher_and_no_one_else_s(tmp_path, procs):
+    """Doctor finds the workers of the launcher named in the directory, and no one else's."""
     beats = tmp_path / "beats"
     marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"
     said = tmp_path / "worker"
@@ -159,7 +161,8 @@ def test_doctor_finds_the_workers_of_the_launcher_named_in_the_directory_and_no_
 
 
 @needs_root
-def test_the_watchdog_kills_its_own_stalled_workers_and_never_another_user_s_or_one_outside_its_tree(tmp_path, procs):
+def test_the_watchdog_kills_only_its_own_stalled_workers_never_another_user_s(tmp_path, procs):
+    """The watchdog kills its own stalled workers, and never another user's or one outside its tree."""
     beats = tmp_path / "beats"
     assert heartbeat.prepare(str(beats)) == str(beats)  # as the launcher does: this test is the launcher
     marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"

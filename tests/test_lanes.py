@@ -58,8 +58,9 @@ def _after_their_lane(runs: list[list], worker: str) -> bool:
     return all(r[5] > max(lane, default=0) for r in runs if r[2] == worker and r[0] in ("local", "together"))
 
 
-def test_each_cluster_lane_runs_in_a_worker_of_its_own_in_order_on_its_own_site_and_the_others_where_a_worker_is_free(
-        tmp_path):
+def test_cluster_lanes_get_a_worker_and_site_each_and_the_rest_run_where_one_is_free(tmp_path):
+    """Each cluster lane runs in a worker of its own, in order, on its own site; the others run where a worker
+    is free."""
     runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": "0"})
     assert "one lane" not in out and "the cluster tests run in two lanes, on two clusters side by side" in out
     workers = _by_kind(runs, 2)
@@ -94,7 +95,8 @@ def test_with_two_workers_the_cluster_tests_are_one_lane_on_the_first_site(tmp_p
     _one_lane_on_the_first_site(runs)
 
 
-def test_where_the_disk_holds_one_cluster_only_the_cluster_tests_are_one_lane_and_the_run_says_why(tmp_path):
+def test_a_disk_for_one_cluster_only_makes_the_cluster_tests_one_lane_and_says_why(tmp_path):
+    """Where the disk holds one cluster only, the cluster tests are one lane, and the run says why."""
     free = shutil.disk_usage(tmp_path).free
     runs, out = _run_lanes(tmp_path, 3, {"DDP_TEST_CLUSTER_DISK_GB": str(free / 1e9)})  # one fits, two do not
     _one_lane_on_the_first_site(runs)

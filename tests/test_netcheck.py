@@ -18,7 +18,8 @@ MB = 2**20
 # --------------------------------------------------------------------------- schedule
 
 @pytest.mark.parametrize("n", range(1, 10))
-def test_every_node_meets_two_distinct_peers_in_rounds_of_disjoint_pairs_never_pairing_twice(n):
+def test_every_node_meets_two_distinct_peers_in_rounds_of_disjoint_pairs(n):
+    """Every node meets two distinct peers in rounds of disjoint pairs, never pairing twice."""
     rounds = pair_rounds(n)
     for pairs in rounds:
         nodes = [node for pair in pairs for node in pair]
@@ -138,7 +139,8 @@ def test_a_node_figure_is_its_best_pair_and_the_slow_node_is_named():
     assert result["allreduce_busbw"] == round(100 * MB / 2.0 * 2 * 3 / 4)  # busbw = algbw * 2(n-1)/n
 
 
-def test_iterations_stretched_by_a_busy_host_do_not_move_a_link_s_figure_unless_most_are():
+def test_a_busy_host_s_stretched_iterations_move_a_link_s_figure_only_if_most_are():
+    """Iterations stretched by a busy host do not move a link's figure, unless most are."""
     # five iterations of a 0.2 s link; a host busy elsewhere stretches some of them
     assert netcheck.typical_seconds([0.2, 0.2, 0.9, 0.2, 1.5]) == 0.2
     assert netcheck.typical_seconds([0.2, 0.9, 0.9, 0.2, 1.5]) == 0.9  # most are slow: the link is

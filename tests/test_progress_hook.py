@@ -89,8 +89,8 @@ def _phases(beats: Path) -> dict[int, tuple]:
 
 
 @pytest.mark.e2e
-def test_a_program_that_beats_nowhere_beats_on_its_collectives_and_the_watchdog_names_the_rank_that_sleeps(
-        tmp_path, torch_python):
+def test_a_program_that_never_beats_beats_on_collectives_and_the_sleeper_is_named(tmp_path, torch_python):
+    """A program that beats nowhere beats on its collectives, and the watchdog names the rank that sleeps."""
     script = tmp_path / "silent.py"
     script.write_text(SILENT)
     beats, record = tmp_path / "beats", tmp_path / "run"
@@ -136,8 +136,8 @@ def _ddp(hosts: Path, *args: str):
 
 
 @pytest.mark.e2e
-def test_a_start_up_hang_of_a_silent_program_is_named_by_status_and_launch_wait_after_the_stall_timeout(
-        tmp_path, monkeypatch, torch_python):
+def test_a_silent_program_s_start_up_hang_is_named_by_status_and_launch_wait(tmp_path, monkeypatch, torch_python):
+    """A start-up hang of a silent program is named by status and launch --wait after the stall timeout."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     code = tmp_path / "code"
     code.mkdir()
@@ -177,7 +177,8 @@ def _b(local: int, age: float, phase: str | None, step: int | None = None, gap: 
     return local, step, local, gap, age, phase
 
 
-def test_a_number_judges_each_rank_from_its_worker_s_start_and_auto_guesses_nothing_from_a_silent_start_up():
+def test_a_number_judges_a_rank_from_its_worker_s_start_and_auto_guesses_no_start_up():
+    """A number judges each rank from its worker's start, and auto guesses nothing from a silent start-up."""
     starting = [_b(0, 40, "start"), _b(1, 40, "init")]
     assert verdict(30, starting) == (40, 30, None)  # no progress for 30 s from its start: stalled
     assert verdict("auto", starting) is None  # a start-up: its output judges it, as long as ever
@@ -191,7 +192,8 @@ def test_a_number_judges_each_rank_from_its_worker_s_start_and_auto_guesses_noth
     assert verdict(30, [_b(0, 900, "done"), _b(1, 900, "ended")]) is None
 
 
-def test_a_rank_that_ended_while_the_others_wait_on_it_is_a_hang_it_is_named_by_under_any_setting():
+def test_a_rank_ending_while_others_wait_on_it_is_named_as_the_hang_in_any_setting():
+    """A rank that ended while the others wait on it is a hang, and it is named by it under any setting."""
     for setting in ("auto", 300):
         assert verdict(setting, [_b(0, 12, "init"), _b(1, 11, "left")]) == (11, heartbeat.LEFT_S, "rank 1")
         assert verdict(setting, [_b(0, 12, "run"), _b(1, 11, "ended")]) == (11, heartbeat.LEFT_S, "rank 1")
@@ -211,7 +213,8 @@ def test_status_judges_a_hooked_node_as_its_watchdog_does():
     assert left is not None and left.left == "rank 1"
 
 
-def test_the_hook_s_line_is_read_with_its_phase_and_a_program_that_beats_itself_keeps_its_step(tmp_path):
+def test_the_hook_s_line_carries_its_phase_and_a_self_beating_program_keeps_its_step(tmp_path):
+    """The hook's line is read with its phase, and a program that beats itself keeps its step."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hook_under_test", Path(heartbeat.HOOK_DIR) / "ddp_deploy_progress.py")
@@ -233,7 +236,8 @@ def test_the_hook_s_line_is_read_with_its_phase_and_a_program_that_beats_itself_
     assert parse_beat("0", "0", (tmp_path / "0").read_bytes().split(b"\n")[0].decode())[5] == "ended"
 
 
-def test_the_hook_chains_to_the_sitecustomize_it_hides_and_leaves_nothing_under_the_name_trainer(tmp_path):
+def test_the_hook_chains_to_the_sitecustomize_it_hides_and_leaves_no_name_trainer(tmp_path):
+    """The hook chains to the sitecustomize it hides, and leaves nothing under the name trainer."""
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE'] = 'ran'\n")

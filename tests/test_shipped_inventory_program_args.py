@@ -26,7 +26,8 @@ def with_own_module(text: str):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_the_shipped_inventory_names_every_flag_the_tool_adds_for_the_built_in_trainer(name):
+def test_the_shipped_inventory_names_every_flag_added_for_the_built_in_trainer(name):
+    """The shipped inventory names every flag the tool adds for the built-in trainer."""
     inv = load(REPO / name)
     added = program_args(inv)[:-len(inv.train.args)]
     said = train_comments((REPO / name).read_text())
@@ -34,7 +35,9 @@ def test_the_shipped_inventory_names_every_flag_the_tool_adds_for_the_built_in_t
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_the_shipped_inventory_says_a_module_or_script_gets_train_args_alone_and_the_rest_from_the_environment(name):
+def test_the_shipped_inventory_says_a_module_or_script_gets_train_args_alone(name):
+    """The shipped inventory says a module or script gets train.args alone, and the rest from the
+    environment."""
     text = (REPO / name).read_text()
     own = with_own_module(text)
     assert program_args(own) == own.train.args  # what the tool does: nothing added

@@ -80,8 +80,8 @@ def _rank_lines(ddp, hosts: Path, rank: int) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_tutorial_that_spawns_its_workers_trains_resumes_and_each_worker_is_a_rank_of_its_own(
-        torch_python, tmp_path, ddp):
+def test_a_spawning_tutorial_trains_resumes_and_each_worker_is_a_rank_of_its_own(torch_python, tmp_path, ddp):
+    """A tutorial that spawns its workers trains and resumes, and each worker is a rank of its own."""
     hosts = _hosts(tmp_path, torch_python.python)
     first = ddp(hosts, "launch", "--wait", "--timeout", "240")
     assert first.exit_code == 0, first.output
@@ -104,8 +104,8 @@ def test_a_tutorial_that_spawns_its_workers_trains_resumes_and_each_worker_is_a_
 
 @pytest.mark.e2e
 @NEWEST_ONLY
-def test_a_forked_worker_that_hangs_is_named_by_status_and_doctor_and_stop_ends_every_process(
-        torch_python, tmp_path, ddp):
+def test_a_hung_forked_worker_is_named_by_status_and_doctor_and_stop_ends_everything(torch_python, tmp_path, ddp):
+    """A forked worker that hangs is named by status and doctor, and stop ends every process."""
     hosts = _hosts(tmp_path, START="fork", HANG_RANK="1", STEPS="1000")
     data = json.loads(hosts.read_text())
     data["job"]["stall_timeout"] = 10

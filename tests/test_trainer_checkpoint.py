@@ -154,7 +154,8 @@ def marker_mismatch(path):
     (truncated_with_a_matching_marker, "does not load: "),
     (marker_mismatch, "bytes, its marker records"),
 ])
-def test_a_marked_newest_checkpoint_that_does_not_load_is_skipped_named_and_the_previous_one_loaded(tmp_path, breaks, reason):
+def test_an_unloadable_newest_checkpoint_is_skipped_named_and_the_previous_loaded(tmp_path, breaks, reason):
+    """A checkpoint marked newest that does not load is skipped and named, and the previous one loaded."""
     mgr = CheckpointManager(tmp_path, keep_last=5)
     mgr.save(state(32), 32)
     newest = mgr.save(state(40), 40)
@@ -172,7 +173,8 @@ def test_a_marked_newest_checkpoint_that_does_not_load_is_skipped_named_and_the_
     assert CheckpointManager(tmp_path).resume_point().skipped == []
 
 
-def test_with_no_checkpoint_that_loads_resuming_starts_afresh_and_names_every_one_skipped(tmp_path, capsys):
+def test_with_no_loadable_checkpoint_resuming_starts_afresh_naming_every_one_skipped(tmp_path, capsys):
+    """With no checkpoint that loads, resuming starts afresh and names every one skipped."""
     mgr = CheckpointManager(tmp_path)
     for path in [mgr.save(state(step), step) for step in (8, 16)]:
         truncated_with_a_matching_marker(path)

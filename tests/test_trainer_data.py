@@ -44,7 +44,8 @@ def test_eval_shards_cover_every_test_sample_exactly_once():
     assert sorted(got.tolist()) == list(range(n))
 
 
-def test_augment_is_a_per_sample_random_crop_of_the_padded_image_and_a_horizontal_flip():
+def test_augment_randomly_crops_each_padded_sample_and_flips_it_horizontally():
+    """augment is a per-sample random crop of the padded image, and a horizontal flip."""
     n, pad = 6, 2
     images = torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8)
     out = data.augment(images, torch.Generator().manual_seed(5), pad=pad)

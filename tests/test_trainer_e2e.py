@@ -35,7 +35,8 @@ def assert_ok(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_two_process_run_on_synthetic_data_writes_checkpoints_metrics_and_the_final_model(torch_python, tmp_path):
+def test_a_two_process_synthetic_run_writes_checkpoints_metrics_and_the_final_model(torch_python, tmp_path):
+    """A two-process run on synthetic data writes checkpoints, metrics and the final model."""
     proc = run_torchrun(torch_python.python, tmp_path, *SMALL, "--grad-accum", "2", "--clip-grad", "1.0", "--keep-last", "2",
                         forked=False)
     assert_ok(proc)
@@ -145,7 +146,7 @@ def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(tor
 
 
 @NEWEST_ONLY
-def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_deterministically(torch_python, tmp_path):
+def test_a_resized_job_resumes_deterministically_at_the_epoch_start_on_the_new_size(torch_python, tmp_path):
     """What an elastic job does when a node is lost or taken in (hosts.yaml job.min_nodes)."""
     import shutil
 
@@ -165,8 +166,8 @@ def test_a_resized_job_resumes_at_the_epoch_start_with_the_new_world_size_determ
         assert torch.equal(a[name], b[name]), name
 
 
-def test_sigterm_mid_epoch_stops_every_rank_at_one_step_with_a_checkpoint_and_nothing_is_redone(
-        torch_python, tmp_path):
+def test_sigterm_mid_epoch_stops_every_rank_at_one_checkpointed_step_redoing_nothing(torch_python, tmp_path):
+    """SIGTERM mid-epoch stops every rank at one step with a checkpoint, and nothing is redone."""
     flags = [*SMALL, "--ckpt-every", "100", "--log-every", "1"]  # the stop's checkpoint is the only mid-epoch one
     forked = torch_python.name == "newest"  # on the oldest end torchrun starts the workers
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
@@ -299,8 +300,7 @@ def test_sync_bn_on_cpu_is_one_clear_error_at_start(torch_python, tmp_path):
 
 
 @NEWEST_ONLY
-def test_two_processes_of_two_stages_end_as_one_stage_does_and_resume_exactly_with_another_split(
-        torch_python, tmp_path):
+def test_two_stages_per_process_end_as_one_does_and_resume_exactly_in_another_split(torch_python, tmp_path):
     """Model parallelism inside each DDP process (--stages): on gloo the split changes nothing the
     job computes, and a checkpoint of one split resumes bit-exactly in another."""
     import shutil

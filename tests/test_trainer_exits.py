@@ -48,7 +48,8 @@ def test_what_main_returns_or_exits_with_is_the_exit_code_as_sys_exit_makes_it(b
         assert (proc.returncode, proc.stderr) == (code, err), ending
 
 
-def test_an_uncaught_exception_prints_its_traceback_from_the_program_s_frames_and_exits_1(tmp_path):
+def test_an_uncaught_exception_prints_the_program_s_traceback_and_exits_1(tmp_path):
+    """An uncaught exception prints its traceback from the program's frames, and exits 1."""
     body = """
         def inner():
             raise ValueError("boom")
@@ -72,7 +73,8 @@ def test_an_uncaught_keyboard_interrupt_ends_the_program_by_sigint(tmp_path):
         assert proc.stderr.rstrip().endswith("KeyboardInterrupt")
 
 
-def test_buffered_output_atexit_handlers_threads_and_log_files_are_all_done_before_it_ends(tmp_path):
+def test_buffered_output_atexit_handlers_threads_and_logs_all_finish_before_the_end(tmp_path):
+    """Buffered output, atexit handlers, threads and log files are all done before it ends."""
     body = """
         import atexit, logging, threading, time
         from pathlib import Path

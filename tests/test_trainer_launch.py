@@ -17,7 +17,8 @@ def test_arguments_after_the_separator_go_to_the_trainer_and_before_it_to_torchr
     assert not relays_output(["--epochs", "1"])  # standalone: the workers print as they do under torchrun
 
 
-def test_the_options_own_tee_or_redirects_are_kept_as_given_and_torchrun_writes_the_output():
+def test_the_options_own_tee_or_redirects_are_kept_and_torchrun_writes_the_output():
+    """The options' own --tee or --redirects are kept as given, and torchrun writes the output."""
     for own in (["--tee", "1"], ["--redirects=3"], ["-r", "2"], ["-t", "3"]):
         args = torchrun_args([*own, "--nnodes", "1", "--", "--epochs", "1"], {})
         assert args[:len(own)] == own and args.count("--tee") == (own[0] == "--tee")
@@ -88,7 +89,8 @@ def test_a_master_addr_that_is_not_this_node_is_a_clear_setup_error(monkeypatch)
         dist._bound_store(0, 2, timedelta(seconds=5))
 
 
-def test_entry_runs_another_module_through_the_same_launcher_and_is_not_passed_to_torchrun():
+def test_entry_runs_another_module_via_the_launcher_and_is_not_passed_to_torchrun():
+    """--entry runs another module through the same launcher, and is not passed to torchrun."""
     args = torchrun_args(["--nnodes", "2", "--entry", "trainer.netcheck", "--", "--size-mb", "1"], {})
     assert args == ["--nnodes", "2", "-m", "trainer.netcheck", "--size-mb", "1"]
     assert torchrun_args(["--entry=trainer.netcheck", "--"], {}) == ["-m", "trainer.netcheck"]
@@ -112,7 +114,8 @@ def _watcher(endpoint: str, conf: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_node_whose_rendezvous_store_stays_silent_past_join_timeout_gives_up_naming_it():
+def test_a_node_gives_up_naming_a_rendezvous_store_silent_past_join_timeout():
+    """A node whose rendezvous store stays silent past join_timeout gives up, naming it."""
     port = free_port()  # nothing listens there: the rendezvous node is gone
     out, err = _watcher(f"127.0.0.1:{port}", "join_timeout=1,read_timeout=1").communicate(timeout=30)
     assert out.strip() == "True" and "still here" not in out
@@ -178,7 +181,8 @@ print("after a finished agent:", joins())
 """
 
 
-def test_an_elastic_agent_that_fails_leaves_the_rendezvous_open_and_one_that_finishes_closes_it(torch_python):
+def test_a_failing_agent_leaves_the_rendezvous_open_and_a_finishing_one_closes_it(torch_python):
+    """An elastic agent that fails leaves the rendezvous open, and one that finishes closes it."""
     proc = subprocess.run([torch_python.python, "-c", RENDEZVOUS_AFTER_FAILURE, str(free_port())],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -200,7 +204,8 @@ def _teed(tmp_path, script: str):
     return proc.returncode, out
 
 
-def test_the_launchers_output_is_kept_in_the_run_log_as_printed_and_its_exit_code_recorded(tmp_path):
+def test_the_launchers_output_is_kept_in_the_run_log_as_printed_with_its_exit_code(tmp_path):
+    """The launcher's output is kept in the run log as printed, and its exit code recorded."""
     rc, out = _teed(tmp_path, "import sys; print('one', flush=True); print('two', file=sys.stderr, flush=True); "
                               "print('three'); sys.exit(3)")
     assert rc == 3 and out.splitlines() == ["one", "two", "three"]

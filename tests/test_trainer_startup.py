@@ -29,7 +29,8 @@ def test_a_start_time_is_right_to_a_clock_tick_not_to_btime_s_whole_second():
         assert before - 0.011 <= at <= after, (before, at, after)  # a tick is 10 ms
 
 
-def test_each_phase_is_named_by_the_moment_that_ends_it_and_an_unknown_start_is_left_out():
+def test_each_phase_is_named_by_the_moment_ending_it_and_an_unknown_start_left_out():
+    """Each phase is named by the moment that ends it, and an unknown start is left out."""
     s = startup.Startup()
     s.marks = [("launcher", None), ("process", 100.0), ("imports", 102.5), ("process_group", 103.0),
                ("data", 103.25), ("model", 104.0), ("resume", 104.0)]

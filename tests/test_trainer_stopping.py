@@ -45,7 +45,9 @@ def _free_port() -> int:
 
 
 @pytest.mark.e2e
-def test_a_rank_whose_peer_went_silent_with_the_stop_flag_s_question_in_flight_leaves_within_the_dist_timeout():
+def test_a_rank_whose_peer_went_silent_mid_stop_flag_question_leaves_in_dist_timeout():
+    """A rank whose peer went silent with the stop flag's question in flight leaves within the dist
+    timeout."""
     port = _free_port()
     procs = []
     for rank in (0, 1):

@@ -49,7 +49,8 @@ def _teardown(bound: float, hangs: bool, code: int) -> tuple[subprocess.Complete
 
 
 @pytest.mark.parametrize("code", [0, 75])
-def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_the_code_it_was_ending_with_and_says_so(code):
+def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_its_code_and_says_so(code):
+    """A rank whose teardown hangs ends after the bound, with the code it was ending with, and says so."""
     r, took = _teardown(2.0, True, code)
     assert r.returncode == code, r.stderr
     assert "LEFT" not in r.stdout

@@ -100,7 +100,8 @@ def test_a_missing_tensorboard_package_costs_a_warning_not_the_run(tmp_path):
 
 # --- the writer, in this process -------------------------------------------------------------------
 
-def test_without_a_run_id_the_records_are_unchanged_and_the_directory_is_named_after_the_start(tmp_path, monkeypatch):
+def test_without_a_run_id_records_are_unchanged_and_the_directory_names_the_start(tmp_path, monkeypatch):
+    """Without a run id the records are unchanged, and the directory is named after the start."""
     monkeypatch.delenv(RUN_ID_ENV, raising=False)
     writer = MetricsWriter(main_env(), str(tmp_path))
     writer.write({"kind": "train", "step": 4, "loss": 2.5, "acc": 0.25})
@@ -112,7 +113,8 @@ def test_without_a_run_id_the_records_are_unchanged_and_the_directory_is_named_a
     assert scalars(run_dir) == {"loss/train": [(4, 2.5)], "accuracy/train": [(4, 0.25)]}
 
 
-def test_a_torn_last_line_left_by_a_killed_rank_0_stays_alone_and_the_next_record_is_whole(tmp_path, monkeypatch):
+def test_a_killed_rank_0_s_torn_last_line_stays_alone_and_the_next_record_is_whole(tmp_path, monkeypatch):
+    """A torn last line left by a killed rank 0 stays alone, and the next record is whole."""
     monkeypatch.delenv(RUN_ID_ENV, raising=False)
     (tmp_path / "metrics.jsonl").write_text('{"time": 1.0, "kind": "train", "step": 3}\n{"time": 2.0, "kind": "tr')
     writer = MetricsWriter(main_env(), str(tmp_path))

@@ -92,7 +92,9 @@ def _program(tmp_path: Path, name: str, body: str) -> None:
     (tmp_path / name).write_text(textwrap.dedent(body))
 
 
-def test_a_forked_worker_runs_its_module_as_python_u_m_with_its_environment_directory_arguments_and_code(tmp_path):
+def test_a_forked_worker_runs_its_module_as_python_u_m_would(tmp_path):
+    """A forked worker runs its module as python -u -m would: with its environment, directory, arguments and
+    exit code."""
     _program(tmp_path, "prog.py", """
         import os, sys
         print("name", __name__, "argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0])
@@ -108,8 +110,9 @@ def test_a_forked_worker_runs_its_module_as_python_u_m_with_its_environment_dire
     assert "env worker's own None" in out and "to stderr" in err
 
 
-def test_a_script_runs_with_its_own_directory_first_and_an_uncaught_exception_prints_its_traceback_and_exits_1(
-        tmp_path):
+def test_a_script_runs_from_its_own_directory_and_an_uncaught_exception_exits_1(tmp_path):
+    """A script runs with its own directory first, and an uncaught exception prints its traceback and
+    exits 1."""
     (tmp_path / "sub").mkdir()
     _program(tmp_path / "sub", "script.py", """
         import sys
@@ -125,7 +128,8 @@ def test_a_script_runs_with_its_own_directory_first_and_an_uncaught_exception_pr
     assert "zygote.py" not in err and "runpy" not in err  # the program's frames alone, as `python SCRIPT` prints
 
 
-def test_the_agent_s_killpg_reaches_the_worker_in_a_session_of_its_own_and_its_signal_is_its_exit_code(tmp_path):
+def test_the_agent_s_killpg_reaches_the_worker_s_own_session_and_sets_its_exit_code(tmp_path):
+    """The agent's killpg reaches the worker in a session of its own, and its signal is its exit code."""
     _program(tmp_path, "sleeper.py", """
         import time
         print("up", flush=True)
@@ -160,7 +164,7 @@ CLOSER = textwrap.dedent("""
 """)
 
 
-def test_the_agent_closes_a_worker_that_ended_and_was_reaped_before_it_looked_without_failing(tmp_path):
+def test_the_agent_closes_a_worker_already_ended_and_reaped_without_failing(tmp_path):
     """The zygote reaps its workers at once, so a worker killed from outside (a stall's restart) can be
     gone, its process group with it, while the agent still holds it running: torch's close() killpgs
     it, and a ProcessLookupError there ended torchrun's agent. The close succeeds, the end is the kill."""
@@ -187,7 +191,8 @@ def test_an_uncaught_keyboard_interrupt_ends_the_worker_by_sigint_as_python_does
     assert code == -signal.SIGINT and "KeyboardInterrupt" in err
 
 
-def test_a_zygote_whose_imports_outlast_a_fork_s_handshake_is_waited_for_and_forks_the_worker_once(tmp_path):
+def test_a_zygote_slower_to_import_than_the_handshake_is_waited_for_and_forks_once(tmp_path):
+    """A zygote whose imports outlast a fork's handshake is waited for, and forks the worker once."""
     # Imports that take longer than a fork's handshake (a loaded machine's): the last version timed
     # the handshake from the request, gave up, and torchrun started the rank's worker itself while
     # the zygote forked it too once its imports were done: two workers of one rank.
@@ -200,7 +205,8 @@ def test_a_zygote_whose_imports_outlast_a_fork_s_handshake_is_waited_for_and_for
     assert (tmp_path / "ran").read_text().split() == [str(pid)]
 
 
-def test_a_zygote_that_never_serves_is_killed_before_torchrun_starts_the_worker_itself(tmp_path):
+def test_a_zygote_that_never_serves_is_killed_and_torchrun_starts_the_worker_itself(tmp_path):
+    """A zygote that never serves is killed before torchrun starts the worker itself."""
     _program(tmp_path, "hangs.py", "import time\ntime.sleep(60)\n")
     _program(tmp_path, "once.py", "open('ran', 'a').close()\n")
     driver = _drive(tmp_path, ["-u", "-m", "once"], preload=["hangs"], ready_s=1)
@@ -222,7 +228,7 @@ print("fds", sorted(fds), flush=True)
 """
 
 
-def test_a_forked_worker_holds_no_descriptor_above_stderr_as_torchruns_own_start_gives_none(tmp_path):
+def test_a_forked_worker_holds_no_descriptor_above_stderr_like_torchrun_s_own_start(tmp_path):
     """torchrun starts a worker with ``close_fds``: the launcher's descriptors (its log folder's lock,
     inherited from its tee; the zygote's sockets and pipes) are not the worker's, nor a daemon's it leaves."""
     _program(tmp_path, "fds.py", OPEN_FDS)
@@ -248,7 +254,8 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
     wait_until(lambda: not alive(pid), 10, "the worker to die with its launcher", interval=0.05)
 
 
-def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_the_launcher_s_marker(tmp_path):
+def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_its_marker(tmp_path):
+    """A forked worker is named in the heartbeat directory, and found by the launcher's marker."""
     beats = tmp_path / "beats"
     beats.mkdir()
     _program(tmp_path, "sleeper.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
@@ -272,7 +279,8 @@ def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_the_la
     assert not beats.exists()
 
 
-def test_torchrun_s_thread_count_is_applied_in_a_worker_forked_after_torch_was_loaded(tmp_path):
+def test_torchrun_s_thread_count_applies_in_a_worker_forked_after_torch_was_loaded(tmp_path):
+    """torchrun's thread count is applied in a worker forked after torch was loaded."""
     _program(tmp_path, "threads.py", "import torch\nprint('threads', torch.get_num_threads())\n")
     driver = _drive(tmp_path, ["-u", "-m", "threads"], {"OMP_NUM_THREADS": "1"}, torch=True)
     _pid(driver)
@@ -281,14 +289,16 @@ def test_torchrun_s_thread_count_is_applied_in_a_worker_forked_after_torch_was_l
 
 
 @pytest.mark.parametrize("args", [["-m", "trainer"], ["-c", "pass"], ["-u", "-c", "pass"], ["-u"], ["-u", "-m"]])
-def test_only_torchrun_s_python_u_program_shapes_are_forked_anything_else_is_left_to_torchrun(args):
+def test_only_torchrun_s_python_u_shapes_are_forked_and_the_rest_left_to_torchrun(args):
+    """Only torchrun's python -u program shapes are forked; anything else is left to torchrun."""
     assert zygote.program_of([sys.executable, *args]) is None
     assert zygote.program_of(["/bin/python-other", "-u", "-m", "trainer"]) is None
     assert zygote.program_of([sys.executable, "-u", "-m", "trainer", "--x"]) == {"module": "trainer", "argv": ["--x"]}
     assert zygote.program_of([sys.executable, "-u", "a.py"]) == {"script": "a.py", "argv": []}
 
 
-def test_the_zygote_is_used_when_asked_for_or_unset_where_no_gpu_device_exists_and_never_when_refused(tmp_path):
+def test_the_zygote_is_used_if_asked_or_unset_without_a_gpu_and_never_when_refused(tmp_path):
+    """The zygote is used when asked for, or unset where no GPU device exists, and never when refused."""
     none, gpus = [str(tmp_path / "nvidia[0-9]*")], [str(tmp_path / "nvidia[0-9]*"), str(tmp_path / "kfd")]
     (tmp_path / "nvidiactl").touch()  # a driver's control node alone opens no GPU
     linux = sys.platform.startswith("linux")

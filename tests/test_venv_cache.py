@@ -34,7 +34,8 @@ def _first_line(path: Path) -> str:
 
 
 @pytest.mark.budget(40)
-def test_a_venv_copied_from_the_kept_one_runs_from_its_own_path_and_leaves_the_kept_one_as_it_was(tmp_path):
+def test_a_venv_copied_from_the_kept_one_runs_from_its_own_path_leaving_it_intact(tmp_path):
+    """A venv copied from the kept one runs from its own path, and leaves the kept one as it was."""
     kept = Path(subprocess.run(["bash", str(SCRIPT), "--kept", *_pins()], capture_output=True, text=True,
                                check=True).stdout.strip())
     if not (kept / ".complete").exists():

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.cluster
 TINY_BASE = "ddp-bench-tiny-base:latest"
 
 
-def test_the_image_benchmark_ships_every_way_to_one_node_and_two_and_measures_the_chain_s_repair(
+def test_the_image_benchmark_ships_every_way_to_one_and_two_nodes_and_times_a_repair(
         cluster, image_registry, fresh_nas, tmp_path):
+    """The image benchmark ships every way to one node and to two, and measures the chain's repair."""
     bench = bench_module.load("bench_image")
     args = bench.parser().parse_args(["--nodes", "3", "--sizes", "1,2", "--mb", "12", "--operator-mbit", "40",
                                       "--node-mbit", "80", "--stall-seconds", "2", "--out", str(tmp_path / "x")])

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.cluster
 
 
 
-def test_the_launch_benchmark_times_launch_and_its_floor_to_the_first_step_and_splits_both(cluster, fresh_nas,
-                                                                                          tmp_path):
+def test_the_launch_benchmark_times_and_splits_launch_and_its_floor_to_first_step(cluster, fresh_nas, tmp_path):
+    """The launch benchmark times launch and its floor to the first step, and splits both."""
     bench = bench_module.load("bench_launch")
     try:
         result = bench.measure(cluster, tmp_path, [1], 1)

@@ -61,8 +61,8 @@ def images(cluster):
             cluster.run_on(h.name, ["docker", "image", "rm", "-f", name])
 
 
-def test_the_classic_build_runs_for_the_nodes_platform_and_a_failed_step_is_shown_with_its_output(
-        cluster, tmp_path, images):
+def test_the_classic_build_targets_the_nodes_platform_and_shows_failed_step_output(cluster, tmp_path, images):
+    """The classic build runs for the nodes' platform, and a failed step is shown with its output."""
     name = "ddp-build-test:classic"
     images.append(name)
     classic = {"DOCKER_BUILDKIT": "0"}
@@ -145,8 +145,9 @@ def arm64_image(cluster, name: str) -> str:
     return f"sha256:{digest}"
 
 
-def test_check_shows_the_nodes_platform_and_an_image_of_another_is_refused_before_anything_is_shipped(
+def test_check_shows_the_nodes_platform_and_refuses_a_foreign_image_before_shipping(
         cluster, fresh_nas, tmp_path, images):
+    """check shows the nodes' platform, and an image of another is refused before anything is shipped."""
     name = "ddp-build-test:arm64"
     images.append(name)
     image_id = arm64_image(cluster, name)

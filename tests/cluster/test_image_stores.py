@@ -89,8 +89,9 @@ def stores(cluster, containerd_node, tmp_path, monkeypatch):
     subprocess.run(["docker", "-H", cluster.operator_docker_host, "image", "rm", "-f", NAME], capture_output=True)
 
 
-def test_deploys_leave_the_exact_image_on_both_stores_and_a_code_change_sends_only_its_layer(
+def test_both_stores_get_the_exact_image_and_a_code_change_sends_only_its_layer(
         cluster, containerd_node, stores, tmp_path, monkeypatch):
+    """Deploys leave the exact image on both stores, and a code change sends only its layer."""
     node9 = containerd_node
     hosts = _hosts(cluster, node9, tmp_path, _context(tmp_path, "v1"))
     monkeypatch.setenv("DDP_DEPLOY_IMAGE_CACHE_GB", "2")  # one saved image (base included) fits, two do not
@@ -124,7 +125,7 @@ def test_deploys_leave_the_exact_image_on_both_stores_and_a_code_change_sends_on
         assert fleet.one_image(inv, remote) == v2
 
 
-def test_a_load_the_containerd_store_cannot_complete_is_refused_and_the_next_deploy_repairs_it(
+def test_an_incomplete_containerd_load_is_refused_and_the_next_deploy_repairs_it(
         cluster, containerd_node, stores, tmp_path):
     """Docker 26's containerd store, given a layout without layers it does not hold, exits 1 but
     leaves the image's name on the exact manifest: the ID alone would pass, and a later survey

@@ -62,7 +62,7 @@ def test_each_node_has_its_own_docker_daemon_holding_the_operators_base_image(cl
     assert len(set(ids.values()) | {operator}) == len(cluster.hosts) + 1, ids
 
 
-def test_the_nodes_share_the_kept_base_s_files_and_a_write_in_one_node_s_container_reaches_no_other(cluster):
+def test_the_nodes_share_the_kept_base_s_files_and_one_node_s_write_reaches_no_other(cluster):
     """The nodes' stores hold the base as hard links to the kept template's layer files
     (_copy_node_stores): one copy on disk and in the page cache for every node. A container that
     writes to such a file writes to a copy in its own layer: the template and the other nodes keep

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cluster
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "1536", "--batch-size", "32", "--epochs", "1000"]  # until stopped
 
 
-def test_two_launches_at_the_same_moment_one_starts_the_job_the_other_is_refused_naming_it(cluster, fresh_nas,
+def test_two_launches_at_once_one_starts_the_job_the_other_is_refused_naming_it(cluster, fresh_nas,
                                                                                            tmp_path, fleet_lock_path,
                                                                                            record_fault):
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=1, train_args=TRAIN, interface="eth0")

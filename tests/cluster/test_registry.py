@@ -98,8 +98,9 @@ def test_a_node_that_cannot_reach_the_registry_is_named_and_the_others_get_the_i
     assert image_id_on(cluster, cut, name) == image_id
 
 
-def test_a_containerd_store_node_pulls_the_same_image_and_names_it_by_the_pushed_digest(
+def test_a_containerd_node_pulls_the_same_image_and_names_it_by_the_pushed_digest(
         cluster, image_registry, containerd_node, tmp_path, shared_layer):
+    """A containerd-store node pulls the same image, and names it by the pushed digest."""
     node9 = containerd_node
     name = f"{image_registry.host}/{REPOSITORY}:stores"
     ctx = _build_context(tmp_path, shared_layer, 1)

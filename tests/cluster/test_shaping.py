@@ -22,7 +22,8 @@ def _nbytes(mbit: float) -> int:
     return int(mbit * 1e6 / 8 * SECONDS)
 
 
-def test_shaped_links_hold_their_rates_and_the_operator_counter_counts_only_its_uplink(cluster):
+def test_shaped_links_hold_their_rates_and_the_operator_counts_only_its_uplink(cluster):
+    """Shaped links hold their rates, and the operator counter counts only its uplink."""
     with shaping.shaped(cluster, OPERATOR_MBIT, NODE_MBIT):
         before = shaping.operator_tx_bytes()
         uplink = shaping.measure_mbit(cluster, shaping.OPERATOR, "node1", _nbytes(OPERATOR_MBIT))

@@ -52,8 +52,8 @@ def test_srun_from_the_login_node_runs_one_task_per_node_each_on_its_own_address
     assert seen == {h.name: h.address for h in cluster.hosts[:2]}
 
 
-def test_sbatch_wait_runs_a_batch_script_on_two_nodes_that_writes_its_output_to_the_nas(
-        cluster, slurm, fresh_nas):
+def test_sbatch_wait_runs_a_two_node_batch_script_that_writes_its_output_to_the_nas(cluster, slurm, fresh_nas):
+    """sbatch --wait runs a batch script on two nodes that writes its output to the NAS."""
     # what deploy's batch script does: the nodes' addresses from Slurm, inside the job
     script = _script(fresh_nas, "job.sh", """\
         for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do

@@ -110,8 +110,9 @@ def _saved_where_they_stand(fresh_nas, nodes, launches):
 
 
 @pytest.mark.parametrize("name", ["charlm"])
-def test_an_example_synced_as_a_snapshot_trains_on_three_nodes_resumes_and_an_edit_sends_one_file(
+def test_a_synced_example_trains_on_three_nodes_resumes_and_an_edit_sends_one_file(
         cluster, fresh_nas, trainer_image, tmp_path, name):
+    """An example synced as a snapshot trains on three nodes and resumes, and an edit sends one file."""
     project = tmp_path / name
     shutil.copytree(REPO / "examples" / name, project, ignore=shutil.ignore_patterns("runs", "__pycache__"))
     with open(project / "train.py", "a") as script:
