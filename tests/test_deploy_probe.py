@@ -145,3 +145,112 @@ def test_a_probe_past_its_time_limit_or_of_another_version_is_named_not_crashed_
     assert not slow.ok and "took longer than" in slow.detail
     other = _judge({"torch": "2.5.1"})
     assert not other.ok and "answered without cuda_build" in other.detail
+
+
+# --- a torch with no code for the node's GPUs ---------------------------------------------------
+# The architectures each end of the supported range was built for, as its wheel says
+# (torch._C._cuda_getArchFlags(), what torch.cuda.get_arch_list() returns on a GPU machine): read
+# from the installed wheels where they are here, else these, as those wheels print them.
+WHEEL_ARCH = {"2.5.1+cu124": "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90",
+              "2.14.1+cu130": "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"}
+# The GPUs: name and compute capability, as torch.cuda.get_device_name and get_device_capability
+# give them.
+GPUS = {"H100": ("NVIDIA H100 80GB HBM3", "9.0"), "B200": ("NVIDIA B200", "10.0"),
+        "RTX 5090": ("NVIDIA GeForce RTX 5090", "12.0"), "V100": ("Tesla V100-SXM2-32GB", "7.0"),
+        "L40S": ("NVIDIA L40S", "8.9")}
+
+
+def _wheel_arch(version: str) -> list[str]:
+    python = {"2.14.1+cu130": sys.executable,
+              "2.5.1+cu124": os.environ.get("DDP_TORCH_OLDEST_PYTHON")}.get(version)
+    if python:
+        got = subprocess.run([python, "-c", "import torch; print(torch.__version__, torch._C._cuda_getArchFlags())"],
+                             capture_output=True, text=True, timeout=120)
+        if got.returncode == 0 and got.stdout.split()[0] == version:
+            return got.stdout.split()[1:]
+    return WHEEL_ARCH[version].split()
+
+
+def _on(gpu: str, torch_version: str, *, works: bool, count: int = 8) -> dict:
+    """The probe's answer on a node of ``count`` such GPUs with that torch: where the build has no
+    code for them, CUDA is available (torch warns) and the first kernel fails."""
+    name, cap = GPUS[gpu]
+    return {**H100, "torch": torch_version, "cuda_build": torch_version.split("+cu")[1][:-1] + "."
+            + torch_version.split("+cu")[1][-1], "devices": count, "device_names": [name] * count,
+            "arch_list": _wheel_arch(torch_version), "capabilities": [cap] * count,
+            **({} if works else {"cuda_available": False, "nccl": None,
+                                 "cuda_error": "CUDA error: no kernel image is available for execution on the device"})}
+
+
+def test_a_gpu_the_torch_has_no_code_for_is_refused_naming_it_and_the_cuda_it_needs():
+    c = _judge(_on("B200", "2.5.1+cu124", works=False))
+    assert not c.ok
+    assert c.detail == ("GPUs 0,1,2,3,4,5,6,7 (NVIDIA B200, compute capability 10.0) have no code in this torch in "
+                        "image ddp-trainer:latest (torch 2.5.1+cu124, CUDA 12.4, built for sm_50 ... sm_90, no PTX): "
+                        "build the image on a base with CUDA 12.8 or newer (image.build_args.BASE_IMAGE, e.g. "
+                        "pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime), then deploy")
+    host = _judge(_on("RTX 5090", "2.5.1+cu124", works=False, count=8), runtime="host")
+    assert "(NVIDIA GeForce RTX 5090, compute capability 12.0) have no code in this torch in /opt/venv/bin/python" \
+        in host.detail and host.detail.endswith("install a torch with CUDA 12.8 or newer for "
+                                                "/opt/venv/bin/python (train.python)"), host.detail
+
+
+@pytest.mark.parametrize("gpu, torch_version, works", [
+    ("H100", "2.5.1+cu124", True), ("L40S", "2.5.1+cu124", True), ("V100", "2.5.1+cu124", True),
+    ("H100", "2.14.1+cu130", True), ("B200", "2.14.1+cu130", True), ("RTX 5090", "2.14.1+cu130", True),
+    ("B200", "2.5.1+cu124", False), ("RTX 5090", "2.5.1+cu124", False), ("V100", "2.14.1+cu130", False)])
+def test_each_torch_end_is_judged_against_each_gpu_generation_by_its_own_list(gpu, torch_version, works):
+    c = _judge(_on(gpu, torch_version, works=works))
+    assert c.ok == works, c.detail
+    if not works:
+        assert f"({GPUS[gpu][0]}, compute capability {GPUS[gpu][1]}) have no code in this torch" in c.detail
+
+
+def test_a_gpu_older_than_the_build_is_told_to_find_a_build_that_keeps_it():
+    c = _judge(_on("V100", "2.14.1+cu130", works=False))
+    assert not c.ok and c.detail.endswith("build the image on a base with code for compute capability 7.0 "
+                                          "(image.build_args.BASE_IMAGE), then deploy"), c.detail
+
+
+def test_a_gpu_newer_than_the_table_knows_gets_no_cuda_or_base_named():
+    c = _judge({**_on("B200", "2.14.1+cu130", works=False), "capabilities": ["13.0"] * 8})
+    assert not c.ok and c.detail.endswith("build the image on a base with code for these GPUs "
+                                          "(image.build_args.BASE_IMAGE), then deploy"), c.detail
+
+
+def test_an_answer_without_the_build_s_architectures_is_judged_as_before():
+    c = _judge(H100)  # a trainer whose probe predates them: nothing refused on their account
+    assert c.ok
+
+
+def test_machine_code_ptx_and_architecture_specific_builds_run_where_cuda_runs_them():
+    from deploy.checks.gpu_arch import runs
+
+    assert runs(["sm_80"], (8, 6)) and not runs(["sm_86"], (8, 0)) and not runs(["sm_80"], (9, 0))
+    assert runs(["compute_90"], (10, 0)) and not runs(["compute_90"], (8, 9))  # PTX: compiled for a newer one
+    assert runs(["sm_90a"], (9, 0)) and not runs(["sm_90a"], (10, 0)) and not runs(["sm_100a"], (10, 3))
+    assert runs(["sm_100f"], (10, 3))  # a family build: its major's later minors
+    assert not runs(["sm_1x", "compute_"], (9, 0))  # what is not an architecture runs nothing
+
+
+def test_the_probe_reports_architectures_and_devices_before_a_kernel_fails():
+    from trainer.probe import _cuda
+
+    class Cuda:
+        is_available = staticmethod(lambda: True)
+        device_count = staticmethod(lambda: 2)
+        get_device_name = staticmethod(lambda i: "NVIDIA B200")
+        get_arch_list = staticmethod(lambda: ["sm_50", "sm_90"])
+        get_device_capability = staticmethod(lambda i: (10, 0))
+
+    class Torch:  # CUDA as an old build meets a new GPU: available, and its first kernel fails
+        cuda = Cuda
+
+        @staticmethod
+        def ones(*a, **k):
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
+
+    got = _cuda(Torch, 2)
+    assert got == {"cuda_available": False, "devices": 2, "device_names": ["NVIDIA B200"] * 2,
+                   "arch_list": ["sm_50", "sm_90"], "capabilities": ["10.0", "10.0"],
+                   "cuda_error": "CUDA error: no kernel image is available for execution on the device"}

@@ -73,6 +73,10 @@ def _cuda(torch, used: int) -> dict:
     try:
         out["devices"] = torch.cuda.device_count()
         out["device_names"] = [torch.cuda.get_device_name(i) for i in range(out["devices"])]
+        # what the build has code for, and what each device is: read before any kernel runs, so
+        # that a build with no code for the device says why its first kernel fails
+        out["arch_list"] = list(torch.cuda.get_arch_list())
+        out["capabilities"] = ["%d.%d" % torch.cuda.get_device_capability(i) for i in range(out["devices"])]
         for i in range(min(used, out["devices"])):
             torch.ones(1, device=f"cuda:{i}").add_(1).item()
         if torch.distributed.is_available() and torch.distributed.is_nccl_available():

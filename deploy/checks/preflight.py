@@ -47,6 +47,7 @@ from ..job.payload import payload
 from ..job.runtime import CodeDir, NodeFacts, runtime
 from ..node import node_program
 from ..nodes.remote import Remote, Result
+from . import gpu_arch
 from .versions import torch_supported
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
@@ -409,6 +410,7 @@ PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names"
 
 IMAGE_MISSING = ("No such image", "Unable to find image")
 NO_GPU_RUNTIME = "could not select device driver"
+SHOWN_GPUS = 4
 
 
 def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
@@ -451,6 +453,12 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
                     f"{rt.torch_hint()}")
     detail = f"torch {version}, " + (f"CUDA {report['cuda_build']}" if report["cuda_build"] else "CPU build")
     if node.devices:
+        cannot = _no_code_for(report, len(node.devices))
+        if cannot:
+            caps = [cap for _, cap in gpu_arch.unrunnable(report["arch_list"], report["capabilities"],
+                                                           list(range(len(node.devices))))]
+            return fail(f"{cannot} in {where} ({detail}, built for {gpu_arch.describe(report['arch_list'])}): "
+                        f"{rt.gpu_hint(*gpu_arch.need(report['arch_list'], caps))}")
         if not report["cuda_available"]:
             return fail(f"CUDA not usable in {where} ({detail}): {report['cuda_error']}")
         if report["devices"] < len(node.devices):
@@ -464,6 +472,23 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
     if report.get("infiniband"):
         detail += f", InfiniBand {' '.join(report['infiniband'])}"
     return Check(r.node, "torch", True, f"{detail} in {where}{_kept(r.stdout, inv.job.runtime)}")
+
+
+def _no_code_for(report: dict, used: int) -> str | None:
+    """``GPU 0 (NVIDIA B200, compute capability 10.0) has no code`` for each device of the ``used``
+    ones the build cannot run (deploy/checks/gpu_arch.py); None where it can run them all, or the
+    probe did not say."""
+    cannot = gpu_arch.unrunnable(report.get("arch_list"), report.get("capabilities"), list(range(used)))
+    if not cannot:
+        return None
+    names = report.get("device_names") or []
+    kinds: dict[tuple, list[int]] = {}
+    for i, (m, n) in cannot:
+        kinds.setdefault((str(names[i]) if i < len(names) else "?", m, n), []).append(i)
+    said = [f"GPU{'s' if len(ids) > 1 else ''} {','.join(map(str, ids))} ({name}, compute capability {m}.{n})"
+            for (name, m, n), ids in kinds.items()]
+    return f"{'; '.join(said[:SHOWN_GPUS])}{' and more' if len(said) > SHOWN_GPUS else ''} " \
+           f"{'has' if len(cannot) == 1 else 'have'} no code in this torch"
 
 
 def _kept(stdout: str, runtime: str = "docker") -> str:

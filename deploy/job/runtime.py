@@ -482,6 +482,11 @@ class Runtime:
         """What to do about a torch outside the supported range."""
         raise NotImplementedError
 
+    def gpu_hint(self, need: str, base: str | None = None) -> str:
+        """What to do about a torch with no code for the node's GPUs: get one ``need`` (``with CUDA
+        12.8 or newer``, deploy/checks/gpu_arch.py); ``base``: an image base that has it."""
+        raise NotImplementedError
+
     def dry_run_notes(self, node: Node) -> list[str]:
         """What the launch command gains from facts found on the node at launch time."""
         return []
@@ -545,6 +550,10 @@ class DockerRuntime(Runtime):
 
     def torch_hint(self) -> str:
         return "build the image on a base inside it (image.build_args.BASE_IMAGE), then deploy"
+
+    def gpu_hint(self, need: str, base: str | None = None) -> str:
+        return (f"build the image on a base {need} (image.build_args.BASE_IMAGE"
+                + (f", e.g. {base}" if base else "") + "), then deploy")
 
     def install_hint(self) -> str:
         return "rebuild the image from this version and run `ddp-deploy deploy`"
@@ -663,6 +672,9 @@ class HostRuntime(Runtime):
 
     def torch_hint(self) -> str:
         return f"install a torch inside it for {self.inv.python_path()} (train.python)"
+
+    def gpu_hint(self, need: str, base: str | None = None) -> str:
+        return f"install a torch {need} for {self.inv.python_path()} (train.python)"
 
     def install_hint(self) -> str:
         return f"install this version of the package for {self.inv.python_path()} (train.python)"
