@@ -1,4 +1,4 @@
-"""The cost of a rank's heartbeat (trainer/heartbeat.py) against the cheapest training step there is.
+"""The cost of a rank's heartbeat (trainer/heartbeat/) against the cheapest training step there is.
 
 In one run, interleaved: (h) ``Heartbeat.beat`` into a directory in /dev/shm, as the built-in
 trainer calls it once per optimizer step; (s) one optimizer step of the smallest model (``lenet``,

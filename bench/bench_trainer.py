@@ -140,7 +140,7 @@ def bare(root: Path, device: torch.device, steps: int, warmup: int) -> float:
 @contextlib.contextmanager
 def one_rank(device: str, port: str):
     """This process as a launched job of one rank, as ddp-deploy starts one (with a heartbeat
-    directory: trainer/heartbeat.py, trainer/flight.py), the synthetic dataset prepared in a scratch
+    directory: trainer/heartbeat/, trainer/flight.py), the synthetic dataset prepared in a scratch
     folder; yields (the DistEnv, the folder). Both folders and the process group go after."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)

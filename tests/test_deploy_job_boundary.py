@@ -15,7 +15,8 @@ import pytest
 
 from deploy.inventory import loads
 from deploy.job import plan, runs
-from deploy.job.runtime import RECORD_STOP, RUN_SUBDIR, runtime
+from deploy.job.runtime import RUN_SUBDIR, runtime
+from deploy.job.scripts import RECORD_STOP
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="root hands directories to uid 1000 and reads as it (setpriv)")
@@ -205,6 +206,6 @@ def test_a_stall_the_job_linked_to_a_root_file_shows_nothing_of_it_in_status(vol
     _deployed(volume)
     _as_job("mkdir", str(mine))
     _as_job("ln", "-s", str(volume / "canary" / "secret"), str(mine / "stalls"))
-    from deploy.job.runtime import AS_JOB_LIB, LAST_STALL
+    from deploy.job.scripts import AS_JOB_LIB, LAST_STALL
     said = _sh(["sh", "-c", AS_JOB_LIB + LAST_STALL + f'job_uid={JOB_UID}; last_stall "$1"', "sh", str(mine)])
     assert said.returncode == 0 and SECRET.split()[0] not in said.stdout.decode()

@@ -180,7 +180,7 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     shown = _wait_for(lambda: (lambda s: s if s.get("step") and s.get("kind") == "train" else None)(_state(ddp, hosts)),
                       "a training step in status", interval=0.5)
     assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
-    # and that it moves, from its rank's heartbeat (trainer/heartbeat.py): one per rank, never stalled
+    # and that it moves, from its rank's heartbeat (trainer/heartbeat/): one per rank, never stalled
     assert [(b["local_rank"], b["rank"]) for b in shown["heartbeats"]] == [(0, 0)] and shown["stalled"] is None
     assert shown["heartbeats"][0]["step"] >= 1 and shown["heartbeats"][0]["gap_s"] is not None
 

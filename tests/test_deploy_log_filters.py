@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from deploy.observe import plot as plotting
-from deploy.job.runtime import LAST_METRICS, STOPPED_LINE
+from deploy.job.scripts import LAST_METRICS, STOPPED_LINE
 
 
 def _filter(program: str, log: bytes) -> bytes:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deploy.job import outcome, plan
-from deploy.job.runtime import HOST_STATUS
+from deploy.job.scripts import HOST_STATUS
 from local_job import local_hosts
 from waiting import wait_until
 

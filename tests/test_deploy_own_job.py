@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from deploy.job import runs, runtime
+from deploy.job.scripts import KILL_RUN, RECORD_STOP
 from deploy.engines import slurm
 from deploy.observe import view
 from deploy.inventory import loads
@@ -140,7 +141,7 @@ def test_kill_run_spares_another_run_directory_s_process_a_pattern_would_match(t
     try:
         _wait_for(lambda: all("DDP_DEPLOY_RUN=" in Path(f"/proc/{p.pid}/environ").read_text()
                               for p in (mine, other, longer)), "the processes to start", 10)
-        subprocess.run(["sh", "-c", runtime.KILL_RUN + 'kill_run "$1" ""', "sh", "/nas/.ddp-deploy/exp.1/here"],
+        subprocess.run(["sh", "-c", KILL_RUN + 'kill_run "$1" ""', "sh", "/nas/.ddp-deploy/exp.1/here"],
                        check=True, timeout=30)
         assert mine.wait(timeout=10) == -signal.SIGKILL
         assert other.poll() is None and longer.poll() is None
@@ -152,7 +153,7 @@ def test_kill_run_spares_another_run_directory_s_process_a_pattern_would_match(t
 
 def _record_stop(kept: str, said: bytes, *, scope="node", mode="graceful", by="root@op", when="1764072063",
                  only_if_said=False):
-    return subprocess.run(["sh", "-c", runtime.RECORD_STOP + 'record_stop "$@"', "sh", kept, scope, mode, by, when,
+    return subprocess.run(["sh", "-c", RECORD_STOP + 'record_stop "$@"', "sh", kept, scope, mode, by, when,
                            *(["said"] if only_if_said else [])],
                           input=said, capture_output=True, check=True, timeout=30)
 

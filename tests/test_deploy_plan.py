@@ -11,7 +11,8 @@ import pytest
 from deploy.job import plan
 from deploy.inventory import loads
 from deploy.nodes.remote import command_line
-from deploy.job.runtime import HOST_START, STOP_GRACE_S, heartbeat_dir
+from deploy.job.runtime import STOP_GRACE_S, heartbeat_dir
+from deploy.job.scripts import HOST_START
 from fakes import install_command
 from trainer.entry import module_argv
 
@@ -43,7 +44,7 @@ DEMO_WHERE = hashlib.sha256(b"/nas/ckpt/.ddp-deploy/demo").hexdigest()[:12]
 
 def beats(node, runtime="docker"):
     """Where the started job's ranks keep their heartbeats (the node's memory, this job's and node's
-    alone), and how its launcher judges and acts on a stall (trainer/heartbeat.py, Watchdog)."""
+    alone), and how its launcher judges and acts on a stall (trainer/heartbeat/, Watchdog)."""
     return [f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}-{DEMO_WHERE}", "DDP_ON_STALL=report",
             "DDP_STALL_TIMEOUT=auto"]
 

@@ -290,7 +290,7 @@ def _raw(tmp_path: Path) -> dict:
                                     '{"torch": "2.13.0", "error": null, "program_error": "No module named \'x\'"}',
                                     "not json at all"])
 def test_a_failed_probe_answer_is_never_kept_and_is_probed_again(tmp_path, answer):
-    from deploy.job.runtime import PROBE_KEPT
+    from deploy.job.scripts import PROBE_KEPT
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

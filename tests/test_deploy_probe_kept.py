@@ -13,7 +13,7 @@ from pathlib import Path
 from deploy.checks import preflight
 from deploy.inventory import load
 from deploy.job import plan
-from deploy.job.runtime import HOST_PROBE_KEPT
+from deploy.job.scripts import HOST_PROBE_KEPT
 from local_job import local_hosts
 
 

@@ -15,7 +15,7 @@ from deploy.engines import fleet, slurmjob
 from deploy.job import plan, runs, secretenv
 from deploy.errors import InputError, InventoryError
 from deploy.inventory import loads
-from deploy.job.runtime import SECRETS_FROM_STDIN
+from deploy.job.scripts import SECRETS_FROM_STDIN
 from deploy.nodes.transport import Result
 from trainer.masking import SECRET_NAMES_ENV, Mask, StreamMask
 

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from deploy.observe import doctor, view
 from deploy.job import plan, runs, stall
 from deploy.cli import cli
-from deploy.job.runtime import HOST_STATUS
+from deploy.job.scripts import HOST_STATUS
 from deploy.text import safe
 from hung_job import hanging_program
 from local_job import beats_dir, local_hosts

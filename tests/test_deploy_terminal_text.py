@@ -54,7 +54,7 @@ def _job(tmp_path: Path) -> Path:
 
 
 def _ended(tmp_path: Path, exit_file: str, log: str) -> None:
-    """Node ``here`` as the host runtime leaves it once its launcher has ended (runtime.HOST_STATUS)."""
+    """Node ``here`` as the host runtime leaves it once its launcher has ended (scripts.HOST_STATUS)."""
     state = _job(tmp_path) / "here"
     state.mkdir(parents=True)
     (state / "pid").write_text("4194304\n")

@@ -11,7 +11,7 @@ from rich.console import Console
 from deploy.job import plan
 from deploy.observe import view
 from deploy.job.plan import NodeState
-from deploy.job.runtime import DOCKER_STATUS, HOST_STATUS
+from deploy.job.scripts import DOCKER_STATUS, HOST_STATUS
 from fakes import install_command
 
 TRAINER_LINE = 'METRICS ' + json.dumps({"time": 1.0, "kind": "train", "epoch": 1, "epochs": 8, "step": 37,

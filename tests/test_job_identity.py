@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.job import runtime
+from deploy.job import scripts
 from deploy.observe import doctor
 from procs import alive, descendants_of, parent_of
 from trainer import heartbeat
+from trainer.heartbeat.procs import _one_uid
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,9 +183,9 @@ def test_the_watchdog_kills_only_its_own_stalled_workers_never_another_user_s(tm
 
 
 def test_a_process_whose_uids_differ_is_no_job_s():
-    assert heartbeat._one_uid(b"\t1000\t1000\t1000\t1000\n") == 1000
-    assert heartbeat._one_uid(b"\t1000\t0\t0\t0\n") is None  # a setuid program run by 1000
-    assert heartbeat._one_uid(b"") is None and heartbeat._one_uid(b"\tx\tx\tx\tx") is None
+    assert _one_uid(b"\t1000\t1000\t1000\t1000\n") == 1000
+    assert _one_uid(b"\t1000\t0\t0\t0\n") is None  # a setuid program run by 1000
+    assert _one_uid(b"") is None and _one_uid(b"\tx\tx\tx\tx") is None
 
 
 # --- what the host runtime's end and stop kill (kill_run.sh) -------------------------------------
@@ -195,6 +196,6 @@ def test_kill_run_never_kills_another_user_s_process_that_carries_the_run_s_mark
     marker = f"DDP_DEPLOY_RUN={run}"
     mine = procs.child({"DDP_DEPLOY_RUN": run}, marker)
     stranger = procs.other_user({"DDP_DEPLOY_RUN": run}, marker)
-    subprocess.run(["sh", "-c", runtime.KILL_RUN + 'kill_run "$1" ""', "sh", run], check=True, timeout=30)
+    subprocess.run(["sh", "-c", scripts.KILL_RUN + 'kill_run "$1" ""', "sh", run], check=True, timeout=30)
     assert procs.children[0].wait(timeout=10) == -signal.SIGKILL and not alive(mine)
     assert alive(stranger)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from deploy.checks import preflight
-from deploy.job import runs, runtime
+from deploy.job import runs, scripts
 from deploy.engines import slurm
 from deploy.images import image
 from deploy.node import HERE, node_program
 from trainer import heartbeat
 
 SPLICED = {  # programs put together in Python from shared parts: (text, shell)
-    "runtime.HOST_START": (runtime.HOST_START, "sh"), "runtime.RECORD_STOP": (runtime.RECORD_STOP, "sh"),
+    "scripts.HOST_START": (scripts.HOST_START, "sh"), "scripts.RECORD_STOP": (scripts.RECORD_STOP, "sh"),
     "runs.NODES_OF": (runs.NODES_OF, "sh"), "slurm.TASK": (slurm.TASK, "sh"),
     "preflight.PHASES": (preflight.PHASES, "bash"), "trainer.heartbeat.DIAGNOSE": (heartbeat.DIAGNOSE, "sh"),
     "image.IDENTIFY": (image.IDENTIFY, "sh"), "image.LOAD": (image.LOAD, "sh"),
@@ -60,6 +60,6 @@ def test_shellcheck_finds_a_planted_fault(shellcheck):
 
 
 def test_the_node_programs_are_read_from_their_files():
-    assert runtime.KILL_RUN == node_program("kill_run.sh") == (HERE / "kill_run.sh").read_text()
+    assert scripts.KILL_RUN == node_program("kill_run.sh") == (HERE / "kill_run.sh").read_text()
     assert preflight.LISTEN == node_program("listen.py") and preflight.LISTEN.startswith("import socket")
     assert len(FILES) >= 20

@@ -106,7 +106,7 @@ def resume_and_train(ctx: Context, startup: Startup | None = None) -> dict:
         save_final_model(cfg.ckpt_dir, ctx.built.raw_model.state_dict())
         ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step,
                            "world_size": env.world_size, "backend": env.backend, **final})
-    ctx.heartbeat.finish()  # nothing left to watch on this rank (trainer/heartbeat.py)
+    ctx.heartbeat.finish()  # nothing left to watch on this rank (trainer/heartbeat/)
     return final
 
 

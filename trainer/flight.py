@@ -7,7 +7,7 @@ it, and a hung rank's main thread is inside a collective; but that wait releases
 thread of the rank's own can still answer.
 
 Each worker of the built-in trainer runs :class:`FlightWatch` when the job has heartbeats
-(trainer/heartbeat.py) and its torch records its backend's collectives. When ``fr-request`` in the
+(trainer/heartbeat/) and its torch records its backend's collectives. When ``fr-request`` in the
 heartbeat directory holds a new token (``DIAGNOSE`` writes one), the thread writes
 ``fr-<LOCAL_RANK>`` there: one line ``TOKEN SEQ OP``, the newest collective of the default process
 group (its sequence number and name, e.g. ``1234 all_reduce``). ``doctor`` and the watchdog read it beside the stacks

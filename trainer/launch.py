@@ -509,7 +509,7 @@ def main() -> None:
         # The job (torchrun) is this process's child: its output is masked and copied to the run's
         # log, and torch's log directory is made here (the child gets it named, and runs torchrun
         # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
-        if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat.py)
+        if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat/)
             os.environ[heartbeat.STALL_RECORD_ENV] = directory
         with torch_log_dir(argv) if "--" in argv else contextlib.nullcontext(LogDirArgs()) as log_dir:
             keep = () if log_dir.held is None else (log_dir.held,)
@@ -542,7 +542,7 @@ def main() -> None:
         keep_rendezvous_open_on_failure()
     watch_rendezvous(args)
 
-    # The workers' heartbeats (trainer/heartbeat.py): this run's alone, gone with it.
+    # The workers' heartbeats (trainer/heartbeat/): this run's alone, gone with it.
     beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
     if beats is None:
         os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)

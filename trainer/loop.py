@@ -43,7 +43,7 @@ class Context:
     metrics: MetricsWriter
     stop: StopSignal
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None))
-    """This rank's progress for `status` (trainer/heartbeat.py): every step, evaluation batch, checkpoint."""
+    """This rank's progress for `status` (trainer/heartbeat/): every step, evaluation batch, checkpoint."""
 
 
 # --- checkpoint state -----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def stop_here(ctx: Context, pos: Position) -> None:
 
 def _stopped(ctx: Context, pos: Position) -> Stopped:
     name = ctx.checkpoints.path_for(pos.global_step).name
-    ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (trainer/heartbeat.py)
+    ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (trainer/heartbeat/)
     ctx.metrics.write({"kind": "stopped", "epoch": pos.epoch, "step": pos.global_step, "micro": pos.micro,
                        "checkpoint": name, "signal": ctx.stop.received, "world_size": ctx.env.world_size})
     return Stopped(pos.global_step, pos.epoch, name, ctx.stop.received)

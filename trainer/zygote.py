@@ -28,7 +28,7 @@ left; a worker dies with the zygote (``PR_SET_PDEATHSIG``); a worker whose agent
 is killed. Identity: a forked worker's ``/proc/PID/environ`` shows the environment the launcher
 started with (the run's markers, ``DDP_HEARTBEAT_DIR``, but not the worker's own ``RANK``), so the
 zygote writes ``$DDP_HEARTBEAT_DIR/workers/LOCAL_RANK`` = ``PID RANK`` for each worker it forks
-(trainer/heartbeat.py reads it to find and diagnose the workers).
+(trainer/heartbeat/ reads it to find and diagnose the workers).
 
 Only on Linux, and only where no GPU is in use: the zygote must never initialise CUDA before it
 forks, which no test here can check (deploy sets ``DDP_PREFORK`` for CPU nodes). Any program

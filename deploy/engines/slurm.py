@@ -28,12 +28,12 @@ from ..inventory import Inventory
 from ..job.payload import payload
 from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags, torchrun_procs
 from ..job.runs import NODES_OF, parse as parse_runs
-from ..job.runtime import (BEGIN_STOP, PROGRESS, RECORD_STOP, STOP_GRACE_S, WORK_SUBDIR, CodeDir, job_dir, operator,
-                           runtime, spy_beside)
+from ..job.runtime import STOP_GRACE_S, WORK_SUBDIR, CodeDir, job_dir, operator, runtime, spy_beside
+from ..job.scripts import BEGIN_STOP, PROGRESS, RECORD_STOP
 from ..node import node_program
 from ..text import lines as text_lines
 
-# Where each node's ranks keep their heartbeats (trainer/heartbeat.py), in the node's memory: the
+# Where each node's ranks keep their heartbeats (trainer/heartbeat/), in the node's memory: the
 # Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the
 # allocation both have these variables; a requeued job's tasks find it again, emptied).
 HEARTBEATS = "/dev/shm/ddp-heartbeat-slurm-$SLURM_JOB_ID@$SLURMD_NODENAME"

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..checks.preflight import Check
 from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..inventory import load
-from ..job import codesync, outcome, phases, plan, record, runs, runtime, secretenv
+from ..job import codesync, outcome, phases, plan, record, runs, runtime, scripts, secretenv
 from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import doctor, view
@@ -302,7 +302,7 @@ def read_logs(inv, remote, on_line: Callable[[LogLine], None], *, run_id: str | 
         if not ranks or rank in ranks:
             on_line(LogLine(current["node"], rank, redact(text)))
 
-    full = ("sh", "-c", runtime.MERGE_STDERR, "sh", *argv)
+    full = ("sh", "-c", scripts.MERGE_STDERR, "sh", *argv)
     results = remote.stream({login(inv): full}, emit)  # line by line: none of the logs held here
     if not all(r.ok for r in results.values()):
         raise RemoteFailure("logs", results, hint="no output on the shared volume yet, or the login node is unreachable")

@@ -2,11 +2,11 @@
 whether anything shows that the job trained.
 
 A stop is kept beside the node's directory of the run (``runs/<id>/<node>.stopped``, written by
-runtime.RECORD_STOP): ``status`` shows a node it stopped as ``stopped (graceful, checkpoint at
+scripts.RECORD_STOP): ``status`` shows a node it stopped as ``stopped (graceful, checkpoint at
 step 40)``, as ``runs`` and ``status --run`` do, ``stopping`` while the stop is under way, and
 ``launch --wait`` ends as a stop, not a failure.
 
-A run trained when one of its ranks formed the process group (its heartbeat, trainer/heartbeat.py,
+A run trained when one of its ranks formed the process group (its heartbeat, trainer/heartbeat/,
 seen by the node's launcher, which keeps the finding in the node's directory of the run as
 :data:`trainer.formed.MARKER`) or a rank printed a METRICS line. A run whose every node exited 0
 with neither is not called a success: nothing shows it trained.
@@ -31,7 +31,7 @@ _STOP = re.compile(r"([0-9]{1,11}) (node|job) (graceful|now) (-|[0-9]{1,18}) "
 
 @dataclass(frozen=True)
 class Stop:
-    """A stop of the run on a node, as ``stop`` kept it: ``<node>.stopped`` (runtime.RECORD_STOP),
+    """A stop of the run on a node, as ``stop`` kept it: ``<node>.stopped`` (scripts.RECORD_STOP),
     one line ``TIME SCOPE MODE STEP BY``. The job can write that file too: a line that is not
     exactly that is no record."""
 

@@ -70,7 +70,7 @@ NO_FIRST_STEP = ("no first step seen: no node printed a METRICS line, and no ran
 class FirstStep:
     """The job's first step, as ``launch --wait`` sees the nodes' states at each poll
     (deploy/job/plan.py ``NodeState``): a node's first METRICS line (docs/own-code.md, Metrics),
-    or a rank's first heartbeat that shows a step (trainer/heartbeat.py: the program's own, with its
+    or a rank's first heartbeat that shows a step (trainer/heartbeat/: the program's own, with its
     step; or the progress hook's, which every rank of any program writes when its process group
     forms and after each collective, once a collective has returned), whichever a poll shows
     first. When: the

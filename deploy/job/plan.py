@@ -21,7 +21,8 @@ from ..node import node_program
 from ..text import lines as text_lines
 from .outcome import STOPPED_UNREAD, STOPPING, Stop
 from .payload import payload
-from .runtime import TOOL_DIR, CodeDir, NodeFacts, heartbeat_dir, runtime
+from .runtime import CodeDir, NodeFacts, heartbeat_dir, runtime
+from .scripts import TOOL_DIR
 from .stall import STOPPED as STALL_STOPPED
 from .stall import Beat, Stall, StallRecord, ended_state, judge
 
@@ -190,7 +191,7 @@ def program_args(inv: Inventory) -> tuple[str, ...]:
 
 def stall_env(inv: Inventory) -> tuple[tuple[str, str], ...]:
     """job.on_stall and job.stall_timeout for each node's launcher, which keeps a stall with the run
-    and acts on it itself (trainer/heartbeat.py, Watchdog): on the SSH fleet and under Slurm alike."""
+    and acts on it itself (trainer/heartbeat/, Watchdog): on the SSH fleet and under Slurm alike."""
     return ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
 
 
@@ -349,9 +350,9 @@ def parse_status(stdout: str) -> NodeState:
         word, _, value = line.strip().partition(" ")
         if word == "restarts":
             restarts = count(value)
-        elif word == "stall":  # the last stall the node's launcher kept (runtime.LAST_STALL)
+        elif word == "stall":  # the last stall the node's launcher kept (scripts.LAST_STALL)
             kept = StallRecord.parse(value)
-        elif word == "beat":  # "beat LOCAL_RANK AGE LINE" (runtime.PROGRESS)
+        elif word == "beat":  # "beat LOCAL_RANK AGE LINE" (scripts.PROGRESS)
             name, _, rest = value.partition(" ")
             age, _, text = rest.partition(" ")
             found = parse_beat(name, age, text)
@@ -359,7 +360,7 @@ def parse_status(stdout: str) -> NodeState:
                 beats.append(Beat(*found))
         elif word == "quiet":
             quiet = float(count(value)) if value.isdigit() else None
-        elif word == "stop":  # the operator's stop of this run on the node (runtime.RECORD_STOP)
+        elif word == "stop":  # the operator's stop of this run on the node (scripts.RECORD_STOP)
             stop = Stop.parse(value)
         elif line.strip() == "formed":  # the node's launcher saw a heartbeat (trainer/formed.py)
             formed = True

@@ -13,7 +13,8 @@ from ..node import node_program
 from . import secretenv
 from .payload import payload
 from .plan import endpoint, nnodes
-from .runtime import RUN_SUBDIR, TOOL_DIR, CodeDir, job_dir, runtime
+from .runtime import RUN_SUBDIR, CodeDir, job_dir, runtime
+from .scripts import TOOL_DIR
 
 # stdin: the run's first step (first_step_line); first_step.sh has the arguments. Adds it to the
 # run's record, once.

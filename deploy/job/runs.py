@@ -34,8 +34,8 @@ from ..node import node_program
 from ..text import lines
 from .outcome import FORMED_MARKER, NOTHING_TRAINED, Stop, describe_stop, trained
 from .plan import NodeState
-from .runtime import (AS_JOB_LIB, LAST_METRICS, RUN_SUBDIR, TOOL_DIR, as_job_argv, job_dir, kept_dir, runtime,
-                      tail_argv)
+from .runtime import RUN_SUBDIR, as_job_argv, job_dir, kept_dir, runtime, tail_argv
+from .scripts import AS_JOB_LIB, LAST_METRICS, TOOL_DIR
 from .stall import STOPPED as STALL_STOPPED
 from .stall import StallRecord, ended_state
 
@@ -78,7 +78,7 @@ NODES_OF = r"""nodes_of() {
 """
 
 # $1 = a run's directory, then NODE/TIME for each kept stall wanted (runs.StallRecord): for each,
-# "@@node NAME", "@@stall TIME" and what the node's DIAGNOSE printed then (trainer/heartbeat.py,
+# "@@node NAME", "@@stall TIME" and what the node's DIAGNOSE printed then (trainer/heartbeat/,
 # Watchdog.keep). Only the files the stall records name: the job can write this directory too.
 STALL_DIAGNOSES = node_program("stall_diagnoses.sh")
 

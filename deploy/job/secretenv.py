@@ -2,7 +2,7 @@
 
 hosts.yaml names where each value comes from (``train.secrets``: the operator's environment or
 a file), never the value. The values travel to the nodes as ``NAME=VALUE`` lines on the start
-command's stdin (runtime.SECRETS_FROM_STDIN), so no command line, ``--dry-run`` output or debug
+command's stdin (scripts.SECRETS_FROM_STDIN), so no command line, ``--dry-run`` output or debug
 log holds them; what the tool prints (logs, status, errors, the debug log) passes through
 :class:`Redactor`, which shows each value as ``***``. On the node the launcher masks the job's
 output the same way before it is written anywhere (trainer.masking, SECRET_NAMES_ENV).
@@ -68,7 +68,7 @@ def value(inv: Inventory, name: str) -> str:
 
 
 def stdin_lines(values: dict[str, str]) -> bytes:
-    """What the start command reads from stdin (runtime.SECRETS_FROM_STDIN)."""
+    """What the start command reads from stdin (scripts.SECRETS_FROM_STDIN)."""
     return "".join(f"{k}={v}\n" for k, v in values.items()).encode()
 
 

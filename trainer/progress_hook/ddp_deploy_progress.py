@@ -2,7 +2,7 @@
 
 Installed in each worker before its program runs (the ``sitecustomize`` beside this file for the
 workers torchrun starts; trainer/zygote.py for those the launcher's zygote forks), where the launcher
-set ``DDP_HEARTBEAT_DIR``. It writes the rank's heartbeat file (trainer/heartbeat.py), ``STEP RANK
+set ``DDP_HEARTBEAT_DIR``. It writes the rank's heartbeat file (trainer/heartbeat/), ``STEP RANK
 GAP_MS PHASE`` in place, ``-`` for what it does not know:
 
 - ``start`` when the worker starts: the watch's clock for the rank starts there;
