@@ -1,4 +1,4 @@
-"""The Python API the CLI is built on (deploy/engines/fleet.py; Slurm's, slurmjob.py, is tested on the
+"""The Python API the CLI is built on (deploy/engines/fleet/; Slurm's, slurmjob.py, is tested on the
 cluster): a program launches, follows and stops a job without a shell, on the `local` connection with
 the real trainer; what it gets back is data."""
 

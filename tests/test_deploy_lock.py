@@ -581,12 +581,12 @@ def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
         ddp, tmp_path, holders, monkeypatch, fleet_lock_path, meanwhile):
     """Taken after a beat: the launch's heartbeat found the lock removed, then stopped beating,
     before the other operator took it; the launch still names who holds it now."""
-    from deploy.engines import fleet
+    from deploy.engines.fleet import actions
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     other = holders(hosts) if meanwhile.startswith("taken") else None
     took = []
-    one_image = fleet.one_image
+    one_image = actions.one_image
     held: list[lock.FleetLock] = []
     if meanwhile == "taken after a beat":
         monkeypatch.setattr(lock, "HEARTBEAT_EVERY", 0.1)
@@ -604,7 +604,7 @@ def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
             took.append(other.take())
         return image
 
-    monkeypatch.setattr(fleet, "one_image", then_unlocked)
+    monkeypatch.setattr(actions, "one_image", then_unlocked)  # as launch looks it up
     try:
         r = ddp(hosts, "launch")
         assert r.exit_code == 1, r.output

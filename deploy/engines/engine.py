@@ -129,7 +129,7 @@ class Engine(ABC):
     def runs(self, as_json: bool) -> None:
         inv, redact = self.inv, self.st.redact
         with Remote(inv) as remote:
-            kept = fleet.kept_runs(inv, remote, "", redact)[1]
+            kept = fleet.kept_runs(inv, remote, "", redact).runs
             running = bool(kept) and kept[-1].end is None and self.running(remote)
             good = fleet.goodputs(inv, remote, kept, running, render.warn)
         if as_json:

@@ -1,6 +1,6 @@
 """The SSH fleet (hosts.yaml's ``nodes:``): the engine whose verbs reach every node over SSH and
 run the job there, in Docker or on the host (deploy/engines/engine.py is the interface). The procedures
-are deploy/engines/fleet.py's, their rendering deploy/engines/render.py's; here each verb calls and shows them."""
+are deploy/engines/fleet/'s, their rendering deploy/engines/render.py's; here each verb calls and shows them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the CLI shows what the procedures (deploy/engines/fleet.py) and the nodes said: tables, command
+"""How the CLI shows what the procedures (deploy/engines/fleet/) and the nodes said: tables, command
 lines, progress and warnings, every one of them as text (a node's words may hold escapes or markup)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def warn(text: str) -> None:
 
 
 def say(text: str) -> None:
-    """A procedure's line of progress (deploy/engines/fleet.py's ``say``), shown as text."""
+    """A procedure's line of progress (deploy/engines/fleet/'s ``say``), shown as text."""
     click.echo(safe(text))
 
 
@@ -120,12 +120,13 @@ def follow(inv, remote, timeout, redact, run: str | None = None):
 def kept_status(inv, remote, wanted: str, as_json: bool, redact, running=lambda: False) -> None:
     """``status --run``: how each node of a kept run ended, its last metrics, the first failure,
     its goodput (``running()``: whether the job's newest run runs still)."""
-    reader, run = fleet.kept_run(inv, remote, wanted, redact, "status --run")
+    kept = fleet.kept_run(inv, remote, wanted, redact, "status --run")
+    reader, run = kept.reader, kept.run
     states = {n: r.state() for n, r in run.nodes.items()}
     ranks = {n: run.procs(n) for n in states}
     first = fleet.kept_failure(inv, remote, reader, run.id, fleet.witnesses(states), redact)
     stalls = fleet.kept_stalls(inv, remote, reader, run, redact)
-    live = run.end is None and fleet.kept_runs(inv, remote, "", redact)[1][-1].id == run.id and running()
+    live = run.end is None and fleet.kept_runs(inv, remote, "", redact).runs[-1].id == run.id and running()
     good = fleet.goodputs(inv, remote, [run], live, warn).get(run.id)
     if as_json:
         click.echo(json.dumps({"run": run.id, "start": run.start, "end": run.end, "outcome": run.outcome(),

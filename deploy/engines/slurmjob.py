@@ -272,7 +272,7 @@ def read_logs(inv, remote, on_line: Callable[[LogLine], None], *, run_id: str | 
     headers telling the nodes apart. ``reading`` learns the nodes before the first line; they are
     returned too (none while the job waits for its nodes)."""
     if run_id is not None:
-        kept = fleet.kept_run(inv, remote, run_id, redact, "logs --run")[1]
+        kept = fleet.kept_run(inv, remote, run_id, redact, "logs --run").run
         run, ran = kept.id, list(kept.nodes)
     else:
         s = job_state(inv, remote, redact)
@@ -361,12 +361,12 @@ class SlurmJob:
 
     def runs(self) -> list[runs.Run]:
         with Remote(self.inv) as remote:
-            return fleet.kept_runs(self.inv, remote, "", self.redact)[1]
+            return fleet.kept_runs(self.inv, remote, "", self.redact).runs
 
     def goodput(self) -> dict[str, Goodput | None]:
         """As :meth:`deploy.engines.fleet.Fleet.goodput`."""
         with Remote(self.inv) as remote:
-            kept = fleet.kept_runs(self.inv, remote, "", self.redact)[1]
+            kept = fleet.kept_runs(self.inv, remote, "", self.redact).runs
             running = bool(kept) and kept[-1].end is None and job_state(self.inv, remote).active
             return fleet.goodputs(self.inv, remote, kept, running, self.warn)
 

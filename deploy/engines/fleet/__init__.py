@@ -1,0 +1,46 @@
+"""The SSH fleet's verbs as a Python API: the procedures the CLI is built on.
+
+Each one takes the inventory, an open :class:`~deploy.nodes.remote.Remote` and a ``redact`` for the
+job's secrets, returns data or raises a :class:`~deploy.errors.DeployError` naming the cause,
+and reports progress through callbacks (``say``: a line of progress, ``warn``: a warning), so that
+a notebook or a CI pipeline can launch, follow and stop a job without a shell::
+
+    from deploy.engines.fleet import Fleet
+
+    fleet = Fleet("hosts.yaml", say=print)
+    started = fleet.launch()             # the run id, its nodes and where the launch's time went
+    final = fleet.wait(timeout=3600)     # every node's state once the job has ended
+    print(fleet.verdict(final))          # or a RuntimeFailure naming the first failure (JobStopped: stopped)
+    fleet.stop()
+
+The click commands (deploy/cli.py) only parse, call these and render (deploy/engines/render.py).
+
+Its parts: ``common`` (what the verbs share), ``watch`` (a running job followed, and its end told
+truly), ``kept`` (the runs on the shared volume), ``actions`` (launch, stop, deploy, join, unlock),
+``logs`` and ``api`` (the :class:`Fleet` object).
+"""
+
+from __future__ import annotations
+
+from .common import (
+    FAILURE_TAIL, Say, check, node_index, on_any_node, one_image, quiet, readers, refuse_failed_checks,
+    running_job, size, start_run, sync_code, undo_start, without_interface,
+)
+from .watch import (
+    NOTHING_TRAINED_HINT, UNREACHABLE_POLLS, diagnose, first_failure, node_states, nothing_trained,
+    stalled_and_stopped, stopped_by_operator, verdict, wait, witnesses,
+)
+from .kept import goodputs, kept_failure, kept_run, kept_runs, kept_stalls, metrics, newest_stall, plot, when
+from .actions import Joined, Shipping, Started, Unlocked, deploy, join, joinable, launch, no_progress, stop, unlock
+from .logs import LogLine, log_reads, read_logs
+from .api import Fleet
+
+__all__ = [
+    "FAILURE_TAIL", "Fleet", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say", "Shipping", "Started",
+    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "join",
+    "joinable", "kept_failure", "kept_run", "kept_runs", "kept_stalls", "launch", "log_reads", "metrics",
+    "newest_stall", "no_progress", "node_index", "node_states", "nothing_trained", "on_any_node", "one_image",
+    "plot", "quiet", "read_logs", "readers", "refuse_failed_checks", "running_job", "size",
+    "stalled_and_stopped", "start_run", "stop", "stopped_by_operator", "sync_code", "undo_start", "unlock",
+    "verdict", "wait", "when", "without_interface", "witnesses",
+]

@@ -1,0 +1,144 @@
+"""The SSH fleet as one Python object (:class:`Fleet`): each verb a method, its connections
+opened per call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ...errors import InputError, RemoteFailure
+from ...inventory import load
+from ...job import plan, runs, secretenv
+from ...nodes.remote import Remote
+from ...observe import doctor
+from ...observe.goodput import Goodput
+from ...observe import plot as plotting
+from .common import Say, check, quiet
+from .watch import diagnose, node_states, verdict, wait
+from .kept import goodputs, kept_runs, metrics, plot
+from .actions import Joined, Started, deploy, join, launch, no_progress, stop, unlock
+from .logs import LogLine, log_reads, read_logs
+
+
+class Fleet:
+    """The job of a hosts.yaml on its SSH fleet, verb by verb, for a program instead of a shell.
+
+    ``without``: nodes left out (as ``--without``). ``say`` and ``warn`` receive the progress
+    lines and warnings the CLI prints. Every secret value is masked in what is returned (the
+    job's output may print one)."""
+
+    def __init__(self, hosts: str | Path = "hosts.yaml", *, without: tuple[str, ...] = (), say: Say = quiet,
+                 warn: Say = quiet) -> None:
+        inv = load(hosts)
+        if inv.slurm is not None:
+            raise InputError(f"{hosts}: a Slurm inventory; this API drives an SSH fleet (nodes:)",
+                             hint="use deploy.engines.slurmjob.SlurmJob for Slurm, or deploy.engines.choose.api, "
+                                  "which picks")
+        self.hosts = str(hosts)
+        self.inv = inv.without(without) if without else inv
+        self.redact = secretenv.redactor_for(self.inv)
+        self.say, self.warn = say, warn
+
+    def check(self) -> list:
+        """The preflight checks on every node (``ddp-deploy check``), with the code synced first so
+        that the program's import is checked where it will run: each a Check (node, name, ok, detail)."""
+        with Remote(self.inv) as remote:
+            return check(self.inv, remote, self.say).checks
+
+    def deploy(self, *, build: bool = False, shipping=no_progress) -> dict[str, str]:
+        """Readies every node (``ddp-deploy deploy``): each node's line of what it has now."""
+        with Remote(self.inv) as remote:
+            return deploy(self.inv, remote, hosts=self.hosts, build=build, say=self.say, warn=self.warn,
+                          shipping=shipping)
+
+    def launch(self) -> Started:
+        """Starts the job on every node, all or nothing (``ddp-deploy launch``)."""
+        with Remote(self.inv) as remote:
+            return launch(self.inv, remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn)
+
+    def join(self, node: str) -> Joined:
+        """Starts ``node`` into the elastic job the others run (``ddp-deploy join NODE``)."""
+        with Remote(self.inv) as remote:
+            return join(self.inv, remote, node, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn)
+
+    def logs(self, *, tail: int | None = None, nodes: tuple[str, ...] = (), ranks: tuple[int, ...] = (),
+             run: str | None = None, follow: bool = False,
+             on_line: Callable[[LogLine], None] | None = None) -> list[LogLine]:
+        """The job's log lines (of the kept run ``run``, or the running one), node after node, only the
+        ``nodes`` and ``ranks`` asked for. With ``on_line`` each goes there as it comes and none is
+        kept (a log can outgrow memory). ``follow`` needs ``on_line``: every node at once, so it may
+        be called from several threads at once, until interrupted (or, on docker, until the
+        containers end)."""
+        if follow and on_line is None:
+            raise InputError("logs: follow=True needs on_line", hint="pass on_line=print, or a function of your own")
+        kept: list[LogLine] = []
+        with Remote(self.inv) as remote:
+            reads = log_reads(self.inv, remote, run_id=run, nodes=nodes, tail=tail, follow=follow,
+                              redact=self.redact, warn=self.warn)
+            read_logs(remote, reads, on_line or kept.append, follow=follow, ranks=ranks, redact=self.redact)
+        return kept
+
+    def metrics(self, runs: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+        """Each run's metrics records as the trainer (or the program's METRICS lines) wrote them, by
+        run id (all runs, or those ``runs`` names: an id or its start)."""
+        with Remote(self.inv) as remote:
+            by_run = metrics(self.inv, remote, runs, self.redact, self.warn)[0]
+        return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
+
+    def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:
+        """The runs' metrics drawn into one PNG at ``path`` (``ddp-deploy plot``): what it drew."""
+        with Remote(self.inv) as remote:
+            return plot(self.inv, remote, path, runs, self.redact, self.warn)
+
+    def unlock(self, *, force: bool = False) -> dict[str, str]:
+        """Removes a stale fleet lock (any, with ``force``): each node's line; a RuntimeFailure where
+        a lock may remain."""
+        with Remote(self.inv) as remote:
+            done = unlock(self.inv, remote, force=force)
+        refused = done.refusal()
+        if refused:
+            raise refused
+        return done.lines
+
+    def states(self) -> dict[str, plan.NodeState]:
+        """Every node's state now (running, exited(N), stalled, unreachable, ...) and its last metrics."""
+        with Remote(self.inv) as remote:
+            return node_states(self.inv, remote, self.redact)
+
+    def wait(self, timeout: float | None = None,
+             show: Callable[[dict], None] = lambda states: None) -> dict[str, plan.NodeState]:
+        """Every node's state once the job has ended; ``show`` sees the states at each poll."""
+        with Remote(self.inv) as remote:
+            return wait(self.inv, remote, timeout, self.redact, show=show, say=self.say)
+
+    def verdict(self, final: dict[str, plan.NodeState]) -> str:
+        """What to say of a job that ended well; a RuntimeFailure naming the first failure otherwise
+        (or saying that nothing shows it trained), a JobStopped where ``stop`` ended it."""
+        with Remote(self.inv) as remote:
+            return verdict(self.inv, final, remote, self.redact)
+
+    def runs(self) -> list[runs.Run]:
+        """The job's kept runs, oldest first: id, start, end, each node's exits, metrics and stalls."""
+        with Remote(self.inv) as remote:
+            return kept_runs(self.inv, remote, "", self.redact).runs
+
+    def goodput(self) -> dict[str, Goodput | None]:
+        """Each kept run's goodput and incidents (restarts, resizes, stops), by run id."""
+        with Remote(self.inv) as remote:
+            kept = kept_runs(self.inv, remote, "", self.redact).runs
+            running = bool(kept) and kept[-1].end is None and any(s.running for s in node_states(
+                self.inv, remote, self.redact).values())
+            return goodputs(self.inv, remote, kept, running, self.warn)
+
+    def doctor(self) -> doctor.Diagnosis:
+        """What every rank of the running job is doing, grouped by where the ranks wait."""
+        with Remote(self.inv) as remote:
+            return diagnose(self.inv, remote, self.redact)
+
+    def stop(self, *, now: bool = False) -> dict[str, str]:
+        """Ends the job (see :func:`stop`): each node's answer; a RemoteFailure where one did not."""
+        with Remote(self.inv) as remote:
+            results = stop(self.inv, remote, now=now)
+        if not all(r.ok for r in results.values()):
+            raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
+        return {n: self.redact(r.stdout.strip()) for n, r in results.items()}
