@@ -175,8 +175,9 @@ def _on(gpu: str, torch_version: str, *, works: bool, count: int = 8) -> dict:
     """The probe's answer on a node of ``count`` such GPUs with that torch: where the build has no
     code for them, CUDA is available (torch warns) and the first kernel fails."""
     name, cap = GPUS[gpu]
-    return {**H100, "torch": torch_version, "cuda_build": torch_version.split("+cu")[1][:-1] + "."
-            + torch_version.split("+cu")[1][-1], "devices": count, "device_names": [name] * count,
+    cu = torch_version.split("+cu")[1]  # 124: CUDA 12.4
+    return {**H100, "torch": torch_version, "cuda_build": f"{cu[:-1]}.{cu[-1]}", "devices": count,
+            "device_names": [name] * count,
             "arch_list": _wheel_arch(torch_version), "capabilities": [cap] * count,
             **({} if works else {"cuda_available": False, "nccl": None,
                                  "cuda_error": "CUDA error: no kernel image is available for execution on the device"})}

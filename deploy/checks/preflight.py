@@ -453,12 +453,12 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
                     f"{rt.torch_hint()}")
     detail = f"torch {version}, " + (f"CUDA {report['cuda_build']}" if report["cuda_build"] else "CPU build")
     if node.devices:
-        cannot = _no_code_for(report, len(node.devices))
+        arch = report.get("arch_list")
+        cannot = gpu_arch.unrunnable(arch, report.get("capabilities"), list(range(len(node.devices))))
         if cannot:
-            caps = [cap for _, cap in gpu_arch.unrunnable(report["arch_list"], report["capabilities"],
-                                                           list(range(len(node.devices))))]
-            return fail(f"{cannot} in {where} ({detail}, built for {gpu_arch.describe(report['arch_list'])}): "
-                        f"{rt.gpu_hint(*gpu_arch.need(report['arch_list'], caps))}")
+            hint = rt.gpu_hint(*gpu_arch.need(arch, [cap for _, cap in cannot]))
+            return fail(f"{_no_code_for(report, cannot)} in {where} ({detail}, built for {gpu_arch.describe(arch)}): "
+                        f"{hint}")
         if not report["cuda_available"]:
             return fail(f"CUDA not usable in {where} ({detail}): {report['cuda_error']}")
         if report["devices"] < len(node.devices):
@@ -474,13 +474,9 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
     return Check(r.node, "torch", True, f"{detail} in {where}{_kept(r.stdout, inv.job.runtime)}")
 
 
-def _no_code_for(report: dict, used: int) -> str | None:
-    """``GPU 0 (NVIDIA B200, compute capability 10.0) has no code`` for each device of the ``used``
-    ones the build cannot run (deploy/checks/gpu_arch.py); None where it can run them all, or the
-    probe did not say."""
-    cannot = gpu_arch.unrunnable(report.get("arch_list"), report.get("capabilities"), list(range(used)))
-    if not cannot:
-        return None
+def _no_code_for(report: dict, cannot: list[tuple[int, tuple[int, int]]]) -> str:
+    """``GPU 0 (NVIDIA B200, compute capability 10.0) has no code in this torch`` for the devices
+    the build cannot run (gpu_arch.unrunnable), those of one name and capability together."""
     names = report.get("device_names") or []
     kinds: dict[tuple, list[int]] = {}
     for i, (m, n) in cannot:

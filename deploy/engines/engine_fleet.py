@@ -145,12 +145,7 @@ class SshFleet(Engine):
                                    for n, s in states.items()]))
         else:
             render.print_status(inv, states)
-            if why:
-                click.echo(safe(f"stalled: {why} (`ddp-deploy doctor` shows each rank)"))
-            if first:
-                click.echo(f"first failure: {first.describe()}")
-            if untrained:
-                click.echo(f"{untrained} ({fleet.NOTHING_TRAINED_HINT})")
+            render.print_findings(why, first, untrained)
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv

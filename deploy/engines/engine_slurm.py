@@ -116,12 +116,7 @@ class Slurm(Engine):
                         + (f", requeued {s.restarts}x" if s.restarts else "")))
         if states:
             render.out.print(view.table(inv.job.name, {n: inv.slurm.nprocs for n in states}, states))
-        if why:
-            click.echo(safe(f"stalled: {why} (`ddp-deploy doctor` shows each rank)"))
-        if first:
-            click.echo(f"first failure: {first.describe()}")
-        if untrained:
-            click.echo(f"{untrained} ({fleet.NOTHING_TRAINED_HINT})")
+        render.print_findings(why, first, untrained)
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv

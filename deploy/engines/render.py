@@ -85,6 +85,17 @@ def print_status(inv, states) -> None:
     out.print(status_table(inv, states))
 
 
+def print_findings(stalled: str | None, first, untrained: str | None) -> None:
+    """What ``status`` says under its table: a stall's culprit (deploy/observe/doctor.py), the first
+    failure, and a run that exited 0 having trained nothing."""
+    if stalled:
+        click.echo(safe(f"stalled: {stalled} (`ddp-deploy doctor` shows each rank)"))
+    if first:
+        click.echo(f"first failure: {first.describe()}")
+    if untrained:
+        click.echo(f"{untrained} ({fleet.NOTHING_TRAINED_HINT})")
+
+
 def show_diagnosis(found: doctor.Diagnosis, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(asdict(found)))
