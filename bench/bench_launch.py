@@ -5,7 +5,7 @@ same image with ``python -m torch.distributed.run`` (torchrun) and the same trai
 same mounts, the same network. It pays what any launcher pays (an SSH command, a container start,
 torchrun's imports and rendezvous, the workers' imports, the process group, the data, the model,
 the first step); what ``ddp-deploy launch`` adds on top is the overhead this bench measures: its
-own phases before the start (the fleet lock, the nodes' states, the code sync, the preflight
+own phases before the start (the job's lock, the nodes' states, the code sync, the preflight
 checks, the image check, the record, the start), its launcher wrapper, and anything else.
 
 Ours is timed twice: ``probed``, a first launch after a new image, where each node runs the

@@ -121,6 +121,9 @@ pass_state = click.make_pass_decorator(_State)
 
 
 dry_run_option = click.option("--dry-run", is_flag=True, help="Print the per-node commands; touch nothing.")
+wait_lock_option = click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
+                                help="Where another command of this job holds its lock, wait up to SECONDS for it "
+                                     "to finish instead of refusing (a stale lock is refused at once).")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
@@ -161,10 +164,11 @@ def check(st: _State, network: bool, network_mb: float) -> None:
 @cli.command()
 @dry_run_option
 @click.option("--build/--no-build", default=True, help="Build the image here first (docker runtime).")
+@wait_lock_option
 @pass_state
-def deploy(st: _State, dry_run: bool, build: bool) -> None:
+def deploy(st: _State, dry_run: bool, build: bool, wait_lock: float) -> None:
     """Create the shared directories; get the image (docker) or check the interpreter (host)."""
-    st.engine.deploy(dry_run, build)
+    st.engine.deploy(dry_run, build, wait_lock)
 
 
 cli.add_command(deploy, name="sync")
@@ -176,10 +180,11 @@ cli.add_command(deploy, name="sync")
               help="Follow until the job ends on every node; exit 0: it finished and trained, 1: it failed (or "
                    "exited 0 with nothing showing that it trained), 3: `ddp-deploy stop` ended it.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@wait_lock_option
 @pass_state
-def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None) -> None:
+def launch(st: _State, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float) -> None:
     """Start the job on every node (all or nothing)."""
-    st.engine.launch(dry_run, wait, timeout)
+    st.engine.launch(dry_run, wait, timeout, wait_lock)
 
 
 @cli.command()
@@ -289,8 +294,8 @@ def export(st: _State, target: str, kind: str, namespace: str | None, pvc: str |
               help="Also remove a live lock (fresh heartbeat): only when you know its command no longer runs.")
 @pass_state
 def unlock(st: _State, force: bool) -> None:
-    """Remove the fleet lock that launch and deploy hold, on every reachable node: a stale one
-    (its command has ended), or a live one with --force."""
+    """Remove this job's locks, which launch, join and deploy hold, on every reachable node: a stale
+    one (its command has ended), or a live one with --force."""
     st.engine.unlock(force)
 
 

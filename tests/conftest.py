@@ -21,10 +21,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(autouse=True)
 def fleet_lock_path(tmp_path_factory, monkeypatch) -> Path:
-    """Each test's own fleet lock directory (deploy/job/lock.py), never this machine's /tmp/ddp-deploy.lock:
+    """Each test's own root of the jobs' locks (deploy/job/lock.py), never this user's ~/.ddp-deploy:
     a test that launches is not refused by an operator's lock here, nor by a lock an earlier test left."""
-    path = tmp_path_factory.mktemp("fleet-lock") / "ddp-deploy.lock"
-    monkeypatch.setenv("DDP_DEPLOY_LOCK_PATH", str(path))
+    path = tmp_path_factory.mktemp("fleet-lock") / "locks"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv("DDP_DEPLOY_LOCK_DIR", str(path))
     return path
 
 

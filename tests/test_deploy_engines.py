@@ -64,7 +64,7 @@ def test_the_inventory_picks_its_engine():
 def test_a_verb_an_engine_cannot_run_is_refused_with_the_engines_own_reason():
     with pytest.raises(InputError, match=r"^join: not on Slurm: Slurm allocates the nodes"):
         Slurm(Invocation(SLURM)).join("node1", dry_run=True)
-    with pytest.raises(InputError, match=r"^unlock: not on Slurm: there is no fleet lock"):
+    with pytest.raises(InputError, match=r"^unlock: not on Slurm: there is no job lock"):
         Slurm(Invocation(SLURM)).unlock(force=False)
     with pytest.raises(InputError, match="no slurm: section"):
         SshFleet(Invocation(FLEET)).batch_script()

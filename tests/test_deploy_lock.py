@@ -1,9 +1,10 @@
-"""One operator at a time: the fleet lock (deploy/job/lock.py), for real, on `connection: local` nodes.
+"""One command at a time per job, jobs side by side: the job's lock (deploy/job/lock.py), for real,
+on `connection: local` nodes.
 
-Holders are real processes that take the lock as `launch` does (HOLDER below) and are raced,
+Holders are real processes that take the locks as a command does (HOLDER below) and are raced,
 killed, frozen or interrupted; the operator's side goes through the CLI. Each test has its own
-lock directory (tests/conftest.py); where several local nodes must each have their own, as
-separate machines would, ``{address}`` in it gives every node its directory.
+root of the locks (tests/conftest.py); where several local nodes must each have their own, as
+separate machines would, ``{address}`` in it gives every node its root.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Says "ready", takes the fleet lock as `launch` does once it reads a line, says so, and holds it
-# until the next line (or an interrupt); refused, it prints the one line the operator would see.
+# Says "ready", takes the locks of argv[2] (default: launch) as that command does once it reads a
+# line, says so, and holds them until the next line (or an interrupt); refused, it prints the one
+# line the operator would see.
 HOLDER = """
 import os, sys
 from deploy.job import lock
@@ -41,12 +43,13 @@ from deploy.inventory import load
 from deploy.nodes.remote import Remote
 
 hosts = sys.argv[1]
+command = sys.argv[2] if len(sys.argv) > 2 else "launch"
 inv = load(hosts)
 print("ready", flush=True)
 sys.stdin.readline()
 with Remote(inv) as remote:
     try:
-        with lock.held(inv, remote, "launch", hosts):
+        with lock.held(inv, remote, command, hosts):
             print("acquired", os.getpid(), flush=True)
             sys.stdin.readline()
     except DeployError as e:
@@ -55,11 +58,12 @@ with Remote(inv) as remote:
 """
 
 
-def _inventory(path: Path, nodes: list[tuple[str, str]], python: str = sys.executable) -> Path:
-    """Local nodes (name, address) running the host runtime; storage beside the file."""
+def _inventory(path: Path, nodes: list[tuple[str, str]], python: str = sys.executable, job: str = "locktest",
+               runtime: str = "host") -> Path:
+    """Local nodes (name, address) running the host runtime (or ``runtime``); storage beside the file."""
     nas = path.parent / "nas"
     path.write_text(json.dumps({  # JSON is YAML
-        "job": {"name": "locktest", "runtime": "host", "max_restarts": 0},
+        "job": {"name": job, "runtime": runtime, "max_restarts": 0},
         "rendezvous": {"node": nodes[0][0], "port": free_port(), "join_timeout": 60},
         "nodes": [{"name": name, "address": address, "connection": "local", "procs": 1} for name, address in nodes],
         "storage": {"data": {"host": str(nas / "data"), "container": "/data"},
@@ -75,11 +79,17 @@ FLEET = [("a", "127.0.0.1"), ("b", "127.0.0.2"), ("c", "127.0.0.3")]
 
 
 @pytest.fixture
+def fleet_lock_path(fleet_lock_path) -> Path:
+    """The lock of this module's job (``locktest``) under the test's own root of the locks."""
+    return fleet_lock_path / "job-locktest"
+
+
+@pytest.fixture
 def per_node_locks(tmp_path, monkeypatch) -> Path:
     """Every local node its own lock directory, <dir>/<address>, as if each were its own machine."""
     d = tmp_path / "locks"
     d.mkdir()
-    monkeypatch.setenv(lock.PATH_ENV, str(d / "{address}"))
+    monkeypatch.setenv(lock.ROOT_ENV, str(d / "{address}"))
     return d
 
 
@@ -87,8 +97,8 @@ def per_node_locks(tmp_path, monkeypatch) -> Path:
 class Holder:
     """A HOLDER process on ``hosts``."""
 
-    def __init__(self, hosts: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(hosts)], cwd=REPO, text=True,
+    def __init__(self, hosts: Path, command: str = "launch") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(hosts), command], cwd=REPO, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def ready(self) -> None:
@@ -124,8 +134,8 @@ class Holder:
 def holders():
     made: list[Holder] = []
 
-    def make(hosts: Path) -> Holder:
-        made.append(Holder(hosts))
+    def make(hosts: Path, command: str = "launch") -> Holder:
+        made.append(Holder(hosts, command))
         return made[-1]
 
     yield make
@@ -134,8 +144,12 @@ def holders():
         h.kill()
 
 
+JOB_LOCK = "job-locktest"
+
+
 def _locks(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir())
+    """The addresses whose own root of the locks holds the job's lock."""
+    return sorted(p.name for p in d.iterdir() if (p / JOB_LOCK).exists())
 
 
 WHO = f"{getpass.getuser()}@{socket.gethostname()}"
@@ -165,7 +179,7 @@ def test_two_operators_at_once_one_proceeds_and_the_other_is_told_who(
         # The loser left nothing behind: only the winner's nodes are locked, by the winner.
         won = load(tmp_path / ("first.yaml" if winner is racers[0] else "second.yaml"))
         assert _locks(per_node_locks) == sorted(n.address for n in won.nodes)
-        holders_seen = {json.loads((per_node_locks / a / "owner").read_text())["pid"] for a in _locks(per_node_locks)}
+        holders_seen = {json.loads((per_node_locks / a / JOB_LOCK / "owner").read_text())["pid"] for a in _locks(per_node_locks)}
         assert holders_seen == {pid}
         assert winner.let_go() == 0
         assert _locks(per_node_locks) == []
@@ -181,11 +195,11 @@ def test_the_order_is_by_address_then_ssh_port_whatever_the_inventory_says():
 
 
 def test_nodes_that_share_one_lock_directory_are_locked_once(tmp_path, fleet_lock_path):
-    # Local nodes of one machine (and the test cluster's nodes) share /tmp: the lock is taken
-    # on the first node, and is already ours on the others.
+    # Local nodes of one machine (and nodes sharing a home directory) share their locks: each is
+    # taken on the first node, and is already ours on the others.
     inv = load(_inventory(tmp_path / "hosts.yaml", FLEET))
     with Remote(inv) as remote, lock.held(inv, remote, "deploy", "hosts.yaml") as held:
-        assert held.nodes == ["a", "b", "c"]
+        assert held.taken == [(key, n) for key in (lock.image_key(inv), JOB_LOCK) for n in ("a", "b", "c")]
         owner = json.loads((fleet_lock_path / "owner").read_text())
         assert owner["command"] == "deploy" and owner["job"] == "locktest" and owner["pid"] == os.getpid()
     assert not fleet_lock_path.exists()
@@ -200,7 +214,7 @@ def test_a_held_lock_s_heartbeat_keeps_it_fresh(tmp_path, fleet_lock_path, monke
         deadline = time.time() + 30
         while time.time() < deadline and (fleet_lock_path / "heartbeat").stat().st_mtime < past + 60:
             time.sleep(0.1)
-        seen = lock.survey(inv, remote).locks["here"]
+        seen = lock.survey(inv, remote, JOB_LOCK).locks["here"]
         assert seen.quiet <= 2 and seen.stale() is None
 
 
@@ -313,18 +327,28 @@ def test_dry_runs_name_the_lock_and_take_nothing(ddp, tmp_path, fleet_lock_path)
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     r = ddp(hosts, "launch", "--dry-run")
     assert r.exit_code == 0
-    assert f"[all] the fleet lock ({fleet_lock_path} on every node, taken in address order), held until the job " \
-           "has started\n" in r.stdout
+    assert f"[all] the lock of job locktest ({fleet_lock_path} on every node, taken in address order), held until " \
+           "the job has started\n" in r.stdout
     r = ddp(hosts, "deploy", "--dry-run")
-    assert r.exit_code == 0 and "[all] the fleet lock (" in r.stdout
+    assert r.exit_code == 0 and f"[all] the lock of job locktest ({fleet_lock_path} on every node, taken in address " \
+                                "order), held while deploy runs\n" in r.stdout
+    shipping = _inventory(tmp_path / "docker.yaml", ONE, runtime="docker")  # a deploy that ships an image
+    r = ddp(shipping, "deploy", "--dry-run")
+    image = fleet_lock_path.parent / lock.image_key(load(shipping))
+    assert r.exit_code == 0 and f"[all] the locks of its image and of job locktest ({image} and {fleet_lock_path} " \
+                                "on every node, taken in address order), held while deploy runs\n" in r.stdout
     assert not fleet_lock_path.exists()
 
 
 @pytest.mark.e2e
-def test_launch_releases_the_lock_once_started_and_wait_follows_without_it(tmp_path, fleet_lock_path):
+def test_launch_releases_the_lock_once_started_and_another_job_runs_beside(tmp_path, fleet_lock_path):
+    """``launch --wait`` follows without the lock; and another job (its own name and port) starts
+    on the same node while this one runs, the two training side by side."""
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    beside = _inventory(tmp_path / "beside.yaml", ONE, job="beside")
     env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
     deploy = [sys.executable, "-m", "deploy", "--hosts", str(hosts)]
+    other = [sys.executable, "-m", "deploy", "--hosts", str(beside)]
     launch = subprocess.Popen([*deploy, "launch", "--wait"], cwd=REPO, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -333,11 +357,19 @@ def test_launch_releases_the_lock_once_started_and_wait_follows_without_it(tmp_p
             said.append(launch.stdout.readline())
         assert said[-1], "".join(said)
         assert launch.poll() is None and not fleet_lock_path.exists()  # following, without the lock
+        second = subprocess.run([*other, "launch"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.startswith("started beside run "), second.stdout
+        for argv in (deploy, other):
+            states = subprocess.run([*argv, "status", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                                    timeout=120)
+            assert [n["state"] for n in json.loads(states.stdout)] == ["running"], states.stdout
     finally:
         launch.terminate()
         launch.wait(timeout=60)
-        stopped = subprocess.run([*deploy, "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert stopped.returncode == 0, stopped.stderr
+        stopped = [subprocess.run([*argv, "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                   for argv in (deploy, other)]
+    assert [s.returncode for s in stopped] == [0, 0], [s.stderr for s in stopped]
     assert not fleet_lock_path.exists()
 
 
@@ -380,7 +412,7 @@ def _lock_by(path: Path, **owner) -> dict:
 def _seen(hosts: Path) -> lock.Seen:
     inv = load(hosts)
     with Remote(inv) as remote:
-        return lock.survey(inv, remote).locks["here"]
+        return lock.survey(inv, remote, JOB_LOCK).locks["here"]
 
 
 def test_a_lock_appears_whole_free_or_with_its_owner_to_whoever_looks(
@@ -397,7 +429,7 @@ def test_a_lock_appears_whole_free_or_with_its_owner_to_whoever_looks(
     (shims / "mv").chmod(0o755)
     (tmp_path / "owner.json").write_bytes(lock.Owner.here("deploy", "locktest", str(hosts)).encode())
     with open(tmp_path / "owner.json", "rb") as owner:
-        taker = subprocess.Popen(["sh", "-c", lock.TAKE, "sh", str(fleet_lock_path)], stdin=owner,
+        taker = subprocess.Popen(["sh", "-c", lock.TAKE, "sh", str(fleet_lock_path.parent), JOB_LOCK], stdin=owner,
                                  stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"})
     try:
@@ -406,7 +438,7 @@ def test_a_lock_appears_whole_free_or_with_its_owner_to_whoever_looks(
         started = time.monotonic()
         inv = load(hosts)
         with Remote(inv) as remote:
-            assert lock.survey(inv, remote).locks["here"] is None
+            assert lock.survey(inv, remote, JOB_LOCK).locks["here"] is None
             other = lock.acquire(inv, remote, "launch", str(hosts))
             assert time.monotonic() - started < 5  # nobody waited for an owner file
             try:
@@ -557,14 +589,15 @@ def test_a_lock_removed_under_its_heartbeat_makes_confirm_refuse_naming_the_node
         held.confirm("launch")  # ours: goes on
         (fleet_lock_path / "owner").unlink()  # `unlock --force`, from another terminal
         (fleet_lock_path / "heartbeat").unlink()
+        (fleet_lock_path / "boot").unlink()
         fleet_lock_path.rmdir()
         deadline = time.time() + 30
-        while "here" not in held.lost and time.time() < deadline:
+        while (JOB_LOCK, "here") not in held.lost and time.time() < deadline:
             time.sleep(0.05)
-        assert held.lost == {"here": None}
+        assert held.lost == {(JOB_LOCK, "here"): None}
         with pytest.raises(RuntimeFailure) as e:
             held.confirm("launch")
-    assert str(e.value).startswith("the fleet lock on here was removed (`ddp-deploy unlock --force`, or a reboot of "
+    assert str(e.value).startswith("the lock of job locktest on here was removed (`ddp-deploy unlock --force`, or a reboot of "
                                    "the node) while this launch prepared; nothing was started (")
 
 
@@ -597,7 +630,7 @@ def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
         image = one_image(inv, remote)
         _unlock_force(hosts, tmp_path)
         if held:
-            wait_until(lambda: "here" in held[0].lost, 30, "the heartbeat to find the lock removed")
+            wait_until(lambda: (JOB_LOCK, "here") in held[0].lost, 30, "the heartbeat to find the lock removed")
             held[0]._stop.set()  # no beat after the other's take
             held[0]._beat.join()
         if other is not None:  # another operator's launch, let in by the unlock
@@ -610,10 +643,10 @@ def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
         assert r.exit_code == 1, r.output
         assert len(r.stderr.splitlines()) == 1
         if meanwhile == "removed":
-            assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "
+            assert r.stderr.startswith("error: the lock of job locktest on here was removed (`ddp-deploy unlock --force`, or a "
                                        "reboot of the node) while this launch prepared; nothing was started (")
         else:
-            assert r.stderr.startswith(f"error: the fleet lock on here was taken by launch of job locktest by {WHO} "
+            assert r.stderr.startswith(f"error: the lock of job locktest on here was taken by launch of job locktest by {WHO} "
                                        f"(pid {took[0]}), started ")
             assert " while this launch prepared; nothing was started (" in r.stderr
             assert json.loads((fleet_lock_path / "owner").read_text())["pid"] == took[0]  # left to its holder
@@ -649,7 +682,7 @@ def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_p
     monkeypatch.setattr(deliveries, "for_inventory", lambda inv: Recorded())
     r = ddp(hosts, "deploy")
     assert r.exit_code == 1, r.output
-    assert r.stderr.startswith("error: the fleet lock on here was removed (`ddp-deploy unlock --force`, or a "
+    assert r.stderr.startswith("error: the lock of job locktest on here was removed (`ddp-deploy unlock --force`, or a "
                                "reboot of the node) while this deploy prepared; no image was shipped (")
     assert shipped == []
 
@@ -675,7 +708,7 @@ from deploy.nodes.remote import Remote
 
 inv = load(sys.argv[1])
 with Remote(inv) as remote:
-    seen = lock.survey(inv, remote).locks["here"]
+    seen = lock.survey(inv, remote, "job-locktest").locks["here"]
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB
 print(seen.holder())
 """
@@ -761,3 +794,124 @@ def test_an_owner_whose_fields_are_long_is_named_with_each_field_cut(tmp_path, f
     _lock_by(fleet_lock_path, user="u" * 3000, job="j" * 3000, pid=10**3000)
     holder = _seen(hosts).holder()
     assert len(holder) < 6 * lock.SHOWN and "u" * (lock.SHOWN - 1) + "…@" in holder, holder
+
+
+# Jobs side by side.
+
+def test_two_jobs_take_their_locks_at_the_same_moment_and_both_proceed(tmp_path, per_node_locks, holders):
+    """Another job of the same fleet (another user's, on a shared server) is never refused, nor
+    made to wait, by this job's launch; nor is the deploy of another job's other image."""
+    first = _inventory(tmp_path / "first.yaml", FLEET)
+    other = _inventory(tmp_path / "other.yaml", FLEET, job="otherjob")
+    for command in ("launch", "deploy"):
+        racers = [holders(first, command), holders(other, command)]
+        for r in racers:
+            r.ready()
+        for r in racers:
+            r.go()
+        said = [r.answer() for r in racers]
+        assert [s.split()[0] for s in said] == ["acquired", "acquired"], said
+        assert _locks(per_node_locks) == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+        assert all((per_node_locks / a / "job-otherjob").is_dir() for a in _locks(per_node_locks))
+        assert [r.let_go() for r in racers] == [0, 0]
+
+
+def test_two_deploys_of_one_image_are_one_at_a_time_whatever_their_jobs(tmp_path, holders):
+    """The image's lock: two deploys of one image would ship it to the same nodes twice at once.
+    (Only locks are taken here: no image is built or shipped.)"""
+    first = _inventory(tmp_path / "first.yaml", ONE, runtime="docker")
+    other = _inventory(tmp_path / "other.yaml", ONE, job="otherjob", runtime="docker")
+    deploying = holders(first, "deploy")
+    pid = deploying.take()
+    second = holders(other, "deploy")
+    second.ready()
+    second.go()
+    said = second.answer()
+    assert said.startswith(f"refused deploy refused, nothing started: here is locked by deploy of job locktest by "
+                           f"{WHO} (pid {pid}), started "), said
+    assert second.proc.wait(timeout=60) == 1
+    launching = holders(other, "launch")  # the other job's launch needs no image lock
+    launching.take()
+    assert launching.let_go() == 0 and deploying.let_go() == 0
+
+
+def test_wait_lock_waits_for_a_live_holder_and_then_takes_the_lock(tmp_path, holders, fleet_lock_path):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    holder = holders(hosts)
+    pid = holder.take()
+    told: list[str] = []
+    inv = load(hosts)
+    letting_go = threading.Timer(1.5, holder.let_go)
+    letting_go.start()
+    try:
+        with Remote(inv) as remote:
+            waited = lock.acquire(inv, remote, "launch", str(hosts), wait_s=60, waiting=told.append)
+            try:
+                assert json.loads((fleet_lock_path / "owner").read_text())["token"] == waited.owner.token
+            finally:
+                assert waited.release() == []
+    finally:
+        letting_go.join()
+    assert len(told) == 1 and told[0].startswith("waiting up to ")
+    assert f" s for the lock: here is locked by launch of job locktest by {WHO} (pid {pid}), started " in told[0]
+
+
+def test_wait_lock_gives_up_after_its_seconds_naming_the_holder(ddp, tmp_path, holders):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    pid = holders(hosts).take()
+    started = time.monotonic()
+    r = ddp(hosts, "launch", "--wait-lock", "1")
+    assert r.exit_code == 1, r.output
+    assert time.monotonic() - started >= 1
+    waiting, refused = r.stderr.splitlines()
+    assert waiting.startswith("warning: waiting up to 1 s for the lock: here is locked by launch of job locktest")
+    assert refused.startswith(f"error: launch refused, nothing started: here is locked by launch of job locktest by "
+                              f"{WHO} (pid {pid}), started ")
+    assert "; waited 1 s for it (" in refused
+    assert not (tmp_path / "nas").exists()
+
+
+def test_wait_lock_does_not_wait_for_a_stale_lock(ddp, tmp_path, holders):
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    crashed = holders(hosts)
+    pid = crashed.take()
+    crashed.kill()
+    started = time.monotonic()
+    r = ddp(hosts, "deploy", "--wait-lock", "120")
+    assert r.exit_code == 1, r.output
+    assert time.monotonic() - started < 60
+    assert f"the lock is stale: process {pid} on this machine has ended" in r.stderr
+
+
+@pytest.mark.parametrize("planted", ["writable by all", "another user's", "a link"])
+def test_a_root_of_the_locks_that_another_user_can_write_is_refused(ddp, tmp_path, planted, monkeypatch):
+    """Where another user could plant, rename or remove the locks, they are not locks: the command
+    is refused, naming the directory, with nothing taken or started."""
+    root = tmp_path / "locks"
+    if planted == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        root.symlink_to(tmp_path / "elsewhere")
+    else:
+        root.mkdir(mode=0o777 if planted == "writable by all" else 0o700)
+        root.chmod(0o777 if planted == "writable by all" else 0o700)
+        if planted == "another user's":
+            os.chown(root, 1000, 1000)
+    monkeypatch.setenv(lock.ROOT_ENV, str(root))
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    r = ddp(hosts, "launch")
+    assert r.exit_code == 1, r.output
+    assert len(r.stderr.splitlines()) == 1
+    assert f"the lock directory {root} is not this user's own (" in r.stderr, r.stderr
+    assert "another user can write there; move it aside" in r.stderr
+    assert not (tmp_path / "nas").exists() and not (tmp_path / "elsewhere" / JOB_LOCK).exists()
+
+
+def test_a_lock_from_before_the_node_s_last_boot_is_cleared_when_seen(ddp, tmp_path, fleet_lock_path, this_machine):
+    """A reboot of the node ends whatever held it; the lock, kept on disk, says so by its boot id."""
+    hosts = _inventory(tmp_path / "hosts.yaml", ONE)
+    _lock_by(fleet_lock_path, pid=os.getpid())  # a live holder, by everything but the node's boot
+    (fleet_lock_path / "boot").write_text("00000000-0000-0000-0000-000000000000\n")
+    assert _seen(hosts) is None
+    assert not fleet_lock_path.exists()
+    r = ddp(hosts, "deploy")
+    assert r.exit_code == 0, r.output

@@ -82,12 +82,14 @@ class Engine(ABC):
         """The preflight checks where the job will run (``network``: an all-reduce across the nodes too)."""
 
     @abstractmethod
-    def deploy(self, dry_run: bool, build: bool) -> None:
-        """Make the shared directories and get the job's image or interpreter ready."""
+    def deploy(self, dry_run: bool, build: bool, wait_lock: float = 0.0) -> None:
+        """Make the shared directories and get the job's image or interpreter ready (``wait_lock``:
+        seconds to wait for the same job's command that holds its lock, where there is one)."""
 
     @abstractmethod
-    def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
-        """Start the job, all or nothing (``wait``: follow it to its end, exit code as its outcome)."""
+    def launch(self, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float = 0.0) -> None:
+        """Start the job, all or nothing (``wait``: follow it to its end, exit code as its outcome;
+        ``wait_lock`` as for deploy)."""
 
     @_limited
     def join(self, node: str, dry_run: bool) -> None:

@@ -52,23 +52,24 @@ class SshFleet(Engine):
                                      f"({netcheck.describe_slow(report)})",
                                      hint="check that node's link, cabling and interface (nodes[].interface)")
 
-    def deploy(self, dry_run: bool, build: bool) -> None:
+    def deploy(self, dry_run: bool, build: bool, wait_lock: float = 0.0) -> None:
         inv = self.inv
         steps = prepare.deployer(inv)
         if dry_run:
-            click.echo(f"[all] {lock.describe()}, held while deploy runs")
+            click.echo(f"[all] {lock.describe(inv, 'deploy')}, held while deploy runs")
             for line in steps.dry_run(build):
                 click.echo(line)
             return
         with Remote(inv) as remote:
             # a partial `docker load` registers no image: the ID check sees none
             fleet.deploy(inv, remote, hosts=self.st.hosts, build=build, say=click.echo, warn=render.warn,
+                         wait_lock=wait_lock,
                          shipping=render.shipping,
                          interrupted=lambda: click.echo("interrupted: a node whose load had not finished keeps the "
                                                         "image it had; `ddp-deploy deploy` ships the image to it "
                                                         "again", err=True))
 
-    def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
+    def launch(self, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float = 0.0) -> None:
         inv = self.inv
         if dry_run:
             secrets = secretenv.resolve(inv)
@@ -80,7 +81,7 @@ class SshFleet(Engine):
             for name in secrets:
                 click.echo(f"[all] secret {name}={secretenv.MASK} (from {secretenv.source(inv, name)}), on the start "
                            "command's stdin")
-            click.echo(f"[all] {lock.describe()}, held until the job has started")
+            click.echo(f"[all] {lock.describe(inv, 'launch')}, held until the job has started")
             click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
             click.echo(f"[all] a new run id (RUN_ID below); its record, logs and exit codes kept in {runs.runs_dir(inv)}"
                        f"/RUN_ID, the newest {inv.job.keep_runs} runs (job.keep_runs)")
@@ -95,6 +96,7 @@ class SshFleet(Engine):
             return
         with Remote(inv) as remote:
             started = fleet.launch(inv, remote, hosts=self.st.hosts, redact=self.st.redact, say=render.say, warn=render.warn,
+                                   wait_lock=wait_lock,
                                    failed_checks=render.print_checks)
             click.echo(started.describe())
             click.echo(f"launch {phases.describe(started.phases)}")

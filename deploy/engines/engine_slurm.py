@@ -24,7 +24,7 @@ class Slurm(Engine):
 
     name = "Slurm"
     limits = {"join": "Slurm allocates the nodes; a requeued job comes back on its own",
-              "unlock": "there is no fleet lock: Slurm queues the job"}
+              "unlock": "there is no job lock: Slurm queues the job"}
 
     @classmethod
     def serves(cls, inv) -> bool:
@@ -49,7 +49,7 @@ class Slurm(Engine):
         fleet.refuse_failed_checks(checks, "")
         click.echo(f"all {len(checks)} checks passed")
 
-    def deploy(self, dry_run: bool, build: bool) -> None:
+    def deploy(self, dry_run: bool, build: bool, wait_lock: float = 0.0) -> None:  # no lock: Slurm queues
         inv = self.inv
         if dry_run:
             render.show(job.login(inv), plan.make_dirs_argv(inv))
@@ -60,7 +60,7 @@ class Slurm(Engine):
         with Remote(inv) as remote:
             job.deploy(inv, remote, click.echo)
 
-    def launch(self, dry_run: bool, wait: bool, timeout: float | None) -> None:
+    def launch(self, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float = 0.0) -> None:
         inv = self.inv
         secrets = secretenv.resolve(inv)
         if dry_run:

@@ -1,5 +1,5 @@
 """Where a launch's time went, on the operator's side: each part of ``launch`` timed in order (the
-fleet lock, the nodes' states, the code sync, the preflight checks, the image check, the run's
+job's lock, the nodes' states, the code sync, the preflight checks, the image check, the run's
 record, the start on the nodes). ``launch`` prints them in one line once the job has started;
 those before the start are kept in the run's record (``launch_phases``), which ``status --run``
 shows again. Then, for any program, the job's first step (:class:`FirstStep`): ``launch --wait``

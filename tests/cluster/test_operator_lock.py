@@ -1,7 +1,8 @@
-"""One operator at a time, on the real cluster: two `ddp-deploy launch` started at the same moment
-against the same 3 nodes. Exactly one starts the job; the other is refused with one line naming
-the holder, and starts nothing. The nodes hold the fleet lock (deploy/job/lock.py) over SSH; here
-they share /tmp, as the test's own lock directory (tests/conftest.py), so they share one lock.
+"""One operator at a time per job, on the real cluster: two `ddp-deploy launch` of one job started
+at the same moment against the same 3 nodes. Exactly one starts the job; the other is refused with
+one line naming the holder, and starts nothing. The nodes hold the job's lock (deploy/job/lock.py)
+over SSH; here they share the test's own root of the locks (tests/conftest.py), as nodes sharing a
+home directory do, so they share one lock.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def test_two_launches_at_once_one_starts_the_job_the_other_is_refused_naming_it(
                                                                                            tmp_path, fleet_lock_path,
                                                                                            record_fault):
     hosts = cluster.write_hosts_yaml(tmp_path / "hosts.yaml", runtime="host", procs=1, train_args=TRAIN, interface="eth0")
+    job_lock = fleet_lock_path / "job-ddp-test"
     ok(ddp(cluster, hosts, "deploy"))
-    assert not fleet_lock_path.exists()  # deploy let it go
+    assert not job_lock.exists()  # deploy let it go
 
     launches = [start_ddp(cluster, hosts, "launch") for _ in range(2)]
     began, ended = time.monotonic(), {}
@@ -42,12 +44,12 @@ def test_two_launches_at_once_one_starts_the_job_the_other_is_refused_naming_it(
         refusal = outputs[loser][1].strip().splitlines()
         assert len(refusal) == 1, refusal
         who = f"{getpass.getuser()}@{socket.gethostname()} (pid {launches[winner].pid})"
-        # the nodes here share one /tmp, so every node shows the same lock: any of them may be named
+        # the nodes here share one root of the locks, so every node shows the same lock: any may be named
         assert re.match(rf"error: launch refused, nothing started: node[123] is locked by launch of job "
                         rf"ddp-test by {re.escape(who)}, started ", refusal[0]), refusal
         assert refusal[0].rstrip().endswith("if that command no longer runs: `ddp-deploy unlock --force`)")
         assert "started" not in outputs[loser][0]
-        assert not fleet_lock_path.exists()  # released once the job had started
+        assert not job_lock.exists()  # released once the job had started
         assert node_states(cluster, hosts) == {h.name: "running" for h in cluster.hosts}
     finally:
         for p in launches:

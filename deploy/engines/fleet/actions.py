@@ -36,8 +36,10 @@ class Started:
 
 
 def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str], str] = str, say: Say = quiet,
-           warn: Say = quiet, failed_checks: Callable[[list], None] = lambda checks: None) -> Started:
-    """Starts the job on every node, all or nothing: under the fleet lock, the nodes' states (none
+           warn: Say = quiet, failed_checks: Callable[[list], None] = lambda checks: None,
+           wait_lock: float = 0.0) -> Started:
+    """Starts the job on every node, all or nothing: under the job's lock (a live holder waited for
+    up to ``wait_lock`` seconds), the nodes' states (none
     unreachable, none running the job), the code synced, every check of ``check``, one image on
     every node, a new run with its record, then the start; a node that did not start stops the
     others. ``failed_checks`` sees the failed checks before the refusal; ``hosts`` names the
@@ -47,7 +49,7 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
     took = phases.Phases()
     with contextlib.ExitStack() as fleet:
         with took("lock"):
-            held = fleet.enter_context(lock.held(inv, remote, "launch", hosts, warn=warn))
+            held = fleet.enter_context(lock.held(inv, remote, "launch", hosts, warn=warn, wait_s=wait_lock))
         with took("states"):
             states = node_states(inv, remote, redact)
         unreachable = [f"{n} ({s.metrics})" for n, s in states.items() if s.state == "unreachable"]
@@ -123,13 +125,14 @@ def no_progress():
 
 def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, say: Say = quiet, warn: Say = quiet,
            shipping: Callable[[], contextlib.AbstractContextManager[Shipping]] = no_progress,
-           interrupted: Callable[[], None] = lambda: None) -> dict[str, str]:
-    """Readies every node for a launch, under the fleet lock: the shared directories, then the image
+           interrupted: Callable[[], None] = lambda: None, wait_lock: float = 0.0) -> dict[str, str]:
+    """Readies every node for a launch, under the locks of the job and of its image (a live holder
+    waited for up to ``wait_lock`` seconds): the shared directories, then the image
     (built here with ``build``, shipped where a node's ID differs, each shipment's bytes reported to
     the function ``shipping()`` yields) or, on the host runtime, the interpreter checked. What each
     node has now, as a line. ``interrupted`` is called on a Ctrl-C while the lock is still held."""
     steps = prepare.deployer(inv)
-    with lock.held(inv, remote, "deploy", hosts, warn=warn) as fleet_lock:
+    with lock.held(inv, remote, "deploy", hosts, warn=warn, wait_s=wait_lock) as fleet_lock:
         def ship(image_id, held):
             # The build takes minutes: an `unlock --force` meanwhile may have let another operator in.
             fleet_lock.confirm("deploy", "no image was shipped")
@@ -169,7 +172,7 @@ def joinable(inv: Inventory, node: str) -> None:
 
 def join(inv: Inventory, remote: Remote, node: str, *, hosts: str, redact: Callable[[str], str] = str,
          say: Say = quiet, warn: Say = quiet, failed_checks: Callable[[list], None] = lambda checks: None) -> Joined:
-    """Starts ``node`` into the elastic job running on the others, under the fleet lock: the running
+    """Starts ``node`` into the elastic job running on the others, under the job's lock: the running
     job's own settings (its launch record), the code synced to that node, the join's checks there,
     then the start; nothing else changes when it is refused or fails."""
     joinable(inv, node)
@@ -227,26 +230,34 @@ class Unlocked:
 
 
 def unlock(inv: Inventory, remote: Remote, *, force: bool = False) -> Unlocked:
-    """Removes the fleet lock where its holder is gone (its heartbeat stale), or any lock with
-    ``force``; refuses, removing nothing, while a live command holds it."""
-    seen = lock.survey(inv, remote)
-    found = {n: s for n, s in seen.locks.items() if s is not None}
-    live = [s for s in found.values() if s.stale() is None]
+    """Removes the job's locks (its own and its image's, lock.keys) where their holder is gone (its
+    heartbeat stale), or any of them with ``force``; refuses, removing nothing, while a live
+    command holds one."""
+    keys = lock.keys(inv, "deploy")
+    seen = {key: lock.survey(inv, remote, key) for key in keys}
+    found = {key: {n: s for n, s in seen[key].locks.items() if s is not None} for key in keys}
+    live = [s for key in keys for s in found[key].values() if s.stale() is None]
     if live and not force:
         raise RuntimeFailure(f"unlock refused, nothing removed: {live[0].describe()}, its heartbeat "
                              f"{live[0].quiet} s ago", hint="that command still runs: wait for it to finish; "
                              "--force only if you know it does not")
-    removed = lock.remove(inv, remote, found)
-    left = {n: r.summary() for n, r in seen.failed.items()}
+    removed = {key: lock.remove(inv, remote, key, found[key]) for key in keys}
+    failed = {n: r for key in keys for n, r in seen[key].failed.items()}
+    left = {n: r.summary() for n, r in failed.items()}
     lines = {}
     for n in (node.name for node in inv.nodes):
-        s, r = found.get(n), removed.get(n)
-        if n in seen.failed:
-            lines[n] = seen.failed[n].summary()
-        elif s is None or r.stdout.strip() == "gone":
-            lines[n] = "no lock"
-        elif r.stdout.strip() == "removed":
-            lines[n] = f"removed the lock of {s.holder()} ({s.stale() or 'live, --force'})"
-        else:
-            left[n] = lines[n] = "another lock was taken meanwhile" if r.ok else r.summary()
+        if n in failed:
+            lines[n] = failed[n].summary()
+            continue
+        said = []
+        for key in keys:
+            s, r = found[key].get(n), removed[key].get(n)
+            if s is None or r.stdout.strip() == "gone":
+                continue
+            if r.stdout.strip() == "removed":
+                said.append(f"removed the lock of {s.holder()} ({s.stale() or 'live, --force'})")
+            else:
+                left[n] = "another lock was taken meanwhile" if r.ok else r.summary()
+                said.append(left[n])
+        lines[n] = "; ".join(said) or "no lock"
     return Unlocked(lines, left)

@@ -45,16 +45,18 @@ class Fleet:
         with Remote(self.inv) as remote:
             return check(self.inv, remote, self.say).checks
 
-    def deploy(self, *, build: bool = False, shipping=no_progress) -> dict[str, str]:
+    def deploy(self, *, build: bool = False, shipping=no_progress, wait_lock: float = 0.0) -> dict[str, str]:
         """Readies every node (``ddp-deploy deploy``): each node's line of what it has now."""
         with Remote(self.inv) as remote:
             return deploy(self.inv, remote, hosts=self.hosts, build=build, say=self.say, warn=self.warn,
-                          shipping=shipping)
+                          shipping=shipping, wait_lock=wait_lock)
 
-    def launch(self) -> Started:
-        """Starts the job on every node, all or nothing (``ddp-deploy launch``)."""
+    def launch(self, *, wait_lock: float = 0.0) -> Started:
+        """Starts the job on every node, all or nothing (``ddp-deploy launch``; ``wait_lock``: seconds
+        to wait for another command of this job that holds its lock)."""
         with Remote(self.inv) as remote:
-            return launch(self.inv, remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn)
+            return launch(self.inv, remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn,
+                          wait_lock=wait_lock)
 
     def join(self, node: str) -> Joined:
         """Starts ``node`` into the elastic job the others run (``ddp-deploy join NODE``)."""
@@ -91,7 +93,7 @@ class Fleet:
             return plot(self.inv, remote, path, runs, self.redact, self.warn)
 
     def unlock(self, *, force: bool = False) -> dict[str, str]:
-        """Removes a stale fleet lock (any, with ``force``): each node's line; a RuntimeFailure where
+        """Removes the job's stale locks (any, with ``force``): each node's line; a RuntimeFailure where
         a lock may remain."""
         with Remote(self.inv) as remote:
             done = unlock(self.inv, remote, force=force)
