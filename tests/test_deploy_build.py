@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from deploy.cli import build_view
 from deploy.images import build, prepare
 from deploy.checks import preflight
 from deploy.errors import RuntimeFailure
@@ -237,7 +238,7 @@ sys.exit(int(os.environ["FAKE_EXIT"]))
 """.replace("PYTHON", sys.executable)
 
 
-class RecordingView(build.TerminalView):
+class RecordingView(build_view.TerminalView):
     def __init__(self, go: Path, after: str):
         super().__init__(Console(file=io.StringIO(), width=200, highlight=False))
         self.go, self.after, self.seen = go, after, []
@@ -304,21 +305,21 @@ def test_a_build_refused_for_another_platform_says_what_a_cross_build_needs(fake
 
 
 def test_on_a_terminal_the_running_step_is_shown_with_only_its_last_lines():
-    view = build.TerminalView(Console(file=io.StringIO(), force_terminal=True, width=120))
+    view = build_view.TerminalView(Console(file=io.StringIO(), force_terminal=True, width=120))
     step = build.Step("#6", "[3/4] RUN make")
     view.started(step)
-    for i in range(build.TAIL_LINES + 3):
+    for i in range(build_view.TAIL_LINES + 3):
         view.line(step, f"out {i}")
     shown = Console(file=io.StringIO(), width=120)
     shown.print(view._render())
     lines = shown.file.getvalue().splitlines()
     assert lines[0].startswith("building [3/4] RUN make")
-    assert [line.strip() for line in lines[1:]] == [f"out {i}" for i in range(3, build.TAIL_LINES + 3)]
+    assert [line.strip() for line in lines[1:]] == [f"out {i}" for i in range(3, build_view.TAIL_LINES + 3)]
 
 
 def test_without_docker_here_the_build_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv(build.LOG_ENV, str(tmp_path / "build.log"))
     with pytest.raises(RuntimeFailure) as e:
-        build.run_build(["docker", "build", "."], build.TerminalView(Console(file=io.StringIO())), build.log_path())
+        build.run_build(["docker", "build", "."], build_view.TerminalView(Console(file=io.StringIO())), build.log_path())
     assert "cannot run docker build here" in e.value.lines()[0]

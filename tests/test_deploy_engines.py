@@ -1,4 +1,4 @@
-"""One engine interface (deploy/engines/engine.py): the SSH fleet and Slurm implement the same verbs, each
+"""One engine interface (deploy/cli/engine.py): the SSH fleet and Slurm implement the same verbs, each
 states what it cannot do in its own ``limits``, and the CLI only picks the engine and calls."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from deploy.engines import choose
-from deploy.cli import cli
-from deploy.engines.engine import Engine
-from deploy.engines.engine_fleet import SshFleet
-from deploy.engines.engine_slurm import Slurm
+from deploy.cli import choose, cli
+from deploy.cli.engine import Engine
+from deploy.cli.engine_fleet import SshFleet
+from deploy.cli.engine_slurm import Slurm
 from deploy.errors import InputError
 from deploy.inventory import loads
 

@@ -4,8 +4,9 @@ imports only those below it, and nothing imports the CLI.
 Every import of a deploy module counts, at the top, inside a function or under TYPE_CHECKING:
 each one ties the two modules together all the same. From the bottom: the base (errors, text,
 the inventory, the node programs), talking to nodes (nodes/), the job on a node (job/), the image
-(images/) and observing (observe/), the checks (checks/), the engines (engines/: the interface,
-the SSH fleet's procedures and API, Slurm, Kubernetes export, the rendering), and the CLI on top.
+(images/) and observing (observe/), the checks (checks/), the engines (engines/: the SSH fleet's
+procedures and API, Slurm's, Kubernetes export), and the CLI on top (cli/: the engine interface,
+the rendering): the only package that imports click or rich.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ LAYERS = (
     {"engines"},
     {"cli", "__main__"},
 )
-BASE_MODULES = {"__init__", "__main__", "cli", "errors", "text"}
+BASE_MODULES = {"__init__", "__main__", "errors", "text"}
 
 
 def _name(path: Path, root: Path = DEPLOY) -> str:
@@ -88,7 +89,25 @@ def test_each_package_imports_only_the_packages_below_it():
 
 
 def test_no_module_imports_the_cli():
-    assert [m for m, imported in _graph().items() if "cli" in imported and m != "__main__"] == []
+    assert [m for m, imported in _graph().items()
+            if any(i.split(".")[0] == "cli" for i in imported) and m.split(".")[0] not in ("cli", "__main__")] == []
+
+
+def test_nothing_outside_the_cli_package_imports_click_or_rich():
+    """The engines and everything below them return data; only deploy/cli/ shows it."""
+    found = []
+    for p in DEPLOY.rglob("*.py"):
+        if "__pycache__" in p.parts or p.relative_to(DEPLOY).parts[0] in ("cli", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{_name(p)} imports {n}" for n in names if n.split(".")[0] in ("click", "rich")]
+    assert found == []
 
 
 def test_deploy_s_top_holds_the_base_modules_and_the_packages_only():

@@ -118,10 +118,10 @@ def test_on_a_terminal_status_follow_redraws_a_table_and_ends_with_the_verdict(d
 
     from rich.console import Console
 
-    import deploy.engines.render
+    import deploy.cli.render
 
     screen = io.StringIO()
-    monkeypatch.setattr(deploy.engines.render, "out", Console(file=screen, force_terminal=True, width=160))
+    monkeypatch.setattr(deploy.cli.render, "out", Console(file=screen, force_terminal=True, width=160))
     hosts = _inventory(tmp_path, [*TRAIN_ARGS, "--epochs", "2"], procs=1)
     assert ddp(hosts, "launch").exit_code == 0
     r = ddp(hosts, "status", "--follow")

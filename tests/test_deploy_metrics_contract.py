@@ -92,7 +92,7 @@ def test_plot_of_a_finished_run_without_metrics_says_what_is_true_of_it(fleet, t
 
 
 def test_doctor_shows_a_rank_s_stack_on_a_line_of_its_own_with_no_escaped_newline(capsys):
-    from deploy.engines import render
+    from deploy.cli import render
 
     dump = json.dumps([{"pid": 11, "os_thread_id": 11, "thread_name": None,
                         "frames": [{"name": "sleep_forever", "filename": "/code/train.py", "line": 7},

@@ -160,13 +160,13 @@ def test_a_slurm_job_s_progress_line_escapes_its_state():
 def test_a_check_s_detail_with_markup_and_escapes_is_printed_as_text(monkeypatch):
     import io
 
-    import deploy.engines.render
+    import deploy.cli.render
     from deploy.checks.preflight import Check
-    from deploy.text import Screen
+    from deploy.cli.table import Screen
 
     screen = io.StringIO()
-    monkeypatch.setattr(deploy.engines.render, "out", Screen(file=screen, width=200))
-    deploy.engines.render.print_checks([Check("n1", "storage", False, f"{MARKUP} \x1b[2J")])
+    monkeypatch.setattr(deploy.cli.render, "out", Screen(file=screen, width=200))
+    deploy.cli.render.print_checks([Check("n1", "storage", False, f"{MARKUP} \x1b[2J")])
     assert f"{MARKUP} \\x1b[2J" in screen.getvalue() and "FAIL" in screen.getvalue()
     assert not _raw(screen.getvalue())
 

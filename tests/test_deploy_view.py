@@ -9,6 +9,7 @@ import subprocess
 from rich.console import Console
 
 from deploy.job import plan
+from deploy.cli import render
 from deploy.observe import view
 from deploy.job.plan import NodeState
 from deploy.job.scripts import DOCKER_STATUS, HOST_STATUS
@@ -52,7 +53,7 @@ def test_status_table_has_one_row_per_node_with_progress_columns():
     states = {"node1": plan.parse_status(f"running\nrestarts 1\n{TRAINER_LINE}\n"),
               "node2": plan.parse_status("exited 1\nrestarts 3\n")}
     console = Console(width=200, record=True)
-    console.print(view.table("demo", {"node1": 2, "node2": 2}, states))
+    console.print(render.states_table("demo", {"node1": 2, "node2": 2}, states))
     rows = [[cell.strip() for cell in row.split("│")[1:-1]] for row in console.export_text().splitlines()
             if row.startswith("│")]
     assert rows == [["node1", "running (1 restart)", "2", "1/8", "37", "0.1235", "95.1%", "1,234", "1m15s"],

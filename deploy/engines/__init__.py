@@ -1,4 +1,3 @@
-"""The engines a job runs on, behind one interface (engine.py): the SSH fleet (engine_fleet.py,
-its procedures and Python API in fleet/) and Slurm (engine_slurm.py, its commands in
-slurm.py); Kubernetes export (k8s.py); ``choose`` picks the engine of an inventory; render.py
-shows what the verbs return, as text."""
+"""What a job runs on, as data: the SSH fleet's procedures and Python API (fleet/), Slurm's
+commands (slurm.py) and its API (slurmjob.py), Kubernetes export (k8s.py); ``choose.api`` picks
+an inventory's API. Nothing here prints: the CLI (deploy/cli/) renders what these return."""

@@ -1,24 +1,12 @@
-"""Which engine runs a job: the one whose ``serves`` takes the inventory (deploy/engines/engine.py)."""
+"""Which Python API runs a job: a :class:`Fleet` for an SSH fleet, a :class:`SlurmJob` for Slurm."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..inventory import load
-from .engine import Engine, Invocation
-from .engine_fleet import SshFleet
-from .engine_slurm import Slurm
 from .fleet import Fleet
 from .slurmjob import SlurmJob
-
-ENGINES: tuple[type[Engine], ...] = (Slurm, SshFleet)
-
-
-def for_invocation(st: Invocation) -> Engine:
-    """The engine of ``st.inv``'s job, bound to ``st``."""
-    inv = st.inv
-    (engine,) = [e for e in ENGINES if e.serves(inv)]
-    return engine(st)
 
 
 def api(hosts: str | Path = "hosts.yaml", **options) -> Fleet | SlurmJob:
@@ -29,4 +17,4 @@ def api(hosts: str | Path = "hosts.yaml", **options) -> Fleet | SlurmJob:
     return (SlurmJob if load(hosts).slurm is not None else Fleet)(hosts, **options)
 
 
-__all__ = ["ENGINES", "api", "for_invocation"]
+__all__ = ["api"]

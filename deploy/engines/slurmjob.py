@@ -1,5 +1,5 @@
 """A Slurm inventory's verbs as a Python API (hosts.yaml's ``slurm:``): the procedures the Slurm
-engine (deploy/engines/engine_slurm.py) is built on. Each talks to the login node only, returns
+engine (deploy/cli/engine_slurm.py) is built on. Each talks to the login node only, returns
 data or raises a :class:`~deploy.errors.DeployError`, and reports progress through ``say``::
 
     from deploy.engines.slurmjob import SlurmJob

@@ -1,9 +1,10 @@
 """The training image's build here, for the nodes' platform, shown as it runs.
 
-``docker build`` runs with its output read line by line (:func:`run_build`): the operator sees
-the step that runs and a short tail of its output (one line per step where the output is not a
-terminal), the whole output goes to a file (:func:`log_path`), and a failed build prints the
-failing step's own output (its last :data:`FAILED_STEP_LINES` lines) and names the step.
+``docker build`` runs with its output read line by line (:func:`run_build`) and told to a view as
+steps and lines (:class:`QuietView`'s methods; the CLI's shows the step that runs and a short
+tail of its output, deploy/cli/build_view.py), the whole output goes to a file (:func:`log_path`),
+and a failed build keeps the failing step's own output (its last :data:`FAILED_STEP_LINES` lines)
+and names the step.
 
 Both of Docker's builders are read (:class:`BuildLog`), told apart by their output:
 
@@ -28,22 +29,14 @@ import collections
 import os
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from rich.console import Console, Group
-from rich.text import Text
 
 from ..errors import RuntimeFailure
 from ..inventory import Inventory
 from ..nodes.remote import Remote, command_line, run_here
-
-if TYPE_CHECKING:
-    from rich.live import Live
 
 LOG_ENV = "DDP_DEPLOY_BUILD_LOG"
 """The whole output of the last build (default: build.log beside the debug log)."""
@@ -51,8 +44,6 @@ FAILED_STEP_LINES = 40
 """The failing step's last lines printed when a build fails."""
 STDERR_LINES = FAILED_STEP_LINES // 4
 """Of those, at most this many earlier stderr lines (the classic builder's), before the last ones."""
-TAIL_LINES = 5
-"""Lines of the running step shown under it on a terminal."""
 
 NODES_PLATFORM = "<the nodes' os/arch>"
 """Stands for the nodes' platform in the dry run (read from the nodes when deploy runs)."""
@@ -398,74 +389,36 @@ class BuildLog:
 # ------------------------------------------------------------------ what the operator sees
 
 
-class TerminalView:
-    """The running step and its last lines, redrawn in place on a terminal; elsewhere (CI logs,
-    pipes) one line per Dockerfile step as it starts."""
+class QuietView:
+    """What a build shows as it runs: here nothing (a program's build, through the Python API);
+    the CLI shows it through its own view of the same methods (deploy/cli/build_view.py)."""
 
-    def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True, highlight=False)
-        self.live: Live | None = None
-        self.lock = threading.Lock()
-        self.step: Step | None = None
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.since = time.monotonic()
+    shows = False
+    """Whether a failed step's output was shown (``failed``) where the error can point to it."""
 
-    def __enter__(self) -> "TerminalView":
-        if self.console.is_terminal:
-            from rich.live import Live  # a live display: only on a terminal, only while building
-
-            self.live = Live(console=self.console, transient=True, refresh_per_second=8,
-                             get_renderable=self._render)
-            self.live.start()
+    def __enter__(self) -> "QuietView":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.live is not None:
-            self.live.stop()
+        return None
 
     def started(self, step: Step) -> None:
-        with self.lock:
-            self.step, self.since = step, time.monotonic()
-            self.tail.clear()
-        if self.live is None and step.instruction:
-            self.console.print(Text(f"build {step.name}"), soft_wrap=True)
+        """A step has started."""
 
     def line(self, step: Step, text: str) -> None:
         """A line of ``step``'s own output."""
-        with self.lock:
-            if step is not self.step:
-                self.step, self.since = step, time.monotonic()
-                self.tail.clear()
-            self.tail.append(text)
-
-    def _render(self) -> Group:
-        with self.lock:
-            step, tail, since = self.step, list(self.tail), self.since
-        head = Text(f"building {step.name if step else '...'}", no_wrap=True, overflow="ellipsis")
-        head.append(f"  {time.monotonic() - since:.0f} s", style="dim")
-        return Group(head, *(Text(f"  {line}", style="dim", no_wrap=True, overflow="ellipsis") for line in tail))
 
     def failed(self, failure: BuildFailure, log: Path) -> None:
-        if failure.step is None:
-            return
-        earlier = f"; {failure.omitted} more lines in {log}" if failure.omitted else ""
-        said = f"its output{earlier}:" if failure.output else "no output"
-        self.console.print(Text(f"build failed at {failure.step} ({failure.summary()}), {said}"), soft_wrap=True)
-        for line in failure.output:
-            self.console.print(Text(f"  | {line}"), soft_wrap=True)
+        """The build failed: what it said, its whole log in ``log``."""
 
     def done(self, log: BuildLog, seconds: float, path: Path) -> None:
-        steps = [s for s in log.steps.values() if s.instruction]
-        cached = sum(s.cached for s in steps)
-        by = {"classic": " by the classic builder", "buildkit": " by BuildKit"}.get(log.kind or "", "")
-        self.console.print(Text(f"built in {seconds:.1f} s{by}: {len(steps)} steps, {cached} from the cache "
-                                f"(log: {path})"), soft_wrap=True)
+        """The build ended well."""
 
 
 # ------------------------------------------------------------------ running it
 
 
-def run_build(argv: Sequence[str], view: TerminalView, path: Path) -> BuildLog:
+def run_build(argv: Sequence[str], view: QuietView, path: Path) -> BuildLog:
     """Run ``docker build``, showing it on ``view`` and keeping its whole output in ``path``;
     a failed build raises, naming the failing step (whose output ``view`` printed)."""
     log = BuildLog()
@@ -506,7 +459,7 @@ def run_build(argv: Sequence[str], view: TerminalView, path: Path) -> BuildLog:
         where = f"at {_short(failure.step)}" if failure.step else "before its first step"
         cross = f"; {CROSS_BUILD}" if OTHER_PLATFORM in failure.error else ""
         raise RuntimeFailure(f"docker build failed {where}: {_short(failure.summary(), 300)}",
-                             hint=("its output is above; " if failure.output else "")
+                             hint=("its output is above; " if failure.output and view.shows else "")
                              + f"the whole build log: {path}{cross}")
     view.done(log, time.monotonic() - start, path)
     return log
@@ -516,9 +469,9 @@ def _short(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def build(inv: Inventory, platform: str | None, view: TerminalView | None = None) -> str:
-    """Build the image with the local docker for ``platform`` and return its ID."""
-    run_build(build_argv(inv, platform), view or TerminalView(), log_path())
+def build(inv: Inventory, platform: str | None, view: QuietView | None = None) -> str:
+    """Build the image with the local docker for ``platform`` and return its ID; ``view`` shows it."""
+    run_build(build_argv(inv, platform), view or QuietView(), log_path())
     return local_id(inv)
 
 

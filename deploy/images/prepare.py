@@ -30,9 +30,9 @@ class Deployer:
     def dry_run(self, build: bool) -> list[str]:
         raise NotImplementedError
 
-    def run(self, remote: Remote, echo: Echo, *, build: bool, ship) -> dict[str, str]:
-        """``ship(image_id, held) -> {node: outcome}`` sends the image with the caller's progress display.
-        What each node has now, as a line (also echoed)."""
+    def run(self, remote: Remote, echo: Echo, *, build: bool, ship, view: builder.QuietView | None = None) -> dict[str, str]:
+        """``ship(image_id, held) -> {node: outcome}`` sends the image with the caller's progress display;
+        ``view`` shows the build (deploy/images/build.py). What each node has now, as a line (also echoed)."""
         raise NotImplementedError
 
     def _dirs_ready(self, echo: Echo) -> None:
@@ -55,14 +55,14 @@ class ImageDeployer(Deployer):
                      f"{inv.image.transfer}); with all of them:")
         return lines + way.describe([n.name for n in inv.nodes])
 
-    def run(self, remote, echo, *, build, ship):
+    def run(self, remote, echo, *, build, ship, view=None):
         inv = self.inv
         platforms = builder.node_platforms(inv, remote)
         platform = builder.one_platform(platforms)
         held = image.survey(inv, remote, self.make_dirs, **DIRS_FAILED)
         self._dirs_ready(echo)
         echo("image stores: " + ", ".join(f"{n} {h.store}" for n, h in held.items()))
-        image_id = builder.build(inv, platform) if build else builder.local_id(inv)
+        image_id = builder.build(inv, platform, view) if build else builder.local_id(inv)
         builder.refuse_other_platform(inv, platforms, built=build)
         echo(f"image {inv.image.name} = {image_id} ({platform}, the nodes' platform)")
         done = {}
@@ -81,7 +81,7 @@ class InterpreterDeployer(Deployer):
         return ([f"[{n.name}] {command_line(self.make_dirs)}" for n in nodes]
                 + [f"[{n.name}] {command_line(plan.python_check_argv(self.inv))}" for n in nodes])
 
-    def run(self, remote, echo, *, build, ship):
+    def run(self, remote, echo, *, build, ship, view=None):
         inv = self.inv
         remote.run_all(self.make_dirs, **DIRS_FAILED)
         self._dirs_ready(echo)

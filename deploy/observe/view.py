@@ -19,11 +19,9 @@ import re
 import time
 from dataclasses import asdict, dataclass, replace
 
-from rich.table import Table
-
 from ..job.plan import NodeState
 from ..job.stall import Stall
-from ..text import DataTable, cell, safe
+from ..text import safe
 
 METRICS_PREFIX = "METRICS "
 
@@ -203,17 +201,6 @@ def _key(s: NodeState) -> str:
 
 
 COLUMNS = ("node", "state", "ranks", "epoch", "step", "loss", "acc", "samples/s", "ETA")
-
-
-def table(job: str, ranks: dict[str, int | None], states: dict[str, NodeState]) -> Table:
-    """The ``status`` table; a node's ranks None: not known (a kept run's record does not say)."""
-    t = DataTable(*COLUMNS, title=f"job {job}")
-    for n, s in states.items():
-        color = "yellow" if s.stall else {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
-        cells = Progress.from_line(s.metrics).cells()
-        t.add_row(n, cell(state_text(s), style=color), "-" if ranks[n] is None else str(ranks[n]),
-                  *(cells[c] for c in COLUMNS[3:]))
-    return t
 
 
 def as_data(node: str, ranks: int, s: NodeState) -> dict:

@@ -13,7 +13,7 @@ a notebook or a CI pipeline can launch, follow and stop a job without a shell::
     print(fleet.verdict(final))          # or a RuntimeFailure naming the first failure (JobStopped: stopped)
     fleet.stop()
 
-The click commands (deploy/cli.py) only parse, call these and render (deploy/engines/render.py).
+The click commands (deploy/cli/) only parse, call these and render (deploy/cli/render.py).
 
 Its parts: ``common`` (what the verbs share), ``watch`` (a running job followed, and its end told
 truly), ``kept`` (the runs on the shared volume), ``actions`` (launch, stop, deploy, join, unlock),

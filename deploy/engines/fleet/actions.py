@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ...checks import preflight
 from ...errors import InputError, RemoteFailure, RuntimeFailure
 from ...images import deliveries, prepare
+from ...images.build import QuietView
 from ...inventory import Inventory
 from ...job import codesync, lock, phases, plan, record, runs, runtime, secretenv
 from ...job.payload import payload
@@ -125,12 +126,14 @@ def no_progress():
 
 def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, say: Say = quiet, warn: Say = quiet,
            shipping: Callable[[], contextlib.AbstractContextManager[Shipping]] = no_progress,
-           interrupted: Callable[[], None] = lambda: None, wait_lock: float = 0.0) -> dict[str, str]:
+           interrupted: Callable[[], None] = lambda: None, wait_lock: float = 0.0,
+           build_view: QuietView | None = None) -> dict[str, str]:
     """Readies every node for a launch, under the locks of the job and of its image (a live holder
     waited for up to ``wait_lock`` seconds): the shared directories, then the image
     (built here with ``build``, shipped where a node's ID differs, each shipment's bytes reported to
     the function ``shipping()`` yields) or, on the host runtime, the interpreter checked. What each
-    node has now, as a line. ``interrupted`` is called on a Ctrl-C while the lock is still held."""
+    node has now, as a line. ``interrupted`` is called on a Ctrl-C while the lock is still held;
+    ``build_view`` shows the build (none by default)."""
     steps = prepare.deployer(inv)
     with lock.held(inv, remote, "deploy", hosts, warn=warn, wait_s=wait_lock) as fleet_lock:
         def ship(image_id, held):
@@ -140,7 +143,7 @@ def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, s
                 return deliveries.for_inventory(inv).ship(remote, image_id, held, report)
 
         try:
-            return steps.run(remote, say, build=build, ship=ship)
+            return steps.run(remote, say, build=build, ship=ship, view=build_view)
         except KeyboardInterrupt:
             interrupted()
             raise

@@ -1,6 +1,6 @@
 """The SSH fleet (hosts.yaml's ``nodes:``): the engine whose verbs reach every node over SSH and
-run the job there, in Docker or on the host (deploy/engines/engine.py is the interface). The procedures
-are deploy/engines/fleet/'s, their rendering deploy/engines/render.py's; here each verb calls and shows them."""
+run the job there, in Docker or on the host (deploy/cli/engine.py is the interface). The procedures
+are deploy/engines/fleet/'s, their rendering deploy/cli/render.py's; here each verb calls and shows them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import asdict
 import click
 
 from ..checks import netcheck
+from ..engines import fleet
 from ..errors import InputError, RemoteFailure, RuntimeFailure
 from ..images import prepare
 from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv
@@ -18,7 +19,8 @@ from ..job.payload import payload
 from ..nodes.remote import Remote
 from ..observe import view
 from ..text import safe
-from . import fleet, render
+from . import render
+from .build_view import TerminalView
 from .engine import Engine
 
 
@@ -63,7 +65,7 @@ class SshFleet(Engine):
         with Remote(inv) as remote:
             # a partial `docker load` registers no image: the ID check sees none
             fleet.deploy(inv, remote, hosts=self.st.hosts, build=build, say=click.echo, warn=render.warn,
-                         wait_lock=wait_lock,
+                         wait_lock=wait_lock, build_view=TerminalView(),
                          shipping=render.shipping,
                          interrupted=lambda: click.echo("interrupted: a node whose load had not finished keeps the "
                                                         "image it had; `ddp-deploy deploy` ships the image to it "

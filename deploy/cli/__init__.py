@@ -1,4 +1,6 @@
-"""ddp-deploy: one small command per verb.
+"""ddp-deploy: one small command per verb. This package is the only one that prints: it parses,
+calls the engines' verbs (engine.py, picked by choose.py) and renders what they return (render.py,
+table.py, build_view.py); nothing below it imports click or rich.
 
 Library errors become one line per problem on stderr and an exit code (2: bad input,
 1: a node failed, 3: the job that ``launch --wait`` or ``status --follow`` followed was ended by
@@ -16,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .errors import DeployError, InputError
-from .job import secretenv
-from .text import safe
+from ..errors import DeployError, InputError
+from ..job import secretenv
+from ..text import safe
 
 if TYPE_CHECKING:
-    from .engines.engine import Engine
-    from .inventory import Inventory
+    from ..inventory import Inventory
+    from .engine import Engine
 
 log = logging.getLogger("deploy")
 
@@ -82,7 +84,7 @@ class _State:
     @property
     def inv(self) -> Inventory:
         if self._inv is None:
-            from .inventory import load  # pydantic and yaml: only for a verb that reads hosts.yaml
+            from ..inventory import load  # pydantic and yaml: only for a verb that reads hosts.yaml
 
             inv = load(self.hosts)
             if self.without:
@@ -111,8 +113,8 @@ class _State:
 
     @property
     def engine(self) -> Engine:
-        """The engine that runs this inventory's job (deploy/engines/choose.py), bound to this invocation."""
-        from .engines import choose  # the engines, and what they import, only for a verb that runs (not --help)
+        """The engine that runs this inventory's job (deploy/cli/choose.py), bound to this invocation."""
+        from . import choose  # the engines, and what they import, only for a verb that runs (not --help)
 
         return choose.for_invocation(self)
 

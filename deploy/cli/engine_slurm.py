@@ -1,5 +1,5 @@
 """Slurm (hosts.yaml's ``slurm:``): the engine whose verbs talk to the login node only; Slurm
-starts, watches and ends the job (deploy/engines/engine.py is the interface). The commands are data in
+starts, watches and ends the job (deploy/cli/engine.py is the interface). The commands are data in
 ``slurm.py``, the procedures ``slurmjob.py``'s; here each verb calls and shows them."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import threading
 
 import click
 
+from ..engines import fleet, slurm
+from ..engines import slurmjob as job
 from ..errors import InputError
 from ..job import codesync, plan, runtime, secretenv
 from ..nodes.remote import Remote
 from ..observe import view
 from ..text import safe
-from . import fleet, render, slurm
-from . import slurmjob as job
+from . import render
 from .engine import Engine
 
 
@@ -115,7 +116,7 @@ class Slurm(Engine):
                         + (f", {s.elapsed}" if s.elapsed else "") + (f" on {s.nodelist}" if s.nodelist else "")
                         + (f", requeued {s.restarts}x" if s.restarts else "")))
         if states:
-            render.out.print(view.table(inv.job.name, {n: inv.slurm.nprocs for n in states}, states))
+            render.out.print(render.states_table(inv.job.name, {n: inv.slurm.nprocs for n in states}, states))
         render.print_findings(why, first, untrained)
 
     def doctor(self, as_json: bool) -> None:

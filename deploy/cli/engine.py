@@ -1,11 +1,11 @@
 """One interface for every engine a job runs on (torchx's schedulers are the model).
 
 An engine is how the job's processes get started, watched and ended: the SSH fleet
-(``hosts.yaml``'s ``nodes:``, deploy/engines/engine_fleet.py) or Slurm (``slurm:``, deploy/engines/engine_slurm.py);
+(``hosts.yaml``'s ``nodes:``, engine_fleet.py) or Slurm (``slurm:``, engine_slurm.py);
 Kubernetes is export only, from any hosts.yaml. Each engine implements the same verbs, with the
 same options; a verb that does not apply to an engine is named in its ``limits``, with why, and
 refused with that reason (exit 2). The CLI parses the options, picks the engine
-(deploy/engines/choose.py) and calls the verb: it knows of no engine.
+(choose.py) and calls the verb: it knows of no engine.
 
 The verbs that read only the shared volume (``runs``, ``plot``) and ``export`` are the same on
 every engine and live here.
@@ -21,12 +21,13 @@ from typing import ClassVar, Protocol
 import click
 from rich.table import Column
 
+from ..engines import fleet
 from ..errors import InputError
 from ..inventory import Inventory
 from ..job import runs
 from ..nodes.remote import Remote
-from ..text import DataTable, cell
-from . import fleet, render
+from . import render
+from .table import DataTable, cell
 
 
 class Invocation(Protocol):
@@ -171,7 +172,7 @@ class Engine(ABC):
         if target == "slurm":
             text = self.batch_script()
         else:
-            from . import k8s
+            from ..engines import k8s
 
             inv = self.inv
             text = k8s.render(inv, k8s.manifests(inv, kind=kind, namespace=namespace, pvc=pvc, image=image_ref))

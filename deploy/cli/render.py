@@ -7,17 +7,34 @@ import contextlib
 import json
 import threading
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import click
 
 from ..checks import netcheck
+from ..engines import fleet
 from ..job import phases, record
 from ..nodes.remote import command_line
 from ..observe import doctor, view
-from ..text import DataTable, Screen, cell, safe
-from . import fleet
+from ..job.plan import NodeState
+from ..text import safe
+from .table import DataTable, Screen, cell
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 out = Screen(highlight=False, soft_wrap=True)  # tables at full width where stdout is no terminal
+
+
+def states_table(job: str, ranks: dict[str, int | None], states: dict[str, NodeState]) -> Table:
+    """The ``status`` table; a node's ranks None: not known (a kept run's record does not say)."""
+    t = DataTable(*view.COLUMNS, title=f"job {job}")
+    for n, s in states.items():
+        color = "yellow" if s.stall else {"running": "green", "exited(0)": "cyan"}.get(s.state, "red")
+        cells = view.Progress.from_line(s.metrics).cells()
+        t.add_row(n, cell(view.state_text(s), style=color), "-" if ranks[n] is None else str(ranks[n]),
+                  *(cells[c] for c in view.COLUMNS[3:]))
+    return t
 
 
 def show(node: str, argv) -> None:
@@ -78,7 +95,7 @@ def print_checks(checks) -> None:
 
 
 def status_table(inv, states):
-    return view.table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
+    return states_table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
 
 
 def print_status(inv, states) -> None:
@@ -157,7 +174,7 @@ def kept_status(inv, remote, wanted: str, as_json: bool, redact, running=lambda:
     if prepared:
         click.echo(f"launch before the start {prepared}")
     click.echo(phases.describe_first(run.record.get("first_step")) or "first step: not known (kept by `launch --wait`)")
-    out.print(view.table(inv.job.name, ranks, states))
+    out.print(states_table(inv.job.name, ranks, states))
     if good:
         click.echo(good.describe())
     if first:
