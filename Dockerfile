@@ -1,7 +1,7 @@
 # The trainer image. The base provides python3 (as `python`), torch and torchvision; the default
 # is a pinned CUDA runtime image. Tests build this same file on a local CPU base:
 #   docker build --build-arg BASE_IMAGE=ddp-base:cpu -t ddp-trainer:test .
-ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+ARG BASE_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \

@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_ends import torch_python  # noqa: E402,F401  (the fixture: both ends of the torch range)
+from torch_ends import torch_python  # noqa: E402,F401  (the fixture: the tested points of the torch range)
 
 pytest_plugins = ("budget", "lanes", "live_report")  # the time budget, reported at the end of every run; the lanes of `make test`; failures named as they happen
 

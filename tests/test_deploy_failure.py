@@ -1,5 +1,5 @@
-"""The first failure of a failed job, read from real torchrun output on both ends of the torch
-range: a bad program flag (argparse, before any process group) and an exception on one rank
+"""The first failure of a failed job, read from real torchrun output on each tested point of the
+torch range: a bad program flag (argparse, before any process group) and an exception on one rank
 after init (torch prefixes its traceback with ``[rankN]: ``)."""
 
 from __future__ import annotations

@@ -148,10 +148,11 @@ def test_a_probe_past_its_time_limit_or_of_another_version_is_named_not_crashed_
 
 
 # --- a torch with no code for the node's GPUs ---------------------------------------------------
-# The architectures each end of the supported range was built for, as its wheel says
+# The architectures each tested point of the supported range was built for, as its wheel says
 # (torch._C._cuda_getArchFlags(), what torch.cuda.get_arch_list() returns on a GPU machine): read
 # from the installed wheels where they are here, else these, as those wheels print them.
 WHEEL_ARCH = {"2.5.1+cu124": "sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90",
+              "2.9.0+cu128": "sm_70 sm_75 sm_80 sm_86 sm_90 sm_100 sm_120",
               "2.14.1+cu130": "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"}
 # The GPUs: name and compute capability, as torch.cuda.get_device_name and get_device_capability
 # give them.
@@ -162,6 +163,7 @@ GPUS = {"H100": ("NVIDIA H100 80GB HBM3", "9.0"), "B200": ("NVIDIA B200", "10.0"
 
 def _wheel_arch(version: str) -> list[str]:
     python = {"2.14.1+cu130": sys.executable,
+              "2.9.0+cu128": os.environ.get("DDP_TORCH_BASE_PYTHON"),
               "2.5.1+cu124": os.environ.get("DDP_TORCH_OLDEST_PYTHON")}.get(version)
     if python:
         got = subprocess.run([python, "-c", "import torch; print(torch.__version__, torch._C._cuda_getArchFlags())"],
@@ -198,9 +200,10 @@ def test_a_gpu_the_torch_has_no_code_for_is_refused_naming_it_and_the_cuda_it_ne
 
 @pytest.mark.parametrize("gpu, torch_version, works", [
     ("H100", "2.5.1+cu124", True), ("L40S", "2.5.1+cu124", True), ("V100", "2.5.1+cu124", True),
-    ("H100", "2.14.1+cu130", True), ("B200", "2.14.1+cu130", True), ("RTX 5090", "2.14.1+cu130", True),
+    ("V100", "2.9.0+cu128", True), ("H100", "2.9.0+cu128", True), ("B200", "2.9.0+cu128", True),
+    ("RTX 5090", "2.9.0+cu128", True), ("H100", "2.14.1+cu130", True), ("B200", "2.14.1+cu130", True), ("RTX 5090", "2.14.1+cu130", True),
     ("B200", "2.5.1+cu124", False), ("RTX 5090", "2.5.1+cu124", False), ("V100", "2.14.1+cu130", False)])
-def test_each_torch_end_is_judged_against_each_gpu_generation_by_its_own_list(gpu, torch_version, works):
+def test_each_tested_torch_is_judged_against_each_gpu_generation_by_its_own_list(gpu, torch_version, works):
     c = _judge(_on(gpu, torch_version, works=works))
     assert c.ok == works, c.detail
     if not works:

@@ -21,7 +21,7 @@ from deploy.cli import cli
 from local_job import beats_dir, local_hosts
 from procs import alive, descendants_of, kill
 from test_deploy_local import LONG_ARGS, _records, _wait_for
-from torch_ends import torch_python  # noqa: F401  (the fixture: both ends of the torch range)
+from torch_ends import torch_python  # noqa: F401  (the fixture: the tested points of the torch range)
 from trainer import launch
 from waiting import wait_until
 

@@ -1,8 +1,8 @@
 """The example user projects under examples/ run under torchrun, report metrics and resume.
 
 Each example is copied into tmp_path and run there with real processes (2 under torchrun, gloo
-on CPU), once on each end of the supported torch range (the ``torch_python`` fixture): each
-example trains on both ends; the package's ``-m`` entry and resume, the trainer's own, on the newest.
+on CPU), once on each tested point of the supported torch range (the ``torch_python`` fixture):
+each example trains on all three; the package's ``-m`` entry and resume, the trainer's own, on the newest.
 """
 
 import ast

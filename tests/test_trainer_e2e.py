@@ -1,6 +1,6 @@
 """End-to-end: the launcher users run (torchrun in-process), 2 processes, gloo on CPU, real files.
 
-Each test runs once on each end of the supported torch range (the ``torch_python`` fixture), but for
+Each test runs once on each tested point of the supported torch range (the ``torch_python`` fixture), but for
 those marked ``NEWEST_ONLY``, whose behaviour is the trainer's own (tests/torch_ends.py).
 
 The workers are forked from the launcher's zygote, as the launcher does where no GPU can be opened
@@ -120,8 +120,9 @@ def _run_until_checkpoint_then_kill(python, tmp_path, flags, step, forked=True):
 @pytest.mark.parametrize("torch_python, kill_at_step, extra, forked", [
     ("newest", 16, [], True),                        # after epoch 1 of 2 (16 steps per epoch)
     ("newest", 8, ["--ckpt-every", "4"], True),      # in the middle of epoch 1, from a mid-epoch checkpoint
-    ("oldest", 8, ["--ckpt-every", "4"], False),     # the sampler's and RNG state mid-epoch, on the oldest torch,
-], indirect=["torch_python"])                        # its workers started by torchrun
+    ("base", 8, ["--ckpt-every", "4"], False),       # the sampler's and RNG state mid-epoch, on the default
+    ("oldest", 8, ["--ckpt-every", "4"], False),     # base's torch and the oldest, their workers started by
+], indirect=["torch_python"])                        # torchrun
 def test_killed_and_restarted_run_ends_bit_identical_to_an_uninterrupted_one(torch_python, tmp_path, kill_at_step, extra,
                                                                              forked):
     flags = [*SMALL, *extra]
@@ -169,7 +170,7 @@ def test_a_resized_job_resumes_deterministically_at_the_epoch_start_on_the_new_s
 def test_sigterm_mid_epoch_stops_every_rank_at_one_checkpointed_step_redoing_nothing(torch_python, tmp_path):
     """SIGTERM mid-epoch stops every rank at one step with a checkpoint, and nothing is redone."""
     flags = [*SMALL, "--ckpt-every", "100", "--log-every", "1"]  # the stop's checkpoint is the only mid-epoch one
-    forked = torch_python.name == "newest"  # on the oldest end torchrun starts the workers
+    forked = torch_python.name == "newest"  # on the other points torchrun starts the workers
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert_ok(run_torchrun(torch_python.python, straight, *flags, forked=forked))
     proc = subprocess.Popen(torchrun_cmd(torch_python.python, stopped, *flags), env=trainer_env(forked),

@@ -1,7 +1,7 @@
 """Rank 0's TensorBoard event files beside metrics.jsonl, and the run id on every record.
 
-The end-to-end tests run the real launcher (2 processes, gloo on CPU) once on each end of the
-supported torch range, and read the event files back with TensorBoard's own reader.
+The end-to-end tests run the real launcher (2 processes, gloo on CPU) once on each tested point
+of the supported torch range, and read the event files back with TensorBoard's own reader.
 """
 
 from __future__ import annotations

@@ -71,9 +71,9 @@ def test_a_venv_copied_from_the_kept_one_runs_from_its_own_path_leaving_it_intac
     assert not (kept / "bin" / "ddp-deploy").exists()
 
 
-def test_pruning_keeps_the_two_kept_venvs_last_used_and_any_being_copied(tmp_path):
+def test_pruning_keeps_the_three_kept_venvs_last_used_and_any_being_copied(tmp_path):
     cache = tmp_path / "venvs"
-    for age, name in enumerate(["newest", "second", "third", "oldest"]):
+    for age, name in enumerate(["newest", "second", "third", "fourth", "oldest"]):
         (cache / name / "bin").mkdir(parents=True)
         stamp = time.time() - 3600 * (age + 1)
         os.utime(cache / name, (stamp, stamp))
@@ -81,4 +81,4 @@ def test_pruning_keeps_the_two_kept_venvs_last_used_and_any_being_copied(tmp_pat
         fcntl.flock(lock, fcntl.LOCK_SH)  # a clone taking its copy
         subprocess.run(["bash", str(SCRIPT), "--prune"], env={**os.environ, "DDP_VENV_CACHE": str(cache)},
                        check=True, timeout=60)
-    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["newest", "oldest", "second"]
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["newest", "oldest", "second", "third"]

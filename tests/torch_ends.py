@@ -1,22 +1,26 @@
-"""The ``torch_python`` fixture: an interpreter at each end of the supported torch range.
+"""The ``torch_python`` fixture: an interpreter at each of the three tested points of the supported
+torch range.
 
-``newest`` is the interpreter running the tests (the Makefile's main venv); ``oldest`` is
-``$DDP_TORCH_OLDEST_PYTHON`` (the Makefile's second venv, the Dockerfile's default base's
-torch). A test taking the fixture runs once per end, unless it is marked ``NEWEST_ONLY``: a test of
-what does not change with torch's version (the trainer's own logic over torch's stable API) runs on
-the newest end alone, since each end costs a whole training run. What torch changed between the
-ends runs on both: the stores' bind, torchrun's signals and error files, autocast, torch.load's
-defaults, torchvision, a mid-epoch resume's state. Where the oldest is not installed the
-test is skipped with the reason; with ``DDP_TORCH_ENDS_REQUIRED=1`` (CI) that is a failure, and
-each interpreter's torch must then be exactly the end of the range it stands for.
+``newest`` is the interpreter running the tests (the Makefile's main venv); ``base`` is
+``$DDP_TORCH_BASE_PYTHON`` (the torch of the Dockerfile's default base, what the shipped image
+runs); ``oldest`` is ``$DDP_TORCH_OLDEST_PYTHON``. A test taking the fixture runs once per point,
+unless it names its points (``on_ends``, ``NEWEST_ONLY``): a test of what does not change with
+torch's version (the trainer's own logic over torch's stable API) runs on the newest alone, since
+each point costs a whole training run. What torch changed across the range runs on all three: the
+stores' bind, torchrun's signals and error files, autocast, torch.load's defaults, torchvision, a
+mid-epoch resume's state. Where a point's torch is not installed the test is skipped with the
+reason; with ``DDP_TORCH_ENDS_REQUIRED=1`` (CI) that is a failure, and each interpreter's torch
+must then be exactly the release it stands for.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -40,6 +44,19 @@ def range_ends(spec: str = TORCH_SUPPORTED) -> tuple[tuple[int, ...], tuple[int,
     return specs[">="], (upper[0], upper[1] - 1)
 
 
+def base_release(dockerfile: Path = Path(__file__).resolve().parent.parent / "Dockerfile") -> tuple[int, ...]:
+    """The torch release of the Dockerfile's default base: ``pytorch/pytorch:2.9.0-cuda12.8-...`` ->
+    ``(2, 9, 0)``."""
+    found = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", dockerfile.read_text(), re.M)
+    if not found:
+        raise ValueError(f"{dockerfile}: ARG BASE_IMAGE names no pytorch/pytorch:VERSION-cuda... image")
+    return Version(found.group(1)).release
+
+
+# Where each point's interpreter is named, and the Makefile target that installs it.
+_POINTS = {"base": ("DDP_TORCH_BASE_PYTHON", "install-base"), "oldest": ("DDP_TORCH_OLDEST_PYTHON", "install-oldest")}
+
+
 def _torch_version(python: str) -> str:
     proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
                           text=True, timeout=120)
@@ -54,25 +71,26 @@ def _unavailable(reason: str):
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session", params=["newest", "oldest"])
+@pytest.fixture(scope="session", params=["newest", "base", "oldest"])
 def torch_python(request) -> TorchEnd:
     oldest, newest = range_ends()
     if request.param == "newest":
         python, expected = sys.executable, newest
     else:
-        python, expected = os.environ.get("DDP_TORCH_OLDEST_PYTHON", ""), oldest
+        variable, target = _POINTS[request.param]
+        python, expected = os.environ.get(variable, ""), {"base": base_release(), "oldest": oldest}[request.param]
         if not python or not os.path.exists(python):
-            _unavailable("the oldest supported torch is not installed: `make install-oldest` and set "
-                         "DDP_TORCH_OLDEST_PYTHON (make test does both)")
+            _unavailable(f"the {request.param} point's torch ({'.'.join(map(str, expected))}) is not installed: "
+                         f"`make {target}` and set {variable} (make test does both)")
     version = _torch_version(python)
     if os.environ.get("DDP_TORCH_ENDS_REQUIRED") == "1" and Version(version).release[:len(expected)] != expected:
-        pytest.fail(f"{request.param} end: {python} has torch {version}, expected "
+        pytest.fail(f"{request.param} point: {python} has torch {version}, expected "
                     f"{'.'.join(map(str, expected))} ({TORCH_SUPPORTED})", pytrace=False)
     return TorchEnd(request.param, python, version)
 
 
 def on_ends(*ends: str):
-    """Runs the test on these ends of the range only (``newest``, ``oldest``)."""
+    """Runs the test on these points of the range only (``newest``, ``base``, ``oldest``)."""
     return pytest.mark.parametrize("torch_python", ends, indirect=True)
 
 

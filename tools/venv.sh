@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/venv.sh DIR PINS...: a venv at DIR with PINS (torch's pins), this package's dependencies
 # and its test tools, and this package installed editable (the Makefile's `install` and
-# `install-oldest`).
+# `install-base`, `install-oldest`).
 #
 # Everything but this package comes from a venv kept under $DDP_VENV_CACHE (default
 # /var/cache/ddp-bundle/venvs), named by a hash of what decides its contents: the interpreter, the
@@ -11,7 +11,7 @@
 # of it, its scripts pointed at DIR, instead of unpacking torch again (about 1.5 min of the 2 cores).
 # DDP_VENV_CACHE= (empty) builds DIR directly, as `pip install` alone would.
 # tools/venv.sh --kept PINS... prints where the kept venv for PINS is (or would be); --prune removes
-# the kept venvs but the newest two, as each build does once it is done.
+# the kept venvs but the newest three, as each build does once it is done.
 #
 # The copy shares the kept venv's files, not its directories: pip and Python replace a file rather
 # than write into it (a script's new first line here, a .pyc), so the kept venv is never changed
@@ -41,10 +41,10 @@ if [ -z "$CACHE" ]; then
 fi
 
 prune() {
-    # Kept venvs of other inputs (an earlier week's, other pins), a few GB each: the newest two (both
-    # ends of torch's range; a venv's time is its last use) stay, the others go unless a copy is
-    # being taken of them.
-    find "$CACHE" -mindepth 1 -maxdepth 1 -type d -printf '%T@ %p\n' | sort -rn | tail -n +3 | cut -d' ' -f2- \
+    # Kept venvs of other inputs (an earlier week's, other pins), a few GB each: the newest three (the
+    # three torch points the Makefile tests; a venv's time is its last use) stay, the others go unless
+    # a copy is being taken of them.
+    find "$CACHE" -mindepth 1 -maxdepth 1 -type d -printf '%T@ %p\n' | sort -rn | tail -n +4 | cut -d' ' -f2- \
         | while read -r old; do flock -n -x "$old.lock" rm -rf "$old" || true; done
 }
 if [ "$DIR" = --prune ]; then

@@ -4,9 +4,9 @@ Importing this module does not import torch: the deploy tool reads ``TORCH_SUPPO
 operator's machine to judge the versions its nodes report (deploy.checks.versions). What is here runs in
 the image too, so it needs nothing beyond torch and the standard library.
 
-The range is tested at both ends (docs/testing.md): the oldest is the Dockerfile's default base
-image (pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime), the newest the release the Makefile
-installs. pyproject.toml declares the same range (a test compares them).
+The range is tested at its two ends and at the torch of the Dockerfile's default base image
+(pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime) between them (docs/testing.md); the newest is the
+release the Makefile installs. pyproject.toml declares the same range (a test compares them).
 
 Torch internals used, and how they behave across the range:
 
