@@ -93,7 +93,7 @@ gpu-check: install
 image:
 	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t ddp-trainer:latest .
 
-## Every test, in three workers side by side (pytest-xdist, tests/lanes.py): the cluster tests in two
+## Every test, in three workers side by side (pytest-xdist, tools/suite/lanes.py): the cluster tests in two
 ## lanes, each on a cluster of its own, in order; every other test, reniced, in whichever worker is
 ## free. CI runs this. LANES=2: the cluster tests in one lane on one cluster (docs/testing.md).
 test: tools

@@ -5,10 +5,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The suite's own machinery (its time budget, its lanes, failures named as they happen): pytest
+# plugins kept apart from the tests.
+SUITE_TOOLS = Path(__file__).resolve().parent.parent / "tools" / "suite"
+sys.path.insert(0, str(SUITE_TOOLS))
 
 from torch_ends import torch_python  # noqa: E402,F401  (the fixture: the tested points of the torch range)
 
-pytest_plugins = ("budget", "lanes", "live_report")  # the time budget, reported at the end of every run; the lanes of `make test`; failures named as they happen
+pytest_plugins = ("budget", "lanes", "live_report")  # tools/suite/
 
 # The Ctrl-C tests press Ctrl-C for real (SIGINT to this process or to a CLI it starts). A suite
 # started in the background of a non-interactive shell (`./.ci/run &`, nohup) inherits SIGINT

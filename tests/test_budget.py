@@ -1,4 +1,4 @@
-"""tests/budget.py: the suite's time budget is reported, never enforced by failing a test."""
+"""tools/suite/budget.py: the suite's time budget is reported, never enforced by failing a test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent / "tools" / "suite"  # the plugins under test
 CHEAP_REFERENCE = f"{sys.executable} -c pass"  # the inner runs' own reference: not two imports of torch each
 
 INNER = '''

@@ -1,4 +1,4 @@
-"""tests/lanes.py: under ``pytest -n 3`` the cluster's tests run in two workers, each lane in order
+"""tools/suite/lanes.py: under ``pytest -n 3`` the cluster's tests run in two workers, each lane in order
 and on a cluster site of its own, and the others in whichever worker has run out of work, reniced."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lanes
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent / "tools" / "suite"  # the plugins under test
 
 TESTS = '''
 import json, os, time
@@ -102,7 +102,7 @@ def test_a_disk_for_one_cluster_only_makes_the_cluster_tests_one_lane_and_says_w
     _one_lane_on_the_first_site(runs)
     said = next(line for line in out.splitlines() if "one lane" in line)
     assert said.startswith("the cluster tests run in one lane on one cluster: /var/tmp's filesystem has ")
-    assert said.endswith("(tests/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
+    assert said.endswith("(tools/suite/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
 
 
 def test_two_clusters_need_twice_a_lane_s_disk_and_the_cache_where_it_is_not_built(monkeypatch):

@@ -79,7 +79,7 @@ class Site:
     """Where one cluster lives on this machine: its bridge, subnet, namespaces, fixed paths and
     cgroup. Site 0 is the names above (the parts built on a cluster, Slurm, the registry and the
     containerd node, use those); site *k* > 0 has names of its own, so that `make test` can run a
-    second cluster beside the first (tests/lanes.py) and each one's setup and teardown touch only
+    second cluster beside the first (tools/suite/lanes.py) and each one's setup and teardown touch only
     what is its own."""
     index: int = 0
 

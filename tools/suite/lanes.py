@@ -72,7 +72,7 @@ def disk_for_two_clusters(free_bytes: int | None = None) -> tuple[bool, str]:
         return True, ""
     return False, (f"the cluster tests run in one lane on one cluster: {DISK}'s filesystem has "
                    f"{free_bytes / 1e9:.1f} GB free, two clusters side by side need {need:.0f} "
-                   "(tests/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
+                   "(tools/suite/lanes.py CLUSTER_DISK_GB); free space there for the faster run")
 
 
 def _cache_built() -> bool:
