@@ -14,7 +14,7 @@ from rich.console import Console
 
 from deploy.cli import build_view
 from deploy.images import build, prepare
-from deploy.checks import preflight
+from deploy.checks import judges, preflight
 from deploy.errors import RuntimeFailure
 from deploy.inventory import loads
 from deploy.nodes.remote import Result
@@ -195,7 +195,7 @@ def test_an_image_of_another_platform_is_refused_naming_nodes_platforms_and_the_
 def _platform_rows(runtime, said):
     inv = _inv(runtime, nodes=tuple(said))
     results = {n: {"platform": Result(n, 0 if text else 1, text, "" if text else "no docker")} for n, text in said.items()}
-    return {c.node: (c.ok, c.detail) for c in preflight._platforms(inv, list(said), results)}
+    return {c.node: (c.ok, c.detail) for c in judges._platforms(inv, list(said), results)}
 
 
 def test_check_shows_each_node_s_platform_and_fails_a_docker_node_of_another_one():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.checks import preflight
+from deploy.checks import judges, preflight
 from deploy.inventory import loads
 from deploy.nodes.remote import Remote, Result
 from fakes import free_port, install_command
@@ -158,7 +158,7 @@ def test_a_node_that_reads_another_token_is_not_on_the_same_storage(tmp_path):
     first = {n: Result(n, None, r.stdout) for n, r in final.items()}
     meeting = preflight.FleetMeeting(inv)
     meeting.tokens = tokens
-    shared = [c for c in preflight.checks_from(inv, first, final, meeting) if c.name == "shared storage"]
+    shared = [c for c in judges.checks_from(inv, first, final, meeting) if c.name == "shared storage"]
     assert [(c.node, c.ok) for c in shared] == [("n1", True), ("n2", True), ("n3", False)]
     assert shared[2].detail == f"does not see {path} written by n1: not the same storage"
 
@@ -309,4 +309,4 @@ def test_a_failed_probe_answer_is_never_kept_and_is_probed_again(tmp_path, answe
 
 @pytest.mark.parametrize("line", ["PROBE_KEPT \x1b[31m1\x1b[0m", "PROBE_KEPT 99999999999999999999", "PROBE_KEPT"])
 def test_a_kept_answer_s_date_that_is_no_number_is_not_shown(line):
-    assert preflight._kept(f"{line}\nPROBE {{}}\n") == ""
+    assert judges._kept(f"{line}\nPROBE {{}}\n") == ""

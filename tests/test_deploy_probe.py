@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from deploy.inventory import loads
-from deploy.checks.preflight import _torch
+from deploy.checks.judges import _torch
 from deploy.nodes.remote import Result
 from deploy.checks.versions import torch_supported
 from trainer.compat import TORCH_SUPPORTED

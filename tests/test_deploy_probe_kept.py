@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.checks import preflight
+from deploy.checks import judges
 from deploy.inventory import load
 from deploy.job import plan
 from deploy.job.scripts import HOST_PROBE_KEPT
@@ -35,19 +35,19 @@ def test_launch_reuses_a_good_answer_until_a_package_lands_where_python_imports_
     node = inv.nodes[0]
     first = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("PROBE {") and preflight.PROBE_KEPT not in first.stdout
+    assert first.stdout.startswith("PROBE {") and judges.PROBE_KEPT not in first.stdout
     again = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
-    assert again.stdout.splitlines()[0].startswith(preflight.PROBE_KEPT + " ")
+    assert again.stdout.splitlines()[0].startswith(judges.PROBE_KEPT + " ")
     assert again.stdout.splitlines()[1] == first.stdout.strip()
-    assert "kept for this interpreter's installation and probe command, probed " in preflight._kept(again.stdout, "host")
+    assert "kept for this interpreter's installation and probe command, probed " in judges._kept(again.stdout, "host")
 
     checked = _probe(tmp_path, plan.probe_argv(inv, node, reuse=False), extra)  # `check`: always probed
-    assert preflight.PROBE_KEPT not in checked.stdout and checked.stdout.startswith("PROBE {")
+    assert judges.PROBE_KEPT not in checked.stdout and checked.stdout.startswith("PROBE {")
 
     (extra / "newpkg").mkdir()  # a package installed: another installation
     after = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
-    assert preflight.PROBE_KEPT not in after.stdout and after.stdout.startswith("PROBE {")
-    assert _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra).stdout.startswith(preflight.PROBE_KEPT)
+    assert judges.PROBE_KEPT not in after.stdout and after.stdout.startswith("PROBE {")
+    assert _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra).stdout.startswith(judges.PROBE_KEPT)
 
 
 def test_a_failed_answer_is_never_kept(tmp_path):
@@ -56,7 +56,7 @@ def test_a_failed_answer_is_never_kept(tmp_path):
     extra.mkdir()
     for _ in range(2):
         r = _probe(tmp_path, plan.probe_argv(inv, inv.nodes[0], reuse=True), extra)
-        assert preflight.PROBE_KEPT not in r.stdout and '"program_error": "' in r.stdout, r
+        assert judges.PROBE_KEPT not in r.stdout and '"program_error": "' in r.stdout, r
     kept = tmp_path / "home/.cache/ddp-deploy/probe"
     assert not kept.exists() or not any(kept.iterdir())
 

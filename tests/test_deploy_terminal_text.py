@@ -161,7 +161,7 @@ def test_a_check_s_detail_with_markup_and_escapes_is_printed_as_text(monkeypatch
     import io
 
     import deploy.cli.render
-    from deploy.checks.preflight import Check
+    from deploy.checks.judges import Check
     from deploy.cli.table import Screen
 
     screen = io.StringIO()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..checks.preflight import Check
+from ..checks.judges import Check
 from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..inventory import load
 from ..job import codesync, outcome, phases, plan, record, runs, runtime, scripts, secretenv
