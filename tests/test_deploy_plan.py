@@ -34,8 +34,11 @@ train:
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
     """The environment every program gets (docs/own-code.md)."""
     forked = ["DDP_PREFORK=1"] if device == "cpu" else []  # workers forked from a zygote: CPU jobs alone
+    # the node's GPUs, held for the job by its launcher (trainer/gpu_hold.py)
+    held = [f'DDP_GPU_HOLD={{"job": "demo", "run": "RUN_ID", "gpus": {[0, 1] if node != "c" else [0]}}}'
+            ] if device == "cuda" else []
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
-            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID", *forked]
+            f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID", *forked, *held]
 
 
 # the job by where it lives: its directory on the shared volume, hashed (docs/CONTRACTS.md)
@@ -197,12 +200,12 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
                          str(inv.job.max_restarts)]  # its state, the run's directory, the supervisor's budget
     assert argv[7:9] == ["sh", "-c"] and argv[10:12] == ["sh", "/nas/ckpt/work/a"]  # the node's own directory
     cmd = argv[12:]
-    assert cmd[:16] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
+    assert cmd[:17] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
                         *beats("a", "host")]
-    assert cmd[16:20] == ["python3", *module_argv("trainer.launch")]
+    assert cmd[17:21] == ["python3", *module_argv("trainer.launch")]
     t = cmd.index("--")
-    assert tuple(cmd[20:t]) == spec.torchrun
+    assert tuple(cmd[21:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]
     assert spec.mounts == ()
 

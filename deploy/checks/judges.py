@@ -6,13 +6,14 @@ tested with outputs recorded from real nodes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer import probe
+from trainer import gpu_hold, probe
 from trainer.compat import TORCH_SUPPORTED
 
 from ..images import build as builder
@@ -20,6 +21,7 @@ from ..inventory import Inventory, Node
 from ..job import plan
 from ..job.payload import payload
 from ..job.runtime import CodeDir, runtime
+from .. import text
 from ..nodes.remote import Result
 from . import gpu_arch
 from .versions import torch_supported
@@ -88,6 +90,7 @@ def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str,
         return have >= want, f"{have} GPUs, need {want}"
 
     checks += _judged([n for n in up if inv.node(n).gpus > 0], results, "gpus", "gpus", gpus, "nvidia-smi failed")
+    checks += [gpu_holds(inv, results[n]["holds"]) for n in up if inv.node(n).devices]
     checks += [_storage(inv, results[n]["storage"]) for n in up]
     checks += meeting.judge(up, results)
     checks += [_previous_run(results[n]["status"]) for n in up]
@@ -317,6 +320,28 @@ def rendezvous(inv: Inventory, up: list[str], results) -> list[Check]:
             detail = f"reaches {rdzv.address}:{port}" if ok else f"cannot reach {rdzv.address}:{port}"
         out.append(Check(node, "rendezvous", ok, detail))
     return out
+
+
+def gpu_holds(inv: Inventory, r: Result) -> Check:
+    """The job's GPUs on a node are free, or the holders are named (trainer/gpu_hold.py's ``list``:
+    one JSON line per holder, what the node's kernel says of it)."""
+    devices = inv.node(r.node).devices
+    if not r.ok:
+        return Check(r.node, "gpus free", False, f"cannot tell who holds GPUs {_ids(devices)}: {r.summary()}")
+    said = []
+    for line in r.stdout.splitlines()[:64]:
+        try:
+            said.append(gpu_hold.describe(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            said.append(f"an answer not understood: {text.safe(line)[:200]}")
+    if not said:
+        return Check(r.node, "gpus free", True, f"no other job holds GPUs {_ids(devices)}")
+    return Check(r.node, "gpus free", False, "; ".join(said) + ": stop that job first, or give this job other GPUs "
+                                                           "(nodes[].gpu_ids)")
+
+
+def _ids(devices) -> str:
+    return ",".join(map(str, devices))
 
 
 def _previous_run(r: Result) -> Check:
