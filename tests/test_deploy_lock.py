@@ -343,7 +343,8 @@ def test_dry_runs_name_the_lock_and_take_nothing(ddp, tmp_path, fleet_lock_path)
 @pytest.mark.e2e
 def test_launch_releases_the_lock_once_started_and_another_job_runs_beside(tmp_path, fleet_lock_path):
     """``launch --wait`` follows without the lock; and another job (its own name and port) starts
-    on the same node while this one runs, the two training side by side."""
+    on the same node while this one runs, the two training side by side; ``jobs`` lists both while
+    they run, and neither once they are stopped."""
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     beside = _inventory(tmp_path / "beside.yaml", ONE, job="beside")
     env = {**os.environ, "DDP_DEPLOY_LOG": str(tmp_path / "debug.log")}
@@ -364,6 +365,15 @@ def test_launch_releases_the_lock_once_started_and_another_job_runs_beside(tmp_p
             states = subprocess.run([*argv, "status", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                                     timeout=120)
             assert [n["state"] for n in json.loads(states.stdout)] == ["running"], states.stdout
+        # the fleet view, from either inventory: both jobs, from what the node's kernel says
+        seen = subprocess.run([*other, "jobs", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert seen.returncode == 0, seen.stderr
+        listed = json.loads(seen.stdout)
+        assert sorted(j["job"] for j in listed["jobs"]) == ["beside", "locktest"] and listed["unanswered"] == {}
+        assert all(j["uid"] == os.getuid() and list(j["nodes"]) == ["here"] for j in listed["jobs"])
+        table = subprocess.run([*deploy, "jobs"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert table.returncode == 0 and "locktest" in table.stdout and "beside" in table.stdout, table.stdout
     finally:
         launch.terminate()
         launch.wait(timeout=60)
@@ -371,6 +381,8 @@ def test_launch_releases_the_lock_once_started_and_another_job_runs_beside(tmp_p
                    for argv in (deploy, other)]
     assert [s.returncode for s in stopped] == [0, 0], [s.stderr for s in stopped]
     assert not fleet_lock_path.exists()
+    after = subprocess.run([*deploy, "jobs"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert after.stdout == "no job of this tool runs on the nodes that answered\n", after.stdout + after.stderr
 
 
 # Whose machine holds the lock: told by machine id and boot id, not by the hostname alone.

@@ -34,9 +34,9 @@ train:
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
     """The environment every program gets (docs/own-code.md)."""
     forked = ["DDP_PREFORK=1"] if device == "cpu" else []  # workers forked from a zygote: CPU jobs alone
-    # the node's GPUs, held for the job by its launcher (trainer/gpu_hold.py)
-    held = [f'DDP_GPU_HOLD={{"job": "demo", "run": "RUN_ID", "gpus": {[0, 1] if node != "c" else [0]}}}'
-            ] if device == "cuda" else []
+    # the node's GPUs, held for the job by its launcher (trainer/holds.py)
+    gpus = ([0, 1] if node != "c" else [0]) if device == "cuda" else []
+    held = [f'DDP_HOLD={{"job": "demo", "run": "RUN_ID", "gpus": {gpus}}}']
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
             f"DDP_DEVICE={device}", f"DDP_BACKEND={backend}", "DDP_STAGES=1", "DDP_LAUNCH_ID=RUN_ID", *forked, *held]
 

@@ -34,7 +34,7 @@ import time
 from string import Template
 
 from .compat import binds_stores
-from . import exits, formed, gpu_hold, heartbeat, snapshot_hint, workdir, zygote
+from . import exits, formed, heartbeat, holds, snapshot_hint, workdir, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -536,8 +536,8 @@ def main() -> None:
     if forks is not None:
         zygote.install(forks)
     try:  # the node's GPUs, held for this job while this launcher lives (after the zygote's fork: a thread)
-        hold = gpu_hold.from_environ(os.environ)  # noqa: F841  (kept: the hold ends with this process)
-    except gpu_hold.Held as exc:
+        hold = holds.from_environ(os.environ)  # noqa: F841  (kept: the hold ends with this process)
+    except holds.Held as exc:
         sys.exit(f"trainer.launch: error: {exc}; stop that job, or give this job other GPUs (nodes[].gpu_ids)")
     address = option(args, "--local-addr")
     if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer import gpu_hold, probe
+from trainer import holds, probe
 from trainer.compat import TORCH_SUPPORTED
 
 from ..images import build as builder
@@ -323,7 +323,7 @@ def rendezvous(inv: Inventory, up: list[str], results) -> list[Check]:
 
 
 def gpu_holds(inv: Inventory, r: Result) -> Check:
-    """The job's GPUs on a node are free, or the holders are named (trainer/gpu_hold.py's ``list``:
+    """The job's GPUs on a node are free, or the holders are named (trainer/holds.py's ``list``:
     one JSON line per holder, what the node's kernel says of it)."""
     devices = inv.node(r.node).devices
     if not r.ok:
@@ -331,7 +331,7 @@ def gpu_holds(inv: Inventory, r: Result) -> Check:
     said = []
     for line in r.stdout.splitlines()[:64]:
         try:
-            said.append(gpu_hold.describe(json.loads(line)))
+            said.append(holds.describe(json.loads(line)))
         except (ValueError, KeyError, TypeError, AttributeError):
             said.append(f"an answer not understood: {text.safe(line)[:200]}")
     if not said:

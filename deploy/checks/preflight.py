@@ -34,19 +34,16 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from trainer import gpu_hold
 
 from ..images import build as builder
 from ..inventory import Inventory, Node
 from ..job import plan
+from ..job.scripts import HOLDS
 from ..job.runtime import CodeDir, NodeFacts, runtime
 from ..node import node_program
 from ..nodes.remote import Remote, Result
 from .judges import PROBE_SECONDS, Check, checks_from, parse_tagged, rendezvous, shared
 
-GPU_HOLD = Path(gpu_hold.__file__).read_text()  # run by the node's own python3: standard library only
 
 # $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
 STORAGE = node_program("storage.sh")
@@ -139,8 +136,8 @@ def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = No
     checks.append(("probe", plan.probe_argv(inv, node, code, reuse=reuse_probe)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
-    if node.devices:  # who holds the GPUs this job would use, from the node's kernel (trainer/gpu_hold.py)
-        checks.append(("holds", (runtime(inv).listener_python(), "-c", GPU_HOLD, "list", *map(str, node.devices))))
+    if node.devices:  # who holds the GPUs this job would use, from the node's kernel (trainer/holds.py)
+        checks.append(("holds", (runtime(inv).listener_python(), "-c", HOLDS, "list", *map(str, node.devices))))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
     if meeting is None:
         meeting = FleetMeeting.meeting_checks(inv, node, token)

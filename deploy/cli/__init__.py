@@ -301,6 +301,15 @@ def unlock(st: _State, force: bool) -> None:
     st.engine.unlock(force)
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_state
+def jobs(st: _State, as_json: bool) -> None:
+    """Every job running on the inventory's nodes, whoever started it: its name, run, user, nodes,
+    GPUs and since when, as each node's kernel says (the jobs this tool launched, of any user)."""
+    st.engine.jobs(as_json)
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="ddp-deploy")
 

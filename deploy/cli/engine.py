@@ -54,7 +54,7 @@ class Engine(ABC):
 
     name: ClassVar[str]
     VERBS: ClassVar[tuple[str, ...]] = ("validate", "check", "deploy", "launch", "join", "status", "doctor", "logs",
-                                        "runs", "plot", "stop", "export", "unlock")
+                                        "runs", "plot", "stop", "export", "unlock", "jobs")
     limits: ClassVar[dict[str, str]] = {}  # verb -> why it does not apply to this engine
 
     def __init__(self, st: Invocation) -> None:
@@ -116,6 +116,10 @@ class Engine(ABC):
     @_limited
     def unlock(self, force: bool) -> None:
         self.refuse("unlock")
+
+    @_limited
+    def jobs(self, as_json: bool) -> None:
+        self.refuse("jobs")
 
     @abstractmethod
     def running(self, remote: Remote) -> bool:

@@ -195,6 +195,18 @@ class SshFleet(Engine):
         if refused:
             raise refused
 
+    def jobs(self, as_json: bool) -> None:
+        with Remote(self.inv) as remote:
+            found = fleet.jobs(self.inv, remote)
+        if as_json:
+            click.echo(json.dumps({"jobs": [asdict(j) for j in found.jobs], "unanswered": found.unanswered}))
+        else:
+            render.jobs_table(found)
+        if found.unanswered:
+            said = "; ".join(f"{n}: {why}" for n, why in found.unanswered.items())
+            raise RuntimeFailure(f"jobs: not known on {', '.join(found.unanswered)} ({said})",
+                                 hint="the jobs shown are those of the nodes that answered")
+
     def running(self, remote: Remote) -> bool:
         return any(s.running for s in fleet.node_states(self.inv, remote, self.st.redact).values())
 

@@ -25,7 +25,8 @@ class Slurm(Engine):
 
     name = "Slurm"
     limits = {"join": "Slurm allocates the nodes; a requeued job comes back on its own",
-              "unlock": "there is no job lock: Slurm queues the job"}
+              "unlock": "there is no job lock: Slurm queues the job",
+              "jobs": "Slurm keeps the jobs of its nodes: squeue lists them"}
 
     @classmethod
     def serves(cls, inv) -> bool:

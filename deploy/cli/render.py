@@ -37,6 +37,21 @@ def states_table(job: str, ranks: dict[str, int | None], states: dict[str, NodeS
     return t
 
 
+def jobs_table(found: fleet.FleetJobs) -> None:
+    """``jobs``: one row per job (its name, run and uid), its nodes with the GPUs each holds."""
+    import time
+
+    t = DataTable("job", "run", "user", "nodes", "GPUs", "since", title="jobs on the nodes")
+    for j in found.jobs:
+        gpus = "; ".join(f"{n}: {','.join(map(str, g))}" for n, g in j.nodes.items() if g) or "-"
+        t.add_row(j.job, j.run or "-", f"{j.user} (uid {j.uid})", ", ".join(j.nodes), gpus,
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.since)))
+    if found.jobs:
+        Screen().print(t)
+    else:
+        click.echo("no job of this tool runs on the nodes that answered")
+
+
 def show(node: str, argv) -> None:
     """A node's command as its shell receives it, each line under the node's name (a node program
     spans lines)."""

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from trainer.gpu_hold import ENV as GPU_HOLD_ENV
+from trainer.holds import ENV as HOLD_ENV
 from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_RECORD_ENV, STALL_TIMEOUT_ENV
 from trainer.masking import SECRET_NAMES_ENV
 
@@ -119,7 +119,7 @@ def _no_nul(v: str) -> str:
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DDP_NODE_NAME",
                 "DDP_DEPLOY_RUN", "DDP_DATA_DIR", "DDP_CKPT_DIR", "DDP_RUN_ID", "DDP_DEVICE", "DDP_BACKEND", "DDP_STAGES",
                 "DDP_CODE_SNAPSHOT", "DDP_LAUNCH_ID", "DDP_DEPLOY_LOG_DIR", "DDP_PROCS", HEARTBEAT_DIR_ENV, ON_STALL_ENV,
-                STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV, GPU_HOLD_ENV)
+                STALL_TIMEOUT_ENV, STALL_RECORD_ENV, SECRET_NAMES_ENV, HOLD_ENV)
 
 
 def identifier(v: str) -> str:

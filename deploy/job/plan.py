@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from trainer.gpu_hold import ENV as GPU_HOLD_ENV
+from trainer.holds import ENV as HOLD_ENV
 from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV, parse_beat
 from trainer.zygote import ENABLE_ENV as PREFORK_ENV
 from trainer.masking import SECRET_NAMES_ENV
@@ -142,8 +142,8 @@ def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
     for gloo and NCCL (the inventory's, else the one detected on the node), then train.env and
     nodes[].env, which win (they cannot name the contract's variables: inventory.RESERVED_ENV)."""
     env = {"DDP_NODE_NAME": node.name, **contract_env(inv, *runtime(inv).job_dirs(), code, run)}
-    if node.devices and run is not None:  # the launcher holds the node's GPUs for the job (trainer/gpu_hold.py)
-        env[GPU_HOLD_ENV] = json.dumps({"job": inv.job.name, "run": run, "gpus": list(node.devices)})
+    if run is not None:  # the launcher says it runs the job, and holds the node's GPUs (trainer/holds.py)
+        env[HOLD_ENV] = json.dumps({"job": inv.job.name, "run": run, "gpus": list(node.devices)})
     interface = node.interface or facts.interface
     if interface is not None:
         env.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)

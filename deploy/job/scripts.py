@@ -5,6 +5,9 @@ tests/test_node_programs.py). Nothing here runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from trainer import holds
 from trainer.formed import MARKER as FORMED_MARKER
 from trainer.heartbeat import STALL_RECORD_ENV
 
@@ -19,6 +22,10 @@ from ..node import node_program
 # One grep reads every process's environment (one a process took seconds on a busy node), and it
 # returns once the killed are gone (at most 5 s): a stop that says stopped leaves none of them.
 # No single quote in it: the supervisor's script below is one quoted word.
+# The jobs' launchers on a node and the GPUs they hold (trainer/holds.py: standard library only, run
+# by the node's own python3): `list INDEX...`, `jobs`.
+HOLDS = Path(holds.__file__).read_text()
+
 KILL_RUN = node_program("kill_run.sh")
 
 # Shell functions: tool_dir ROOT NAME... makes and checks a directory only this tool writes, below

@@ -17,7 +17,7 @@ The click commands (deploy/cli/) only parse, call these and render (deploy/cli/r
 
 Its parts: ``common`` (what the verbs share), ``watch`` (a running job followed, and its end told
 truly), ``kept`` (the runs on the shared volume), ``actions`` (launch, stop, deploy, join, unlock),
-``logs`` and ``api`` (the :class:`Fleet` object).
+``logs``, ``alljobs`` (every user's jobs on the nodes) and ``api`` (the :class:`Fleet` object).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from .watch import (
 from .kept import goodputs, kept_failure, kept_run, kept_runs, kept_stalls, metrics, newest_stall, plot, when
 from .actions import Joined, Shipping, Started, Unlocked, deploy, join, joinable, launch, no_progress, stop, unlock
 from .logs import LogLine, log_reads, read_logs
+from .alljobs import FleetJob, FleetJobs, jobs
 from .api import Fleet
 
 __all__ = [
-    "FAILURE_TAIL", "Fleet", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say", "Shipping", "Started",
-    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "join",
+    "FAILURE_TAIL", "Fleet", "FleetJob", "FleetJobs", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say",
+    "Shipping", "Started",    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "jobs", "join",
     "joinable", "kept_failure", "kept_run", "kept_runs", "kept_stalls", "launch", "log_reads", "metrics",
     "newest_stall", "no_progress", "node_index", "node_states", "nothing_trained", "on_any_node", "one_image",
     "plot", "quiet", "read_logs", "readers", "refuse_failed_checks", "running_job", "size",

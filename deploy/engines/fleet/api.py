@@ -18,6 +18,7 @@ from .watch import diagnose, node_states, verdict, wait
 from .kept import goodputs, kept_runs, metrics, plot
 from .actions import Joined, Started, deploy, join, launch, no_progress, stop, unlock
 from .logs import LogLine, log_reads, read_logs
+from .alljobs import FleetJobs, jobs
 
 
 class Fleet:
@@ -101,6 +102,11 @@ class Fleet:
         if refused:
             raise refused
         return done.lines
+
+    def jobs(self) -> FleetJobs:
+        """Every job running on the inventory's nodes, whoever started it (alljobs.py)."""
+        with Remote(self.inv) as remote:
+            return jobs(self.inv, remote)
 
     def states(self) -> dict[str, plan.NodeState]:
         """Every node's state now (running, exited(N), stalled, unreachable, ...) and its last metrics."""

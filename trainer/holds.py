@@ -1,8 +1,9 @@
-"""Which job holds which of a node's GPUs, from kernel facts: one job at a time per GPU.
+"""Which jobs run on a node and which GPUs each holds, from kernel facts: one job at a time per GPU.
 
-A job's launcher on a node holds each GPU it was given (``$DDP_GPU_HOLD``) by a listening Unix
-socket in the abstract namespace, named ``@ddp-deploy-gpu/<index>/<token>``: the kernel removes
-it when the process ends, however it ends (a kill, an OOM, a reboot), so a hold never outlives its
+A job's launcher on a node says it runs there, and holds each GPU it was given (``$DDP_HOLD``),
+by listening Unix sockets in the abstract namespace, ``@ddp-deploy/job/<token>`` and
+``@ddp-deploy/gpu<index>/<token>``, each answering a connection with one line that tells the
+job, its run, its user and its GPUs. The kernel removes them when the process ends, however it ends (a kill, an OOM, a reboot), so a hold never outlives its
 job and there is no file to plant or to clean. Abstract names are per network namespace: the
 node's (a docker job has the host's network). Whoever holds one is named by what the kernel says
 of the listener (``SO_PEERCRED``: its pid and uid, and the pid's start time), never by what a
@@ -15,7 +16,8 @@ let go and try again after a random pause, so one finds it free and keeps it; a 
 still finds the GPU held after a few tries refuses to start, naming the holder.
 
 Standard library only (Python 3.6+): deploy sends this file's text to a node's own ``python3``
-to list the holds before a launch (``python3 -c SOURCE list INDEX...``: one JSON line per hold).
+to list the holds before a launch (``python3 -c SOURCE list INDEX...``: one JSON line per hold),
+and the jobs running there for ``ddp-deploy jobs`` (``python3 -c SOURCE jobs``).
 """
 
 import json
@@ -28,10 +30,11 @@ import sys
 import threading
 import time
 
-ENV = "DDP_GPU_HOLD"
-"""The GPUs to hold and what to say of the job: ``{"job": NAME, "run": ID, "gpus": [INDEX...]}``."""
+ENV = "DDP_HOLD"
+"""What the launcher tells of its job, and the GPUs it holds: ``{"job": NAME, "run": ID, "gpus": [INDEX...]}``."""
 
-PREFIX = "ddp-deploy-gpu/"
+PREFIX = "ddp-deploy/"
+JOB = "job"
 CLAIMS_READ = 64
 """The claims per GPU asked who holds it (a flood of sockets beyond them is not asked)."""
 UNIX_READ = 8 << 20
@@ -45,11 +48,14 @@ class Held(Exception):
     """A GPU another process holds; its message names the GPU and the holder."""
 
 
-def claims(indices, table="/proc/net/unix"):
-    """``{index: [abstract name, ...]}``: the listening claims on these GPUs in this network
-    namespace, the first CLAIMS_READ of each."""
-    want = {str(i) for i in indices}
-    out = {int(i): [] for i in want}
+def gpu(index):
+    return "gpu%d" % index
+
+
+def claims(keys, table="/proc/net/unix"):
+    """``{key: [abstract name, ...]}``: the listening claims of these keys (``gpu(index)``, JOB)
+    in this network namespace, the first CLAIMS_READ of each."""
+    out = {k: [] for k in keys}
     try:
         with open(table, "rb") as fh:
             text = fh.read(UNIX_READ).decode("ascii", "replace")
@@ -61,8 +67,8 @@ def claims(indices, table="/proc/net/unix"):
         if len(fields) < 8 or fields[3] != "00010000" or not fields[7].startswith("@" + PREFIX):
             continue
         parts = fields[7][1 + len(PREFIX):].split("/")
-        if len(parts) == 2 and parts[0] in want and len(out[int(parts[0])]) < CLAIMS_READ:
-            out[int(parts[0])].append(fields[7][1:])
+        if len(parts) == 2 and parts[0] in out and len(out[parts[0]]) < CLAIMS_READ:
+            out[parts[0]].append(fields[7][1:])
     return out
 
 
@@ -116,7 +122,22 @@ def _asked(names):
 def holders(indices, mine=None):
     """Every answering holder of these GPUs: ``[{"gpu", "name", "pid", "uid", "since", "said"}, ...]``;
     ``mine``: a hold's token, whose claims are not asked."""
-    names = {name: index for index, found in claims(indices).items() for name in found
+    keys = {gpu(i): i for i in indices}
+    return sorted((dict(h, gpu=keys[h.pop("key")]) for h in _answering(list(keys), mine)),
+                  key=lambda h: (h["gpu"], h["since"]))
+
+
+def jobs():
+    """Every job whose launcher runs on this node, as it answers: ``[{"name", "pid", "uid", "since",
+    "said"}, ...]``, oldest first."""
+    found = _answering([JOB])
+    for h in found:
+        del h["key"]
+    return found
+
+
+def _answering(keys, mine=None):
+    names = {name: key for key, found in claims(keys).items() for name in found
              if mine is None or not name.endswith("/" + mine)}
     out = []
     for name, (pid, uid, said) in sorted(_asked(names).items()):
@@ -127,9 +148,9 @@ def holders(indices, mine=None):
             told = json.loads(said.decode("utf-8"))
         except ValueError:
             told = {}
-        out.append({"gpu": names[name], "name": name, "pid": pid, "uid": uid, "since": round(since, 2),
+        out.append({"key": names[name], "name": name, "pid": pid, "uid": uid, "since": round(since, 2),
                     "said": told if isinstance(told, dict) else {}})
-    return sorted(out, key=lambda h: (h["gpu"], h["since"]))
+    return sorted(out, key=lambda h: (h["since"], h["pid"]))
 
 
 def describe(h):
@@ -147,12 +168,13 @@ class Hold:
     TRIES = 4
 
     def __init__(self, indices, job, run=""):
+        indices = list(indices)
         try:
             import pwd
             user = pwd.getpwuid(os.getuid()).pw_name
         except (ImportError, KeyError):
             user = str(os.getuid())
-        self.line = (json.dumps({"job": job, "run": run, "user": user}) + "\n").encode()
+        self.line = (json.dumps({"job": job, "run": run, "user": user, "gpus": indices}) + "\n").encode()
         self.sockets = []
         for attempt in range(self.TRIES):
             self._bind(indices)
@@ -169,9 +191,9 @@ class Hold:
 
     def _bind(self, indices):
         self.token = secrets.token_hex(8)
-        for i in indices:
+        for key in [JOB] + [gpu(i) for i in indices]:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind("\0%s%d/%s" % (PREFIX, i, self.token))
+            s.bind("\0%s%s/%s" % (PREFIX, key, self.token))
             s.listen(64)
             self.sockets.append(s)
 
@@ -203,7 +225,7 @@ class Hold:
 
 
 def from_environ(environ=os.environ):
-    """The hold ``$DDP_GPU_HOLD`` asks for (removed from ``environ``: the workers hold nothing), or
+    """The hold ``$DDP_HOLD`` asks for (removed from ``environ``: the workers hold nothing), or
     None where it asks for none. Raises Held where another job holds one of its GPUs."""
     spec = environ.pop(ENV, "")
     if not spec:
@@ -213,8 +235,8 @@ def from_environ(environ=os.environ):
 
 
 def main(argv):
-    if argv[:1] == ["list"]:
-        for h in holders([int(i) for i in argv[1:]]):
+    if argv[:1] in (["list"], ["jobs"]):
+        for h in holders([int(i) for i in argv[1:]]) if argv[0] == "list" else jobs():
             print(json.dumps(h, sort_keys=True))
         return 0
     if argv[:1] == ["hold"]:  # hold JOB INDEX...: until killed (what a launcher does, for a test)
@@ -226,7 +248,7 @@ def main(argv):
         print("holding", flush=True)
         while True:
             time.sleep(3600)
-    print("usage: gpu_hold.py list INDEX... | hold JOB INDEX...", file=sys.stderr)
+    print("usage: holds.py list INDEX... | jobs | hold JOB INDEX...", file=sys.stderr)
     return 2
 
 

@@ -1,4 +1,4 @@
-"""trainer/gpu_hold.py: a node's GPUs held by one job at a time, named from kernel facts.
+"""trainer/holds.py: a node's GPUs held by one job at a time, named from kernel facts.
 
 No GPU is needed: a hold is a listening socket named by the GPU's index, so the holders here are
 real processes holding indices of GPUs this machine does not have (the GPU inventory is what is
@@ -21,12 +21,13 @@ import pytest
 
 from deploy.checks import judges
 from deploy.checks.preflight import check_argv
+from deploy.engines.fleet import alljobs as fleet_jobs
 from deploy.inventory import loads
 from deploy.job import plan
 from deploy.nodes.remote import Result
-from trainer import gpu_hold
+from trainer import holds
 
-SCRIPT = Path(gpu_hold.__file__)
+SCRIPT = Path(holds.__file__)
 ME = pwd.getpwuid(os.getuid()).pw_name
 
 
@@ -89,14 +90,14 @@ def test_claims_that_do_not_answer_hold_nothing_and_cost_one_bounded_read():
     planted = []
     for i in range(40):  # listening claims that never answer, and a bound one that does not listen
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(f"\0{gpu_hold.PREFIX}5/{i:016x}")
+        s.bind(f"\0{holds.PREFIX}gpu5/{i:016x}")
         if i:
             s.listen(1)
         planted.append(s)
     try:
         started = time.monotonic()
         assert _list(5) == []
-        assert time.monotonic() - started < 10 * gpu_hold.ASK_S
+        assert time.monotonic() - started < 10 * holds.ASK_S
         assert _hold("mine", 5) == "holding"
     finally:
         for s in planted:
@@ -113,7 +114,7 @@ GPU_NODE = {"job": {"name": "pf", "runtime": "host"}, "train": {"python": sys.ex
 def test_a_launch_holds_its_node_s_gpus_and_its_check_asks_who_holds_them():
     inv = loads(json.dumps(GPU_NODE))
     env = dict(plan.node_env(inv, inv.node("g"), run="20261206-120000-abcd"))
-    assert json.loads(env[gpu_hold.ENV]) == {"job": "pf", "run": "20261206-120000-abcd", "gpus": [2, 3]}
+    assert json.loads(env[holds.ENV]) == {"job": "pf", "run": "20261206-120000-abcd", "gpus": [2, 3]}
     argv = check_argv(inv, inv.node("g"), "")
     at = argv.index("holds")
     assert argv[at + 1:at + 8] == ("6", sys.executable, "-c", SCRIPT.read_text(), "list", "2", "3")
@@ -138,7 +139,7 @@ def test_the_check_names_each_holder_as_text_and_passes_free_gpus():
 @pytest.mark.e2e
 def test_a_launcher_refuses_to_start_on_a_gpu_another_job_holds(holders, tmp_path):
     a = holders("running", 6)
-    env = {**os.environ, gpu_hold.ENV: json.dumps({"job": "late", "run": "r", "gpus": [6]}), "DDP_PREFORK": "0"}
+    env = {**os.environ, holds.ENV: json.dumps({"job": "late", "run": "r", "gpus": [6]}), "DDP_PREFORK": "0"}
     proc = subprocess.run([sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "1", "--",
                            "--data-dir", str(tmp_path / "d"), "--ckpt-dir", str(tmp_path / "c")],
                           env=env, capture_output=True, text=True, timeout=120)
@@ -146,3 +147,19 @@ def test_a_launcher_refuses_to_start_on_a_gpu_another_job_holds(holders, tmp_pat
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"trainer.launch: error: GPU 6 is held by job 'running' of user '{ME}' (uid {os.getuid()}, pid {a.pid})")
     assert not (tmp_path / "c").exists()  # nothing started: no worker made its directory
+
+
+def test_each_launcher_says_it_runs_and_the_fleet_view_groups_a_job_s_nodes(holders):
+    cpu = holders("cpu-job")  # a CPU job holds no GPU, but says it runs
+    listed = subprocess.run([sys.executable, str(SCRIPT), "jobs"], capture_output=True, text=True, timeout=30,
+                            check=True, cwd="/").stdout
+    mine = [j for j in fleet_jobs.parse("n1", listed) if j.pid == cpu.pid]
+    assert [(j.job, j.gpus, j.uid) for j in mine] == [("cpu-job", (), os.getuid())]
+    line = lambda job, uid, since, gpus: json.dumps(  # noqa: E731
+        {"pid": 7, "uid": uid, "since": since, "name": "x", "said": {"job": job, "run": "r1", "user": "u", "gpus": gpus}})
+    answers = {"a": "\n".join([line("big", 1001, 20.0, [0, 1]), line("small", 1002, 10.0, []), "garbage",
+                               json.dumps({"pid": 1, "uid": 0, "since": 1, "said": ["not", "a", "dict"]})]),
+               "b": line("big", 1001, 30.0, [2])}
+    rows = fleet_jobs.gather([j for node, out in answers.items() for j in fleet_jobs.parse(node, out)])
+    assert [(r.job, r.uid, r.since, r.nodes) for r in rows] == [
+        ("?", 0, 1.0, {"a": ()}), ("small", 1002, 10.0, {"a": ()}), ("big", 1001, 20.0, {"a": (0, 1), "b": (2,)})]
