@@ -134,6 +134,7 @@ def test_the_check_names_each_holder_as_text_and_passes_free_gpus():
                            "this job other GPUs (nodes[].gpu_ids)")
     failed = judges.gpu_holds(inv, Result("g", 127, "", "python3: not found"))
     assert not failed.ok and failed.detail.startswith("cannot tell who holds GPUs 2,3: ")
+    assert failed.detail.endswith(f"(the node's {sys.executable} asks)")
 
 
 @pytest.mark.e2e
@@ -155,8 +156,9 @@ def test_each_launcher_says_it_runs_and_the_fleet_view_groups_a_job_s_nodes(hold
                             check=True, cwd="/").stdout
     mine = [j for j in fleet_jobs.parse("n1", listed) if j.pid == cpu.pid]
     assert [(j.job, j.gpus, j.uid) for j in mine] == [("cpu-job", (), os.getuid())]
-    line = lambda job, uid, since, gpus: json.dumps(  # noqa: E731
-        {"pid": 7, "uid": uid, "since": since, "name": "x", "said": {"job": job, "run": "r1", "user": "u", "gpus": gpus}})
+    line = lambda job, uid, since, gpus: json.dumps({  # noqa: E731
+        "pid": 7, "uid": uid, "since": since, "name": "x",
+        "said": {"job": job, "run": "r1", "user": "u", "gpus": gpus}})
     answers = {"a": "\n".join([line("big", 1001, 20.0, [0, 1]), line("small", 1002, 10.0, []), "garbage",
                                json.dumps({"pid": 1, "uid": 0, "since": 1, "said": ["not", "a", "dict"]})]),
                "b": line("big", 1001, 30.0, [2])}

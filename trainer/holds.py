@@ -1,13 +1,14 @@
 """Which jobs run on a node and which GPUs each holds, from kernel facts: one job at a time per GPU.
 
-A job's launcher on a node says it runs there, and holds each GPU it was given (``$DDP_HOLD``),
-by listening Unix sockets in the abstract namespace, ``@ddp-deploy/job/<token>`` and
-``@ddp-deploy/gpu<index>/<token>``, each answering a connection with one line that tells the
-job, its run, its user and its GPUs. The kernel removes them when the process ends, however it ends (a kill, an OOM, a reboot), so a hold never outlives its
-job and there is no file to plant or to clean. Abstract names are per network namespace: the
-node's (a docker job has the host's network). Whoever holds one is named by what the kernel says
-of the listener (``SO_PEERCRED``: its pid and uid, and the pid's start time), never by what a
-process says of itself; the job name a holder tells is shown as its claim, as text.
+A job's launcher on a node says it runs there, and holds each GPU it was given (``$DDP_HOLD``), by
+listening Unix sockets in the abstract namespace, ``@ddp-deploy/job/<token>`` and
+``@ddp-deploy/gpu<index>/<token>``, each answering a connection with one line that tells the job,
+its run, its user and its GPUs. The kernel removes them when the process ends, however it ends (a
+kill, an OOM, a reboot), so a hold never outlives its job and there is no file to plant or to
+clean. Abstract names are per network namespace: the node's (a docker job has the host's network).
+Whoever holds one is named by what the kernel says of the listener (``SO_PEERCRED``: its pid and
+uid, and the pid's start time), never by what a process says of itself; the job name a holder tells
+is shown as its claim, as text.
 
 Any user can make such a socket. A name that does not answer with one line within ASK_S holds
 nothing; all claims are asked at once, at most :data:`CLAIMS_READ` per GPU, so a flood of them

@@ -327,7 +327,9 @@ def gpu_holds(inv: Inventory, r: Result) -> Check:
     one JSON line per holder, what the node's kernel says of it)."""
     devices = inv.node(r.node).devices
     if not r.ok:
-        return Check(r.node, "gpus free", False, f"cannot tell who holds GPUs {_ids(devices)}: {r.summary()}")
+        asker = runtime(inv).listener_python()
+        return Check(r.node, "gpus free", False,
+                     f"cannot tell who holds GPUs {_ids(devices)}: {r.summary()} (the node's {asker} asks)")
     said = []
     for line in r.stdout.splitlines()[:64]:
         try:
