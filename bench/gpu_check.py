@@ -310,12 +310,28 @@ def step_environment(check: Check) -> tuple[bool, str, dict]:
         "nccl": nccl_version(torch.cuda.nccl.version()),
         "bf16_supported": torch.cuda.is_bf16_supported(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        # what `check` judges on a node of these GPUs (the build's architectures against each
+        # device's): trainer.probe's answer, as deploy runs it; tests/test_deploy_probe.py judges it
+        "probe": probe_report(count),
     }
     drivers = sorted({g["driver"] for g in detail["nvidia_smi"]}) if smi is not None else ["unknown"]
     names = sorted({d["name"] for d in detail["devices"]})
     summary = (f"{count} x {', '.join(names)}, driver {', '.join(drivers)}, CUDA {torch.version.cuda}, "
                f"NCCL {detail['nccl']}")
     return count >= 1 and detail["nccl"] is not None, summary, detail
+
+
+def probe_report(gpus: int) -> dict | str:
+    """``python -m trainer.probe`` on ``gpus`` GPUs: its report, or why there is none."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "trainer.probe", "--gpus", str(gpus), "--procs", str(max(gpus, 1))],
+                           capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "trainer.probe took longer than 300 s"
+    for line in r.stdout.splitlines():
+        if line.startswith("PROBE {"):
+            return json.loads(line[len("PROBE "):])
+    return f"trainer.probe exited {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}"
 
 
 def step_nccl_init(check: Check) -> tuple[bool, str, dict]:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -208,6 +209,33 @@ def test_each_tested_torch_is_judged_against_each_gpu_generation_by_its_own_list
     assert c.ok == works, c.detail
     if not works:
         assert f"({GPUS[gpu][0]}, compute capability {GPUS[gpu][1]}) have no code in this torch" in c.detail
+
+
+RECORDED = sorted((Path(__file__).parents[1] / "bench" / "results").glob("gpu-check-*.json"))
+
+
+def _recorded_probes() -> list[tuple[str, dict]]:
+    """The probe answers ``make gpu-check`` recorded on real GPUs (its environment step), by file."""
+    out = []
+    for path in RECORDED:
+        steps = {s["name"]: s for s in json.loads(path.read_text())["steps"]}
+        report = steps.get("environment", {}).get("detail", {}).get("probe")
+        if isinstance(report, dict):
+            out.append((path.name, report))
+    return out
+
+
+def test_each_gpu_a_recorded_gpu_check_trained_on_passes_the_architecture_check():
+    """A recorded ``make gpu-check`` trained on its GPUs with its torch: the check must agree that
+    the build has code for them (and name each one where it would not)."""
+    recorded = [(name, report) for name, report in _recorded_probes() if report.get("devices")]
+    if not recorded:
+        pytest.skip("no recorded gpu-check in bench/results holds trainer.probe's answer: "
+                    "`make gpu-check` on a machine with an NVIDIA GPU records it")
+    for name, report in recorded:
+        c = _judge(report, gpus=report["devices"])
+        assert c.ok, (name, c.detail)
+        assert report["arch_list"] and len(report["capabilities"]) == report["devices"], name
 
 
 def test_a_gpu_older_than_the_build_is_told_to_find_a_build_that_keeps_it():

@@ -1,7 +1,7 @@
 """The pipelined chain: this machine's uplink carries one copy of the image whatever N is.
 
 The nodes that lack the image are put in a row (inventory order). Each runs
-``deploy/node/node_relay.py`` over SSH; this machine streams the saved image (without the leading
+``deploy/node/node_relay.py`` (after ``relay_wire.py``) over SSH; this machine streams the saved image (without the leading
 layers every node in the row holds) to the first over that SSH session, and every node stores
 what it gets, checks each chunk against the digest sent to it over SSH, forwards verified chunks
 to the next node over the nodes' own network and feeds them to ``docker load`` in its own thread.
@@ -39,7 +39,8 @@ from ..nodes.remote import Remote, Result, command_line
 from . import image, oci
 from .delivery import Delivery, saved_line
 
-RELAY = HERE / "node_relay.py"
+RELAY = (HERE / "relay_wire.py", HERE / "node_relay.py")
+"""The node's program: the two files' texts, one after the other (relay_wire.py first)."""
 PASSED_OVER = "passed over: "  # a relay's own word that a node nearer the source took its receiver
 CHUNK = 4 << 20
 """Verification and pipelining unit: each hop adds one chunk's time."""
@@ -54,7 +55,7 @@ STUCK_FLOOR = 30.0
 
 def relay_argv(load: Sequence[str], spool_dir: str = SPOOL_DIR) -> tuple[str, ...]:
     """The node's side: ``load`` gets the verified stream on its stdin."""
-    return ("python3", "-c", RELAY.read_text(), spool_dir, "--", *load)
+    return ("python3", "-c", "".join(p.read_text() for p in RELAY), spool_dir, "--", *load)
 
 
 def digests(stream, chunk: int = CHUNK) -> list[str]:
@@ -117,7 +118,7 @@ class Chain(Delivery):
             f"each node checks every {CHUNK >> 20} MiB chunk against the digests sent to it over SSH, forwards it "
             f"to the next over a connection opened for this transfer (a per-transfer secret) and loads it; a node "
             f"that takes no data for {stall:g} s is passed over and named",
-            *(f"[{n}] python3 -c \"$(cat {RELAY})\" {SPOOL_DIR} -- {command_line(image.load_argv(inv))}"
+            *(f"[{n}] python3 -c \"$(cat {' '.join(map(str, RELAY))})\" {SPOOL_DIR} -- {command_line(image.load_argv(inv))}"
               for n in nodes),
         ]
 
