@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from trainer.__main__ import say_skipped
-from trainer.checkpoint import CheckpointError, CheckpointManager
+from trainer.checkpointer import say_skipped
+from trainer.checkpoint import CheckpointError, CheckpointStore
 from trainer_helpers import SMALL, metrics, run_torchrun
 
 
@@ -21,14 +21,14 @@ def state(step: int) -> dict:
 
 
 def test_save_then_latest_loads_the_newest(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointStore(tmp_path, keep_last=5)
     for step in (1, 2, 3):
         mgr.save(state(step), step)
     assert mgr.load(mgr.latest())["step"] == 3
 
 
 def test_keeps_only_the_last_k(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = CheckpointStore(tmp_path, keep_last=2)
     for step in range(1, 6):
         mgr.save(state(step), step)
     assert [s for s, _ in mgr.complete()] == [5, 4]
@@ -37,7 +37,7 @@ def test_keeps_only_the_last_k(tmp_path):
 
 
 def test_the_checkpoint_just_written_is_never_pruned_even_below_older_higher_steps(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = CheckpointStore(tmp_path, keep_last=2)
     for step in (900, 1000):
         mgr.save(state(step), step)
     mgr.save(state(8), 8)
@@ -45,7 +45,7 @@ def test_the_checkpoint_just_written_is_never_pruned_even_below_older_higher_ste
 
 
 def test_truncated_checkpoint_is_skipped_never_loaded(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(state(1), 1)
     newest = mgr.save(state(2), 2)
     with open(newest, "r+b") as handle:
@@ -54,7 +54,7 @@ def test_truncated_checkpoint_is_skipped_never_loaded(tmp_path):
 
 
 def test_corrupted_bytes_of_the_same_size_are_detected(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(state(1), 1)
     newest = mgr.save(state(2), 2)
     data = bytearray(newest.read_bytes())
@@ -64,14 +64,14 @@ def test_corrupted_bytes_of_the_same_size_are_detected(tmp_path):
 
 
 def test_a_checkpoint_without_its_marker_does_not_count(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(state(1), 1)
     torch.save(state(2), tmp_path / "ckpt-000000002.pt")  # written, but never marked complete
     assert mgr.latest().name == "ckpt-000000001.pt"
 
 
 def test_loading_refuses_arbitrary_pickled_objects(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     path = mgr.save({"evil": argparse.Namespace(cmd="rm -rf /")}, 1)
     with pytest.raises(Exception, match="[Ww]eights only load failed"):
         mgr.load(path)
@@ -84,12 +84,12 @@ CRASHER = textwrap.dedent("""
         os.ftruncate(fd, os.fstat(fd).st_size // 2)
         os._exit(9)  # the process dies in the middle of the save: half the bytes, no rename
     os.fsync = half_written_then_die
-    checkpoint.CheckpointManager(sys.argv[1]).save({"step": 2, "weights": torch.ones(100000)}, 2)
+    checkpoint.CheckpointStore(sys.argv[1]).save({"step": 2, "weights": torch.ones(100000)}, 2)
 """)
 
 
 def test_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(state(1), 1)
     proc = subprocess.run([sys.executable, "-c", CRASHER, str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
@@ -113,7 +113,7 @@ def tiny_volume(tmp_path):
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(tiny_volume):
-    mgr = CheckpointManager(tiny_volume, keep_last=3)
+    mgr = CheckpointStore(tiny_volume, keep_last=3)
     mgr.save({"weights": torch.zeros(1000)}, 1)
     with pytest.raises(CheckpointError, match="no space left on the device; the previous checkpoint ckpt-000000001.pt is intact"):
         mgr.save({"weights": torch.zeros(1_000_000)}, 2)  # 4 MB into a 2 MB volume
@@ -156,11 +156,11 @@ def marker_mismatch(path):
 ])
 def test_an_unloadable_newest_checkpoint_is_skipped_named_and_the_previous_loaded(tmp_path, breaks, reason):
     """A checkpoint marked newest that does not load is skipped and named, and the previous one loaded."""
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointStore(tmp_path, keep_last=5)
     mgr.save(state(32), 32)
     newest = mgr.save(state(40), 40)
     breaks(newest)
-    fresh = CheckpointManager(tmp_path, keep_last=5)  # the relaunched process: it knows nothing yet
+    fresh = CheckpointStore(tmp_path, keep_last=5)  # the relaunched process: it knows nothing yet
     assert fresh.latest().name == "ckpt-000000032.pt"
     found = fresh.resume_point()
     assert found.path.name == "ckpt-000000032.pt" and found.state["step"] == 32
@@ -170,15 +170,15 @@ def test_an_unloadable_newest_checkpoint_is_skipped_named_and_the_previous_loade
     # set aside under a name that no longer counts: the next relaunch does not meet it again
     assert skipped.aside == "ckpt-000000040.pt.bad" and (tmp_path / skipped.aside).exists()
     assert [s for s, _ in fresh.complete()] == [32]
-    assert CheckpointManager(tmp_path).resume_point().skipped == []
+    assert CheckpointStore(tmp_path).resume_point().skipped == []
 
 
 def test_with_no_loadable_checkpoint_resuming_starts_afresh_naming_every_one_skipped(tmp_path, capsys):
     """With no checkpoint that loads, resuming starts afresh and names every one skipped."""
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     for path in [mgr.save(state(step), step) for step in (8, 16)]:
         truncated_with_a_matching_marker(path)
-    found = CheckpointManager(tmp_path).resume_point()
+    found = CheckpointStore(tmp_path).resume_point()
     assert found.path is None and found.state is None
     assert [s.name for s in found.skipped] == ["ckpt-000000016.pt", "ckpt-000000008.pt"]
 
@@ -189,33 +189,33 @@ def test_with_no_loadable_checkpoint_resuming_starts_afresh_naming_every_one_ski
 
 
 def test_a_skip_reason_from_a_hostile_file_is_one_printable_line(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(state(1), 1)
     newest = mgr.path_for(2)
     # a raw pickle whose global's name carries terminal escapes (a colour, a window title, a bell)
     newest.write_bytes(b"\x80\x02c\x1b[31mos\nsys\x1b]0;pwn\x07tem" + b"x" * 1000 + b"\n)\x81.")
     remark(newest)
-    (skipped,) = CheckpointManager(tmp_path).resume_point().skipped
+    (skipped,) = CheckpointStore(tmp_path).resume_point().skipped
     assert skipped.reason.isprintable() and "\x1b" not in skipped.reason and len(skipped.reason) <= 200
     assert "Unsupported global" in skipped.reason
 
 
 def test_pruning_keeps_the_newest_loadable_checkpoint_when_the_newest_is_broken(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointStore(tmp_path, keep_last=5)
     mgr.save(state(32), 32)
     refused_by_weights_only(mgr.save(state(40), 40))
-    fresh = CheckpointManager(tmp_path, keep_last=1)
+    fresh = CheckpointStore(tmp_path, keep_last=1)
     fresh.prune()
     assert fresh.load(fresh.latest())["step"] == 32
     assert (tmp_path / "ckpt-000000040.pt.bad").exists()
 
 
 def test_broken_checkpoints_do_not_count_towards_keep_last_when_a_save_prunes(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointStore(tmp_path, keep_last=5)
     for step in (24, 32):
         mgr.save(state(step), step)
     truncated_with_a_matching_marker(mgr.save(state(40), 40))
-    fresh = CheckpointManager(tmp_path, keep_last=2)
+    fresh = CheckpointStore(tmp_path, keep_last=2)
     fresh.save(state(48), 48)
     assert [s for s, _ in fresh.complete()] == [48, 32]
     assert all(fresh.load(p)["step"] == s for s, p in fresh.complete())

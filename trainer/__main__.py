@@ -6,18 +6,18 @@ import gc
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from . import data, exits
 from .build import build
-from .checkpoint import CheckpointError, CheckpointManager, Found, save_final_model
+from .checkpoint import CheckpointError
+from .checkpointer import Checkpointer, ResumeMismatch
 from .config import ConfigError, TrainConfig, load_config
-from .dist import DistEnv, DistSetupError, broadcast_object, setup, teardown
+from .dist import DistEnv, DistSetupError, setup, teardown
 from .flight import FlightWatch
 from .heartbeat import HEARTBEAT_DIR_ENV, Heartbeat
-from .loop import Context, Position, ResumeMismatch, evaluate, restore, steps_per_epoch, train
+from .loop import Context, evaluate, steps_per_epoch, train
 from .metrics import MetricsWriter
 from .stages import SplitError
 from .startup import Startup
@@ -39,15 +39,16 @@ def make_context(cfg: TrainConfig, env: DistEnv, stop: StopSignal, startup: Star
     if cfg.stages > 1 and env.is_local_main:
         log.info("model %s split: %s", cfg.model, built.local.extra_repr())
     startup.mark("model")
+    metrics, heartbeat = MetricsWriter(env, cfg.ckpt_dir), Heartbeat.from_environ(rank=env.rank)
     return Context(
         cfg=cfg, env=env,
         built=built,
         train=train_set.to(env.device), test=test_set.to(env.device),
         normalize=data.Normalizer(spec, env.device),
-        checkpoints=CheckpointManager(cfg.ckpt_dir, cfg.keep_last),
-        metrics=MetricsWriter(env, cfg.ckpt_dir),
+        checkpointer=Checkpointer(cfg, env, built, metrics, heartbeat),
+        metrics=metrics,
         stop=stop,
-        heartbeat=Heartbeat.from_environ(rank=env.rank),
+        heartbeat=heartbeat,
     )
 
 
@@ -72,50 +73,19 @@ def run(cfg: TrainConfig, env: DistEnv, stop: StopSignal | None = None, startup:
 
 def resume_and_train(ctx: Context, startup: Startup | None = None) -> dict:
     """Resumes from the newest checkpoint that loads (if any), trains, evaluates, saves the final model."""
-    cfg, env = ctx.cfg, ctx.env
-    torch_seed_per_rank(cfg, env)
-    if not cfg.resume and env.is_main and ctx.checkpoints.complete():
-        raise ResumeMismatch(f"resume: --no-resume, but {cfg.ckpt_dir} holds checkpoints of an earlier run; "
-                             f"use an empty --ckpt-dir or remove them")
-    pos = Position()
-    found = ctx.checkpoints.resume_point() if cfg.resume and env.is_main else None
-    if found:
-        say_skipped(found)
-    # Rank 0 chose (and set the broken ones aside): every rank loads that very file.
-    latest = broadcast_object(env, str(found.path) if found and found.path else None)
-    if latest:
-        state = found.state if found else ctx.checkpoints.load(latest)
-        pos = restore(ctx, state)
-        log.info("resumed from %s (epoch %d, step %d)", latest, pos.epoch, pos.global_step)
-    if startup is not None:
-        startup.mark("resume")
-    if latest:
-        # from_world_size != world_size: the job was resized (a node lost or taken in), and
-        # resumed at the start of the checkpoint's epoch (loop.restore). ``startup``: the moments
-        # this process reached (its launcher's start, its own, its imports, process group, data,
-        # model, resume), so that a restart's time can be told apart (tests/FAULTS.md)
-        ctx.metrics.write({"kind": "resumed", "checkpoint": Path(latest).name, "epoch": pos.epoch,
-                           "step": pos.global_step, "micro": pos.micro, "world_size": env.world_size,
-                           "from_world_size": state["world_size"],
-                           **({"startup": startup.moments()} if startup is not None else {})})
+    env = ctx.env
+    torch_seed_per_rank(ctx.cfg, env)
+    pos = ctx.checkpointer.resume(startup)
     if startup is not None and env.is_local_main:
         print(startup.line(), file=sys.stderr, flush=True)
     pos = train(ctx, pos)
     final = evaluate(ctx)
+    ctx.checkpointer.finish()
     if env.is_main:
-        save_final_model(cfg.ckpt_dir, ctx.built.raw_model.state_dict())
         ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step,
                            "world_size": env.world_size, "backend": env.backend, **final})
     ctx.heartbeat.finish()  # nothing left to watch on this rank (trainer/heartbeat/)
     return final
-
-
-def say_skipped(found: Found) -> None:
-    """One line per broken checkpoint passed over, naming it, why, and where the job resumes."""
-    then = f"resuming from {found.path.name}" if found.path else "no loadable checkpoint left: starting from step 0"
-    for skipped in found.skipped:
-        where = f" (renamed to {skipped.aside})" if skipped.aside else ""
-        print(f"trainer: skipping {skipped.name}{where}: {skipped.reason}; {then}", file=sys.stderr, flush=True)
 
 
 def require_cuda_for_sync_bn(cfg: TrainConfig, env: DistEnv) -> None:

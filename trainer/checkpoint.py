@@ -1,4 +1,5 @@
-"""The checkpoint manager: atomic save, a completion marker, keep-last-k, newest valid on load.
+"""The checkpoints on disk: atomic save, a completion marker, keep-last-k, newest valid on load
+(trainer/checkpointer.py is the policy over them: what a checkpoint holds, when, where a run resumes).
 
 A checkpoint is ``ckpt-<step>.pt`` plus its marker ``ckpt-<step>.pt.ok`` (JSON: size and
 sha256 of the file). The file is written to a temporary name, fsynced and renamed; only then is
@@ -115,7 +116,7 @@ def _write_atomically(path: Path, data: bytes | memoryview) -> None:
     _fsync_dir(path.parent)
 
 
-class CheckpointManager:
+class CheckpointStore:
     def __init__(self, directory: str | os.PathLike, keep_last: int = 3) -> None:
         self.dir = Path(directory)
         self.keep_last = keep_last

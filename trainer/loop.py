@@ -11,24 +11,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .build import Built, amp_dtype
-from .checkpoint import CheckpointError, CheckpointManager
+from .checkpointer import Checkpointer, Position
 from .config import TrainConfig
 from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
-from .dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+from .dist import DistEnv, all_reduce_sum
 from .heartbeat import Heartbeat
 from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
 from .stopping import Stopped, StopSignal
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Position:
-    """Where training stands: the epoch, the micro-batches of it already consumed, optimizer steps."""
-
-    epoch: int = 0
-    micro: int = 0
-    global_step: int = 0
 
 
 @dataclass
@@ -39,91 +30,12 @@ class Context:
     train: TensorData
     test: TensorData
     normalize: Normalizer
-    checkpoints: CheckpointManager
+    checkpointer: Checkpointer
+    """What a checkpoint holds, when one is written and where the run resumes (trainer/checkpointer.py)."""
     metrics: MetricsWriter
     stop: StopSignal
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None))
     """This rank's progress for `status` (trainer/heartbeat/): every step, evaluation batch, checkpoint."""
-
-
-# --- checkpoint state -----------------------------------------------------------------------------
-
-def _rng_state(env: DistEnv) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if env.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(env.device)
-        if env.stages > 1:  # the later stages' dropout draws from their own devices' generators
-            state["cuda_stages"] = [torch.cuda.get_rng_state(d) for d in env.devices[1:]]
-    return state
-
-
-def save_checkpoint(ctx: Context, pos: Position) -> None:
-    """Collective: every rank hands over its RNG state; rank 0 writes; a failure stops every rank."""
-    rng = gather_objects(ctx.env, _rng_state(ctx.env))
-    error = None
-    if ctx.env.is_main:
-        b = ctx.built
-        state = {
-            "model": b.raw_model.state_dict(), "optimizer": b.optimizer.state_dict(),
-            "scheduler": b.scheduler.state_dict(), "scaler": b.scaler.state_dict(),
-            "epoch": pos.epoch, "micro": pos.micro, "global_step": pos.global_step,
-            "world_size": ctx.env.world_size, "rng": rng, "config": ctx.cfg.to_dict(),
-        }
-        try:
-            ctx.checkpoints.save(state, pos.global_step)
-        except CheckpointError as exc:
-            error = str(exc)
-        except Exception as exc:  # any failure must reach every rank, or they wait in a collective
-            error = f"checkpoint for step {pos.global_step} not written to {ctx.checkpoints.dir}: {exc}"
-    error = broadcast_object(ctx.env, error)
-    ctx.heartbeat.beat()
-    if error:
-        raise CheckpointError(error)
-
-
-class ResumeMismatch(ValueError):
-    """The checkpoint was written by a run whose model or data differ from this one."""
-
-
-# Fields that make a checkpoint a different job; and those that only change the batch layout.
-_SAME_JOB = ("dataset", "model", "synthetic_size")
-_BATCH_LAYOUT = ("batch_size", "grad_accum", "seed")
-
-
-def restore(ctx: Context, state: dict) -> Position:
-    saved = state["config"]
-    for name in _SAME_JOB:
-        if saved.get(name) != getattr(ctx.cfg, name):
-            raise ResumeMismatch(f"{name}: the checkpoints in {ctx.cfg.ckpt_dir} were written with "
-                                 f"{name}={saved.get(name)!r}, this run has {getattr(ctx.cfg, name)!r}; "
-                                 f"use another --ckpt-dir or the same {name}")
-    b = ctx.built
-    b.raw_model.load_state_dict(state["model"])
-    b.optimizer.load_state_dict(state["optimizer"])
-    b.scheduler.load_state_dict(state["scheduler"])
-    if state["scaler"]:
-        b.scaler.load_state_dict(state["scaler"])
-    rng = state["rng"]
-    if state["world_size"] == ctx.env.world_size:
-        mine = rng[ctx.env.rank]
-        torch.set_rng_state(mine["cpu"])
-        if "cuda" in mine and ctx.env.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"], ctx.env.device)
-            later = mine.get("cuda_stages", [])
-            if len(later) == ctx.env.stages - 1:  # another split draws elsewhere: not replayable on GPUs
-                for state_, device in zip(later, ctx.env.devices[1:]):
-                    torch.cuda.set_rng_state(state_, device)
-    else:  # a resized job cannot replay each rank's stream; keep it deterministic all the same
-        torch.manual_seed(ctx.cfg.seed + 7919 * ctx.env.rank + state["global_step"])
-    pos = Position(state["epoch"], state["micro"], state["global_step"])
-    relaid = [n for n in _BATCH_LAYOUT if saved.get(n) != getattr(ctx.cfg, n)]
-    if state["world_size"] != ctx.env.world_size:
-        relaid.append("world size")
-    if relaid and pos.micro:
-        # The position inside the epoch counts micro-batches of the old layout: replay the epoch.
-        log.warning("resuming at the start of epoch %d: %s changed since the checkpoint", pos.epoch, ", ".join(relaid))
-        pos.micro = 0
-    return pos
 
 
 # --- evaluation -----------------------------------------------------------------------------------
@@ -206,14 +118,14 @@ def train(ctx: Context, pos: Position) -> Position:
                 break
             if ctx.stop.requested(env):
                 stop_here(ctx, pos)
-            if cfg.ckpt_every and pos.global_step % cfg.ckpt_every == 0 and pos.micro < len(batches):
-                save_checkpoint(ctx, pos)
+            if ctx.checkpointer.due(pos, len(batches)):
+                ctx.checkpointer.save(pos)
         if pos.micro >= len(batches):
             pos.epoch, pos.micro = pos.epoch + 1, 0
         if timer.steps:
             _log_train(ctx, pos, stats, timer)
         ctx.metrics.write({"kind": "eval", "epoch": pos.epoch, "step": pos.global_step, **evaluate(ctx)})
-        save_checkpoint(ctx, pos)
+        ctx.checkpointer.save(pos)
         if pos.epoch < cfg.epochs and not done() and ctx.stop.requested_now(env):
             raise _stopped(ctx, pos)  # the epoch's checkpoint is this position
         timer.reset()  # evaluation and the checkpoint are not training throughput
@@ -223,12 +135,12 @@ def train(ctx: Context, pos: Position) -> Position:
 
 def stop_here(ctx: Context, pos: Position) -> None:
     """A planned stop (trainer/stopping.py): the checkpoint of this very step, then out."""
-    save_checkpoint(ctx, pos)
+    ctx.checkpointer.save(pos)
     raise _stopped(ctx, pos)
 
 
 def _stopped(ctx: Context, pos: Position) -> Stopped:
-    name = ctx.checkpoints.path_for(pos.global_step).name
+    name = ctx.checkpointer.name(pos)
     ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (trainer/heartbeat/)
     ctx.metrics.write({"kind": "stopped", "epoch": pos.epoch, "step": pos.global_step, "micro": pos.micro,
                        "checkpoint": name, "signal": ctx.stop.received, "world_size": ctx.env.world_size})
