@@ -15,20 +15,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A one-rank gloo group; argv: the teardown's bound (s), whether destroy_process_group hangs, the
-# code a hung teardown ends with. Prints "LEFT" once teardown returned,
-# "STILL" once past the bound.
+# A one-rank gloo group; argv: the teardown's bound (s), how destroy_process_group ends (returns,
+# hangs, or hangs holding the GIL), the code a hung teardown ends with. Prints "LEFT" once teardown
+# returned, "STILL" once past the bound.
 PROGRAM = textwrap.dedent("""
-    import sys, time
+    import ctypes, sys, time
     sys.path.insert(0, sys.argv[1])
     import torch
     import torch.distributed as dist
     from trainer import dist as tdist
-    bound, hangs, code = float(sys.argv[2]), sys.argv[3] == "hangs", int(sys.argv[4])
-    tdist.TEARDOWN_S = bound
+    bound, how, code = float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    tdist.TEARDOWN_S, tdist.BACKSTOP_S = bound, 1.0
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if hangs:
+    if how == "hangs":
         dist.destroy_process_group = lambda *a, **k: time.sleep(600)
+    elif how == "holds":  # a C call made with the GIL held: no Python thread runs while it lasts
+        dist.destroy_process_group = lambda *a, **k: ctypes.PyDLL(None).sleep(600)
     env = tdist.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
                         backend="gloo")
     print("TEARING DOWN", flush=True)
@@ -39,9 +41,9 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-def _teardown(bound: float, hangs: bool, code: int) -> tuple[subprocess.CompletedProcess, float]:
-    p = subprocess.Popen([sys.executable, "-c", PROGRAM, str(ROOT), str(bound), "hangs" if hangs else "returns",
-                          str(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _teardown(bound: float, how: str, code: int) -> tuple[subprocess.CompletedProcess, float]:
+    p = subprocess.Popen([sys.executable, "-c", PROGRAM, str(ROOT), str(bound), how, str(code)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "TEARING DOWN\n", p.stderr.read()
     began = time.monotonic()
     out, err = p.communicate(timeout=120)
@@ -51,7 +53,7 @@ def _teardown(bound: float, hangs: bool, code: int) -> tuple[subprocess.Complete
 @pytest.mark.parametrize("code", [0, 75])
 def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_its_code_and_says_so(code):
     """A rank whose teardown hangs ends after the bound, with the code it was ending with, and says so."""
-    r, took = _teardown(2.0, True, code)
+    r, took = _teardown(2.0, "hangs", code)
     assert r.returncode == code, r.stderr
     assert "LEFT" not in r.stdout
     assert ("trainer: rank 0: leaving the process group took over 2 s (hung in torch's teardown): this process "
@@ -60,6 +62,17 @@ def test_a_rank_whose_teardown_hangs_ends_after_the_bound_with_its_code_and_says
 
 
 def test_a_teardown_that_returns_leaves_the_process_running_past_the_bound():
-    r, _ = _teardown(1.0, False, 9)
+    r, _ = _teardown(1.0, "returns", 9)
     assert (r.returncode, r.stdout.split()) == (0, ["LEFT", "STILL"]), r.stderr
     assert "hung" not in r.stderr
+
+
+@pytest.mark.parametrize("code", [0, 75])
+def test_a_teardown_hung_holding_the_gil_ends_a_moment_later_with_its_code(code):
+    """No Python thread runs while the hang holds the GIL: the C library's timers end the process."""
+    r, took = _teardown(2.0, "holds", code)
+    assert r.returncode == code, r.stderr
+    assert "LEFT" not in r.stdout
+    assert ("trainer: rank 0: leaving the process group took over 3 s (hung in torch's teardown (holding the "
+            f"interpreter)): this process ends without it, with exit {code}") in r.stderr
+    assert took >= 3.0

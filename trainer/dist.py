@@ -167,6 +167,8 @@ _LEFT_KEY = "trainer/left"
 TEARDOWN_S = 120.0
 """How long leaving the process group may take before the process ends without it (rank 0 alone
 waits up to 60 s there for the others to sign off)."""
+BACKSTOP_S = 10.0
+"""How much later the C library's timers end a process whose hang holds the GIL."""
 
 
 def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
@@ -178,15 +180,20 @@ def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
     whole, after every rank of a finished run has reached this point.
 
     Where that hangs past ``TEARDOWN_S``, the process says so and ends with ``hung_exit``, what it
-    was about to end with, rather than showing as running for ever. Seen once, torch 2.5 on the
-    host runtime: in a finished run a node's worker never ended after the last barrier and never
-    signed off (rank 0 waited its 60 s), so that node's agent never reached the exit barrier and
-    the job failed when the others' had given up on it.
+    was about to end with, rather than showing as running for ever while the job waits on it (a
+    finished run's worker that never ends after its last barrier never signs off, and its node's
+    agent never reaches the exit barrier). A hang inside torch that holds the GIL (torch 2.5's
+    ``destroy_process_group`` under gloo) leaves no Python thread running: the C library's timers
+    (:func:`exits.end_later`) end it ``BACKSTOP_S`` later, with the same code.
     """
     if env.distributed and dist.is_initialized():
         left = threading.Event()
         threading.Thread(target=_end_if_hung, args=(left, TEARDOWN_S, env.rank, hung_exit), name="teardown-watch",
                          daemon=True).start()
+        # where the hang holds the GIL (torch 2.5's destroy_process_group under gloo), no Python
+        # thread runs again: the C library's own threads end the process a little later instead
+        disarm = exits.end_later(TEARDOWN_S + BACKSTOP_S, hung_exit, _hung_line(TEARDOWN_S + BACKSTOP_S, env.rank,
+                                                                                  hung_exit, " (holding the interpreter)"))
         try:
             if finished:
                 barrier(env)
@@ -196,13 +203,19 @@ def teardown(env: DistEnv, finished: bool = False, hung_exit: int = 1) -> None:
                 _leave_store_host_last(env)
         finally:
             left.set()
+            if disarm is not None:
+                disarm()
+
+
+def _hung_line(seconds: float, rank: int, code: int, how: str = "") -> str:
+    return (f"trainer: rank {rank}: leaving the process group took over {seconds:g} s (hung in torch's "
+            f"teardown{how}): this process ends without it, with exit {code}")
 
 
 def _end_if_hung(left: threading.Event, seconds: float, rank: int, code: int) -> None:
     if left.wait(seconds):
         return
-    print(f"trainer: rank {rank}: leaving the process group took over {seconds:g} s "
-          f"(hung in torch's teardown): this process ends without it, with exit {code}", file=sys.stderr)
+    print(_hung_line(seconds, rank, code), file=sys.stderr)
     exits.flush()
     exits.end(code)
 

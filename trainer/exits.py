@@ -18,12 +18,13 @@ launcher and the probe close theirs (the zygote's workers have ended this way fr
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import sys
 import threading
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional
 
 
 def finish(call: Callable[[], object], skip: tuple[str, ...] = ()) -> int:
@@ -68,6 +69,60 @@ def end(code: int) -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code & 0xFF)
+
+
+class _Sigevent(ctypes.Structure):
+    """glibc's ``struct sigevent`` (64 bytes) for a SIGEV_THREAD notification."""
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("function", ctypes.c_void_p), ("attribute", ctypes.c_void_p), ("pad", ctypes.c_int * 8)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval_s", ctypes.c_long), ("interval_ns", ctypes.c_long),
+                ("value_s", ctypes.c_long), ("value_ns", ctypes.c_long)]
+
+
+_SIGEV_THREAD, _CLOCK_MONOTONIC = 2, 1
+
+
+def end_later(seconds: float, code: int, said: str) -> Optional[Callable[[], None]]:
+    """Ends this process with ``code`` after ``seconds``, first writing ``said`` to stderr, from
+    threads the C library starts (POSIX timers, SIGEV_THREAD), not Python's: they need no GIL,
+    which a hung call into torch may hold, so that no Python thread runs again. (The C library's
+    ``perror`` writes the line, ending it with ``: Success``.) Returns what disarms both timers;
+    None where this C library has no such timers."""
+    libc = ctypes.CDLL(None)
+    for lib in (libc, None):
+        try:
+            lib = lib or ctypes.CDLL("librt.so.1")  # before glibc 2.34 the timers were librt's
+            create, settime, delete = lib.timer_create, lib.timer_settime, lib.timer_delete
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        return None
+    message = ctypes.create_string_buffer(said.encode("utf-8", "replace"))
+    timers = []
+
+    def disarm(_keep=message) -> None:  # ``message`` lives as long as the timers
+        for timer in timers:
+            delete(timer)
+        timers.clear()
+
+    for after, function, value in ((seconds, libc.perror, ctypes.addressof(message)),
+                                   (seconds + 0.2, libc._exit, code & 0xFF)):
+        event = _Sigevent(value=value or None, notify=_SIGEV_THREAD,
+                          function=ctypes.cast(function, ctypes.c_void_p).value)
+        timer = ctypes.c_void_p()
+        if create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
+            disarm()
+            return None
+        timers.append(timer)
+        whole = int(after)
+        if settime(timer, 0, ctypes.byref(_Itimerspec(0, 0, whole, int((after - whole) * 1e9))), None) != 0:
+            disarm()
+            return None
+    return disarm
 
 
 def main(call: Callable[[], object]) -> NoReturn:
