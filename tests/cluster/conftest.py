@@ -10,10 +10,15 @@ so a CI run can never go green without having run them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
 import re
 import signal
+import struct
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -159,6 +164,72 @@ def record_fault(request):
             with open(target, "a") as fh:
                 fh.write(json.dumps({"test": request.node.name, **figures}) + "\n")
     return write
+
+
+ACL_XATTR = "system.posix_acl_access"
+ACL_USER, ACL_MASK, ACL_UNDEFINED = 0x02, 0x10, 0xFFFFFFFF
+
+
+def _acl(path: Path) -> dict[tuple[int, int], int]:
+    """``path``'s POSIX ACL as {(tag, id): permissions}: its own, else the one its mode means."""
+    try:
+        raw = os.getxattr(path, ACL_XATTR)
+        return {(tag, uid): perm for tag, perm, uid in struct.iter_unpack("<HHI", raw[4:])}
+    except OSError:
+        mode = path.stat().st_mode
+        return {(0x01, ACL_UNDEFINED): (mode >> 6) & 7, (0x04, ACL_UNDEFINED): (mode >> 3) & 7,
+                (0x20, ACL_UNDEFINED): mode & 7}
+
+
+def _let_pass(path: Path, uid: int, allow: bool = True) -> None:
+    """Lets ``uid`` pass through ``path`` (x), or no longer, by its POSIX ACL, the other entries kept
+    (``setfacl -m u:UID:x`` / ``setfacl -x u:UID``; no acl tools here). The ACL goes once no user
+    entry is left, and the mode's group bits, which showed its mask, are the group's again."""
+    entries = _acl(path)
+    entries.pop((ACL_MASK, ACL_UNDEFINED), None)
+    if allow:
+        entries[(ACL_USER, uid)] = 1
+    else:
+        entries.pop((ACL_USER, uid), None)
+    group = entries[(0x04, ACL_UNDEFINED)]
+    if not any(tag == ACL_USER for tag, _ in entries):
+        with contextlib.suppress(OSError):
+            os.removexattr(path, ACL_XATTR)
+        os.chmod(path, (path.stat().st_mode & ~0o070) | (group << 3))
+        return
+    entries[(ACL_MASK, ACL_UNDEFINED)] = group | max(p for (t, _), p in entries.items() if t == ACL_USER)
+    os.setxattr(path, ACL_XATTR, struct.pack("<I", 2) + b"".join(
+        struct.pack("<HHI", tag, perm, uid) for (tag, uid), perm in sorted(entries.items())))
+
+
+@pytest.fixture(scope="session")
+def tenant(cluster):
+    """A second user of the nodes, ``ddp-tenant<site>``, with a home of its own (the nodes share
+    this machine's accounts, and their sshd takes the cluster's key for any user, from a file every
+    user can read): jobs of two users on the same nodes. Its processes end and it is removed after
+    the session."""
+    name = f"ddp-tenant{cluster.site.index}"
+    for _ in range(20):  # another lane's useradd may hold the account files' lock a moment
+        # "*": no password, yet not a locked account, which sshd without PAM refuses
+        made = subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", "--password", "*", name],
+                              capture_output=True, text=True)
+        if made.returncode != 10:  # 10: cannot lock the account files
+            break
+        time.sleep(0.5)
+    if made.returncode not in (0, 9):  # 9: there already (a run killed before its teardown)
+        _unavailable(f"cannot add the user {name}: {made.stderr.strip()}")
+    account = pwd.getpwnam(name)
+    os.chmod(account.pw_dir, 0o700)
+    # The tests' interpreter lives under root's home (pyenv): the user may pass through it, no more.
+    home = Path(pwd.getpwuid(0).pw_dir)
+    _let_pass(home, account.pw_uid)
+    yield account
+    subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+    _let_pass(home, account.pw_uid, allow=False)
+    for _ in range(20):
+        if subprocess.run(["userdel", "--remove", name], capture_output=True).returncode != 10:
+            break
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

@@ -758,7 +758,8 @@ class NetCluster:
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddpcluster-operator",
               "-f", self.ssh_key])
         (ssh / "authorized_keys").write_text(Path(self.ssh_key + ".pub").read_text())
-        os.chmod(ssh / "authorized_keys", 0o600)
+        # readable by every user: sshd reads it as the user who logs in (the tests' second user too)
+        os.chmod(ssh / "authorized_keys", 0o644)
         lines = []
         for h in self.hosts:
             d = self.state_dir / "nodes" / h.name

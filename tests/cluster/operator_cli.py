@@ -17,21 +17,23 @@ from waiting import wait_until  # noqa: F401 (the cluster tests import it from h
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _operator_env(cluster, hosts: Path) -> dict[str, str]:
-    # the cluster's own image cache, unless the test chose one
+def _operator_env(cluster, hosts: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    # the cluster's own image cache, unless the test chose one; ``env``: the test's own on top
     return {"DDP_DEPLOY_IMAGE_CACHE": cluster.operator_cache_dir, **os.environ, "DOCKER_HOST": cluster.operator_docker_host,
-            "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200"}
+            "DDP_DEPLOY_LOG": str(hosts.parent / "deploy-debug.log"), "COLUMNS": "200", **(env or {})}
 
 
-def ddp(cluster, hosts: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def ddp(cluster, hosts: Path, *args: str, timeout: float = 600,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO,
-                          env=_operator_env(cluster, hosts), capture_output=True, text=True, timeout=timeout)
+                          env=_operator_env(cluster, hosts, env), capture_output=True, text=True, timeout=timeout)
 
 
-def start_ddp(cluster, hosts: Path, *args: str) -> subprocess.Popen:
+def start_ddp(cluster, hosts: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``ddp`` in the background, for operators acting at the same moment: ``communicate()`` it."""
     return subprocess.Popen([sys.executable, "-m", "deploy", "--hosts", str(hosts), *args], cwd=REPO,
-                            env=_operator_env(cluster, hosts), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_operator_env(cluster, hosts, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
