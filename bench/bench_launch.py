@@ -10,7 +10,7 @@ checks, the image check, the record, the start), its launcher wrapper, and anyth
 
 Ours is timed twice: ``probed``, a first launch after a new image, where each node runs the
 preflight probe (a container importing torch); and ``ours``, a relaunch, where each CPU node
-takes the probe answer it kept for the same image and command (deploy/node/probe_kept.sh). Each
+takes the probe answer it kept for the same image and command (deploy/programs/probe_kept.sh). Each
 round runs the three one after the other, in turn first, on 1 node and on all nodes. For every
 run it records:
 

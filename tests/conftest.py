@@ -49,7 +49,7 @@ def no_job_outlives_its_test(request):
 @pytest.fixture(autouse=True)
 def node_cache_home(tmp_path_factory, monkeypatch) -> Path:
     """Each test's own XDG_CACHE_HOME, where a local node keeps its probe answers
-    (deploy/node/probe_kept.sh): an answer one test's fake docker gave never serves another test.
+    (deploy/programs/probe_kept.sh): an answer one test's fake docker gave never serves another test.
     The test cluster's nodes have their own (tests/cluster/netcluster.py), as machines do."""
     path = tmp_path_factory.mktemp("xdg-cache")
     monkeypatch.setenv("XDG_CACHE_HOME", str(path))

@@ -1,4 +1,4 @@
-"""The image chain with real relays (deploy/node/node_relay.py run by local nodes' python3, real
+"""The image chain with real relays (deploy/programs/node_relay.py run by local nodes' python3, real
 sockets between them, real spool files); only ``docker load`` is replaced, by a command that keeps
 what it was fed, so the bytes each node would load can be compared. The chain with real Docker
 daemons on real hosts is tests/cluster/test_image_chain.py."""

@@ -1,4 +1,4 @@
-"""The image chain's relays under hostile or broken peers (deploy/node/node_relay.py, deploy/images/chain.py):
+"""The image chain's relays under hostile or broken peers (deploy/programs/node_relay.py, deploy/images/chain.py):
 real relays as local processes, real sockets and spool files; only ``docker load`` is replaced
 (tests/test_deploy_chain.py's keeper). Where a fault cannot be made from outside (a forwarder that
 fails or sticks mid-stream), the relay program sent to the nodes carries a few injected lines that
@@ -21,7 +21,7 @@ from test_deploy_chain import (SECRET, STALL, Relay, _closed_port, _connect_as_s
                                _whole)
 
 from deploy.images import chain
-from deploy.node import node_relay
+from deploy.programs import node_relay
 from deploy.nodes.remote import Remote
 
 MARGIN = 1.5

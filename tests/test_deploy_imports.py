@@ -3,7 +3,7 @@ imports only those below it, and nothing imports the CLI.
 
 Every import of a deploy module counts, at the top, inside a function or under TYPE_CHECKING:
 each one ties the two modules together all the same. From the bottom: the base (errors, text,
-the inventory, the node programs), talking to nodes (nodes/), the job on a node (job/), the image
+the inventory, the node programs (programs/)), talking to nodes (nodes/), the job on a node (job/), the image
 (images/) and observing (observe/), the checks (checks/), the engines (engines/: the SSH fleet's
 procedures and API, Slurm's, Kubernetes export), and the CLI on top (cli/: the engine interface,
 the rendering): the only package that imports click or rich.
@@ -18,7 +18,7 @@ from pathlib import Path
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 # Each layer imports only from its own and the layers before it.
 LAYERS = (
-    {"errors", "text", "inventory", "node"},
+    {"errors", "text", "inventory", "programs"},
     {"nodes"},
     {"job"},
     {"images", "observe"},

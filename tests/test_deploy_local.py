@@ -332,7 +332,7 @@ BUSY_NODE_PROCESSES = 1500
 
 
 def test_a_busy_node_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp_path):
-    # The supervisor kills what the ended command left before it records the exit (deploy/node/
+    # The supervisor kills what the ended command left before it records the exit (deploy/programs/
     # kill_run.sh), and launch looks for that record 1 s after the start: a grep for each process
     # on the node takes longer than that with this many on busy cores (and the launch was taken for
     # a success).
@@ -349,7 +349,7 @@ def test_a_busy_node_still_fails_the_launch_of_a_job_that_fails_at_once(ddp, tmp
 
 
 def test_a_node_slow_to_clear_a_failed_command_still_fails_the_launch_at_once(ddp, tmp_path, monkeypatch):
-    """The same race made certain: the supervisor's one grep over the node's processes (deploy/node/
+    """The same race made certain: the supervisor's one grep over the node's processes (deploy/programs/
     kill_run.sh) takes 3 s here, past launch's second, and the failure is still reported at once
     (the supervisor says the command ended before it clears what it left)."""
     hosts = _failing_at_once(tmp_path)

@@ -1,5 +1,5 @@
 """A host CPU node keeps its good probe answer for the next launch (trainer/probe.py --kept,
-deploy/node/probe_kept_host.sh): the same command and the same installation of its interpreter
+deploy/programs/probe_kept_host.sh): the same command and the same installation of its interpreter
 reuse it; a package installed or removed where the interpreter imports from, a failed answer, a GPU
 node or a trainer too old to keep one: probed afresh."""
 

@@ -215,7 +215,7 @@ def test_a_write_through_a_link_fails_for_root_in_the_snapshots_read_only_mount(
     snap = _snapshot(tmp_path, {"model.pth": "the code's"})
     work, _ = _refresh(tmp_path, snap)
     script = f"open({str(work / 'model.pth')!r}, 'w').write('over it')"
-    # as deploy/node/in_dir.sh runs root's job: the snapshot bound read-only in a namespace of its own
+    # as deploy/programs/in_dir.sh runs root's job: the snapshot bound read-only in a namespace of its own
     argv = ["unshare", "--mount", "--propagation", "slave", "sh", "-c",
             'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3"', "sh", str(snap),
             sys.executable, script]

@@ -1,4 +1,4 @@
-"""The programs the tool runs on nodes are files (deploy/node/), and every shell one, the files
+"""The programs the tool runs on nodes are files (deploy/programs/), and every shell one, the files
 and the few still spliced together in Python from shared parts, passes ``shellcheck``."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from deploy.checks import preflight
 from deploy.job import runs, scripts
 from deploy.engines import slurm
 from deploy.images import image
-from deploy.node import HERE, node_program
+from deploy.programs import HERE, node_program
 from trainer import heartbeat
 
 SPLICED = {  # programs put together in Python from shared parts: (text, shell)

@@ -37,7 +37,7 @@ NODE_ENV = "DDP_NODE_NAME"
 SUBDIR = "work"
 """Under ``$DDP_CKPT_DIR``: a directory per node."""
 MANIFEST = ".ddp-manifest.json"
-"""The snapshot's own record (deploy/node/node_code.py): not part of the code."""
+"""The snapshot's own record (deploy/programs/node_code.py): not part of the code."""
 RECORD_BYTES = 64 << 20
 """A record of links longer than this is not read (it is the job's file): every link is then
 made anew and none is removed."""

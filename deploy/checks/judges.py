@@ -202,7 +202,7 @@ def _no_code_for(report: dict, cannot: list[tuple[int, tuple[int, int]]]) -> str
 
 
 def _kept(stdout: str, runtime: str = "docker") -> str:
-    """How a kept answer (deploy/node/probe_kept.sh, trainer/probe.py) is said: when it was probed,
+    """How a kept answer (deploy/programs/probe_kept.sh, trainer/probe.py) is said: when it was probed,
     by the node's clock."""
     what = "image" if runtime == "docker" else "interpreter's installation"
     for line in stdout.splitlines():

@@ -40,7 +40,7 @@ from ..inventory import Inventory, Node
 from ..job import plan
 from ..job.scripts import HOLDS
 from ..job.runtime import CodeDir, NodeFacts, runtime
-from ..node import node_program
+from ..programs import node_program
 from ..nodes.remote import Remote, Result
 from .judges import PROBE_SECONDS, Check, checks_from, parse_tagged, rendezvous, shared
 

@@ -30,7 +30,7 @@ from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags, to
 from ..job.runs import NODES_OF, parse as parse_runs
 from ..job.runtime import STOP_GRACE_S, WORK_SUBDIR, CodeDir, job_dir, operator, runtime, spy_beside
 from ..job.scripts import BEGIN_STOP, PROGRESS, RECORD_STOP
-from ..node import node_program
+from ..programs import node_program
 from ..text import lines as text_lines
 
 # Where each node's ranks keep their heartbeats (trainer/heartbeat/), in the node's memory: the

@@ -1,7 +1,7 @@
 """The pipelined chain: this machine's uplink carries one copy of the image whatever N is.
 
 The nodes that lack the image are put in a row (inventory order). Each runs
-``deploy/node/node_relay.py`` (after ``relay_wire.py``) over SSH; this machine streams the saved image (without the leading
+``deploy/programs/node_relay.py`` (after ``relay_wire.py``) over SSH; this machine streams the saved image (without the leading
 layers every node in the row holds) to the first over that SSH session, and every node stores
 what it gets, checks each chunk against the digest sent to it over SSH, forwards verified chunks
 to the next node over the nodes' own network and feeds them to ``docker load`` in its own thread.
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import RemoteFailure
-from ..node import HERE
+from ..programs import HERE
 from ..nodes.remote import Remote, Result, command_line
 from . import image, oci
 from .delivery import Delivery, saved_line

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..errors import RemoteFailure, RuntimeFailure
 from ..inventory import Inventory
-from ..node import node_program
+from ..programs import node_program
 from . import oci
 from .image_cache import CACHE_ENV, bound, cache_path, clean_cache, config_of, remember, report
 from .oci import Identity, SavedImage, index_saved  # noqa: F401 (SavedImage: image.SavedImage, as callers name it)

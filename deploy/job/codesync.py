@@ -8,7 +8,7 @@ whether it is executable. The snapshot id is the sha256 of that manifest, so the
 same snapshot on every launch and a one-file edit is a new snapshot sharing every other file.
 
 ``sync`` asks each node which of the snapshot's files its store lacks and sends only those, in one
-tar over SSH; the node checks each against its sha256 and builds the snapshot (deploy/node/node_code.py).
+tar over SSH; the node checks each against its sha256 and builds the snapshot (deploy/programs/node_code.py).
 Nodes are visited in order: on a shared volume the first node's copy is every node's, and the
 others only confirm it; a node that does not share it gets its own.
 """
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InputError, RemoteFailure
 from ..inventory import Inventory
-from ..node import HERE
+from ..programs import HERE
 from ..nodes.remote import Remote, Result
 from .runtime import CodeDir, runtime
 

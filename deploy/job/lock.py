@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 
 from ..errors import RuntimeFailure
 from ..inventory import Inventory, Node
-from ..node import node_program
+from ..programs import node_program
 from ..nodes.remote import Remote, Result
 
 log = logging.getLogger(__name__)

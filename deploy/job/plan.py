@@ -18,7 +18,7 @@ from trainer.masking import SECRET_NAMES_ENV
 from trainer.output import RANK_PREFIXES, RUN_ID_ENV
 
 from ..inventory import Inventory, Node
-from ..node import node_program
+from ..programs import node_program
 from ..text import lines as text_lines
 from .outcome import STOPPED_UNREAD, STOPPING, Stop
 from .payload import payload

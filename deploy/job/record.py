@@ -9,7 +9,7 @@ import json
 import time
 
 from ..inventory import Inventory
-from ..node import node_program
+from ..programs import node_program
 from . import secretenv
 from .payload import payload
 from .plan import endpoint, nnodes

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..inventory import Inventory
-from ..node import node_program
+from ..programs import node_program
 from ..text import lines
 from .outcome import FORMED_MARKER, NOTHING_TRAINED, Stop, describe_stop, trained
 from .plan import NodeState

@@ -1,5 +1,5 @@
 """The node-side shell programs of a job's runtimes, as text: what `launch`, `status`, `stop` and
-`logs` run on a node (deploy/job/runtime.py puts them on argv lists; most are files in deploy/node/,
+`logs` run on a node (deploy/job/runtime.py puts them on argv lists; most are files in deploy/programs/,
 checked by shellcheck, and the few spliced here from shared parts are too:
 tests/test_node_programs.py). Nothing here runs."""
 
@@ -11,7 +11,7 @@ from trainer import holds
 from trainer.formed import MARKER as FORMED_MARKER
 from trainer.heartbeat import STALL_RECORD_ENV
 
-from ..node import node_program
+from ..programs import node_program
 
 
 # A shell function: kill_run RUNDIR [PID] kills every process of this user (all four uids) whose

@@ -25,7 +25,7 @@ from ..errors import InputError, RuntimeFailure
 from ..inventory import Inventory
 from ..job.runs import RUN_ID, runs_dir
 from ..job.runtime import as_job_argv
-from ..node import node_program
+from ..programs import node_program
 from ..text import lines, safe
 from .view import split_rank
 

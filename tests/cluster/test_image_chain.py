@@ -1,5 +1,5 @@
 """The image chain on the real cluster: three hosts with their own sshd and Docker daemon; the
-operator's uplink is the bridge device (deploy/images/chain.py, deploy/node/node_relay.py).
+operator's uplink is the bridge device (deploy/images/chain.py, deploy/programs/node_relay.py).
 
 The tool is driven through its CLI; the assertions read the nodes' own daemons and the bridge's
 byte counters. A tampered stream is made by a real man in the middle: an iptables REDIRECT in

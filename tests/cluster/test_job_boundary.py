@@ -22,7 +22,7 @@ import pytest
 
 from deploy.engines import slurm
 from deploy.job import runs, runtime
-from deploy.node import HERE as NODE_PROGRAMS
+from deploy.programs import HERE as NODE_PROGRAMS
 
 from .operator_cli import ddp, ok, wait_until
 
