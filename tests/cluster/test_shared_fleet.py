@@ -59,9 +59,9 @@ def _as(account, host, argv: list[str]) -> subprocess.Popen:
 
 @pytest.fixture
 def tenant_home(tenant):
-    """The other user's own storage and root of its locks: a directory of its home, its alone."""
+    """The other user's own storage: a directory of its home, its alone."""
     home = Path(tempfile.mkdtemp(prefix="shared-fleet-", dir=tenant.pw_dir))
-    for sub in ("", "data", "ckpt", "locks"):
+    for sub in ("", "data", "ckpt"):
         (home / sub).mkdir(exist_ok=True)
         os.chown(home / sub, tenant.pw_uid, tenant.pw_gid)
         os.chmod(home / sub, 0o700)
@@ -78,7 +78,7 @@ def test_two_users_jobs_start_at_once_and_train_and_a_held_gpu_is_refused(cluste
         job={"name": "shared-theirs"}, ssh={"user": tenant.pw_name}, rendezvous={"port": 29410},
         storage={"data": {"host": str(tenant_home / "data"), "container": "/data"},
                  "checkpoints": {"host": str(tenant_home / "ckpt"), "container": "/ckpt"}})
-    as_tenant = {"DDP_DEPLOY_LOCK_DIR": str(tenant_home / "locks")}
+    as_tenant = {"DDP_DEPLOY_LOCK_DIR": ""}  # its locks where a user's are: its own ~/.ddp-deploy
     node1, node2 = cluster.hosts[0], cluster.hosts[1]
     planted = _as(tenant, node1, [sys.executable, "-c", PLANT])
     gpu_job = None

@@ -20,11 +20,11 @@ from __future__ import annotations
 # would wait on it), "stack PID JSON", py-spy's dump of its threads on one line (or its error;
 # asked again for up to 3 s while another tracer holds the worker). Then "workers N". Last, where
 # the workers keep torch's flight recorder (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
-# this request, or one made since, within 2 s: the newest collective it is in or did. The job's own values are printed
+# this request, or one made in the second before it or since, within 2 s: the newest collective it is in or did. The job's own values are printed
 # only as digits, lowercase names or py-spy's JSON.
 DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""; since=0
 [ -x "$spy" ] || spy=py-spy
-fresh() {  # TOKEN: a request made when this one was or later (its first word, digits of the same length)
+fresh() {  # TOKEN: a request made at most a second before this one, or later (its first word, digits of the same length)
   t=${1%%-*}
   case $t in ''|*[!0-9]*) return 1 ;; esac
   [ ${#t} -eq ${#since} ] && [ "$t" -ge "$since" ] 2>/dev/null
@@ -34,10 +34,12 @@ if [ -d "$1" ] && [ ! -L "$1" ] && ls "$1"/fr-[0-9]* > /dev/null 2>&1; then
   # A diagnosis beside this one (status's, the launcher's watch, doctor) may ask at the same moment:
   # the workers answer the newest request only, and any answer to a request made since this one
   # asked serves both. A token is "NANOSECONDS-PID".
-  since=$(date +%s%N); ask="$since-$$"; rm -f "$1/fr-request"
-  # another asker's request made between the two stands: an answer to a request of the second
-  # before serves (a stall is far longer)
-  (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || since=$((since - 1000000000))
+  now=$(date +%s%N); ask="$now-$$"; rm -f "$1/fr-request"
+  # Another asker's request of about now stands whichever of the two wrote last (its own may be
+  # the older, written after this one removed it): an answer to a request made in the second
+  # before this one serves (a stall is far longer)
+  since=$((now - 1000000000))
+  (set -C; echo "$ask" > "$1/fr-request") 2>/dev/null || :
 fi
 seen=" "
 worker() {  # PID RANK LOCAL_RANK
