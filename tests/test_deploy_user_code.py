@@ -137,4 +137,5 @@ def test_a_module_that_does_not_import_is_refused_naming_the_error_starting_noth
     checked = ddp(hosts, "check")
     assert checked.exit_code == 1 and "No module named 'pkg.trian'" in checked.stderr
     fixed = _hosts(tmp_path, {"module": "pkg.train", "code": str(project)})
-    assert "all " in _ok(ddp(fixed, "check")).stdout and "pkg.train imports" in " ".join(_ok(ddp(fixed, "check")).stdout.split())
+    passed = _ok(ddp(fixed, "check")).stdout
+    assert "all " in passed and "pkg.train imports" in " ".join(passed.split())

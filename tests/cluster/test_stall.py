@@ -60,7 +60,9 @@ def _deployed_hang(cluster, tmp_path: Path, *, stall_timeout: float = STALL_TIME
 
 def test_a_rank_sleeping_before_a_collective_shows_every_node_stalled_in_time(
         cluster, fresh_nas, tmp_path, record_fault):
-    hosts = _deployed_hang(cluster, tmp_path, rank=3, pause=0.2)  # node2's second process
+    # node2's second process; 2 s a step: `status` (every 2 s, each slower under load) sees every
+    # rank step before the stall, 4 steps and the 5 s timeout later
+    hosts = _deployed_hang(cluster, tmp_path, rank=3, pause=2.0)
     try:
         ok(ddp(cluster, hosts, "launch"))
         moving = wait_until(lambda: _stepping(_states(cluster, hosts)), 180, "every rank's step in status",
