@@ -147,7 +147,7 @@ class Bench:
             out = self.ddp(hosts, "launch").stdout
             step = first_step(self.nas / "ckpt" / "metrics.jsonl", start)
             cpu = busy_cpu_seconds() - cpu
-            row = self._row(nodes, start, step, cpu, [f"ddp-test-{n}" for n in self._names(nodes)])
+            row = self._row(nodes, start, step, cpu, containers(hosts))
         finally:
             self.ddp(hosts, "stop")
         m = PHASES.search(out)
@@ -199,6 +199,15 @@ class Bench:
         if total is not None:  # node 1's first process was ready at its launcher's start + total
             row["rest_s"] = round(step - ups[0] - total, 2)
         return row
+
+
+def containers(hosts: Path) -> list[str]:
+    """The job's container on each node of ``hosts``, as the tool names them."""
+    from deploy.inventory import load
+    from deploy.job.runtime import runtime
+
+    inv = load(hosts)
+    return [runtime(inv).container(n) for n in inv.nodes]
 
 
 def measure(cluster, workdir: Path, nodes: list[int], rounds: int) -> dict:

@@ -102,7 +102,7 @@ def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():
 def test_docker_command_for_a_gpu_node():
     spec = plan.launch_plan(_inv())[0]
     argv = _docker(spec.argv)
-    assert argv[:5] == ["docker", "run", "-d", "--name", "demo-a"]
+    assert argv[:5] == ["docker", "run", "-d", "--name", f"demo-a-{DEMO_WHERE}"]
     assert _opt(argv, "--label") == "ddp.job=demo"
     assert _opt(argv, "--network") == "host" and _opt(argv, "--ipc") == "host"
     assert _opt(argv, "--cap-add") == "SYS_PTRACE"  # `doctor` reads its workers' stacks, and only this container's
@@ -169,7 +169,7 @@ def test_network_check_runs_the_launcher_in_the_foreground_with_its_own_rendezvo
     inv = _inv()
     cmds = plan.netcheck_plan(inv, {}, ("--size-mb", "4"))
     a = list(cmds["a"])
-    assert a[4] == "demo-a-check" and a[5:8] == ["docker", "run", "--rm"]  # after removing a leftover of that name
+    assert a[4] == f"demo-a-{DEMO_WHERE}-check" and a[5:8] == ["docker", "run", "--rm"]  # after removing a leftover of that name
     assert "-d" not in a and "--restart" not in a
     assert _opt(a, "--gpus") == '"device=0,1"'
     assert _opt(a, "--rdzv-id") == "demo-netcheck" and _opt(a, "--max-restarts") == "0"
@@ -224,12 +224,26 @@ def test_hostile_but_valid_trainer_args_survive_quoting_as_one_argument():
 def test_stop_status_logs_target_the_job_container():
     inv = _inv()
     a = inv.node("a")
-    assert plan.stop_argv(inv, a)[4:6] == ("demo-a", "0")
-    assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == ("demo-a", str(STOP_GRACE_S))
-    assert plan.status_argv(inv, a)[4:] == ("demo-a", f"/dev/shm/ddp-heartbeat-docker-demo@a-{DEMO_WHERE}",
+    ours = f"demo-a-{DEMO_WHERE}"
+    assert plan.stop_argv(inv, a)[4:6] == (ours, "0")
+    assert plan.stop_argv(inv, a, STOP_GRACE_S)[4:6] == (ours, str(STOP_GRACE_S))
+    assert plan.status_argv(inv, a)[4:] == (ours, f"/dev/shm/ddp-heartbeat-docker-demo@a-{DEMO_WHERE}",
                                             "/nas/ckpt/.ddp-deploy/demo", "a", "1000")
     logs = plan.logs_argv(inv, a, tail=5, follow=True)
-    assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", "demo-a")
+    assert logs[4:] == ("docker", "logs", "--tail", "5", "--follow", ours)
+    assert plan.diagnose_argv(inv, a)[:5] == ("docker", "exec", "-u", "0", ours)
+
+
+def test_another_user_s_job_of_the_same_name_has_containers_of_its_own_names():
+    """Two hosts.yaml calling their job ``demo`` on one Docker engine (two users', each with its
+    own storage): neither's start, stop, status, logs or doctor names the other's container."""
+    ours, theirs = _inv(), _inv(**{"/nas/": "/home/other/nas/"})
+    a, their_a = ours.node("a"), theirs.node("a")
+    mine = {plan.stop_argv(ours, a)[4], plan.status_argv(ours, a)[4], plan.logs_argv(ours, a, tail=5, follow=False)[-1],
+            plan.diagnose_argv(ours, a)[4], _opt(_docker(plan.launch_plan(ours)[0].argv), "--name")}
+    other = {plan.stop_argv(theirs, their_a)[4], plan.status_argv(theirs, their_a)[4],
+             plan.logs_argv(theirs, their_a, tail=5, follow=False)[-1], plan.diagnose_argv(theirs, their_a)[4]}
+    assert len(mine) == 1 and len(other) == 1 and mine != other, (mine, other)
 
 
 @pytest.mark.parametrize("restarts", ["9" * 5000, "\u00b2", "\u0663", "-1", "1e9"])
@@ -265,7 +279,7 @@ def test_a_detected_interface_is_used_only_where_the_inventory_names_none():
     assert [f"{k}={v}" for k, v in specs[2].env] == [*contract("c"), *beats("c")]  # no NIC known: left to gloo/NCCL
 
 
-@pytest.mark.parametrize("said, absent", [("Error response from daemon: No such container: demo-a", True),
+@pytest.mark.parametrize("said, absent", [(f"Error response from daemon: No such container: demo-a-{DEMO_WHERE}", True),
                                           ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False)])
 def test_docker_status_is_absent_for_a_missing_container_never_for_a_failing_engine(tmp_path, monkeypatch, said, absent):
     """Docker status is absent only for a missing container, never for a failing engine."""

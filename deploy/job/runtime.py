@@ -89,8 +89,13 @@ def heartbeat_dir(inv: Inventory, node: Node) -> str:
     process that names the directory for a worker of its own. The runtime is in the name too: a
     container's user (uid 1000) and the host runtime's (ssh.user) never meet over one directory,
     which the launcher would refuse as another user's."""
-    where = hashlib.sha256(job_dir(inv).encode()).hexdigest()[:12]
-    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}-{where}"
+    return f"/dev/shm/ddp-heartbeat-{inv.job.runtime}-{inv.job.name}@{node.name}-{job_key(inv)}"
+
+
+def job_key(inv: Inventory) -> str:
+    """The job's directory on the shared volume, hashed: with its name, what tells one job from
+    another of the same name (another hosts.yaml, another user's) on one machine."""
+    return hashlib.sha256(job_dir(inv).encode()).hexdigest()[:12]
 
 
 def spy_beside(python: str) -> str:
@@ -276,7 +281,10 @@ class DockerRuntime(Runtime):
         return ("docker", "image", "inspect", "--format", "{{.Id}}", self.inv.image.name)
 
     def container(self, node: Node) -> str:
-        return f"{self.inv.job.name}-{node.name}"
+        """The node's container of this job: named by the job, the node and where the job lives
+        (:func:`job_key`), so that two jobs of one name (two users', each with its own storage) on
+        one Docker engine never take or remove each other's."""
+        return f"{self.inv.job.name}-{node.name}-{job_key(self.inv)}"
 
     @staticmethod
     def gpu_args(node: Node) -> list[str]:

@@ -46,6 +46,15 @@ def image_id_on(cluster, node: str, image: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def container_of(hosts: Path, node: str) -> str:
+    """The name of the job's container on ``node``, as the tool names it for that hosts.yaml."""
+    from deploy.inventory import load
+    from deploy.job.runtime import runtime
+
+    inv = load(hosts)
+    return runtime(inv).container(next(n for n in inv.nodes if n.name == node))
+
+
 def containers_on(cluster, node: str) -> list[str]:
     r = cluster.run_on(node, ["docker", "ps", "-a", "--format", "{{.Names}}"], check=True)
     return r.stdout.split()

@@ -22,12 +22,12 @@ def test_the_launch_benchmark_times_and_splits_launch_and_its_floor_to_first_ste
     bench = bench_module.load("bench_launch")
     try:
         result = bench.measure(cluster, tmp_path, [1], 1)
-        _check(cluster, bench, result)
+        _check(cluster, bench, result, bench.containers(bench.inventory(cluster, tmp_path, 1)))
     finally:  # node1 as it was found: the session's other tests deploy the image themselves
         cluster.run_on("node1", ["docker", "image", "rm", "-f", bench.IMAGE])
 
 
-def _check(cluster, bench, result):
+def _check(cluster, bench, result, ours):
     assert [(r["kind"], r["nodes"]) for r in result["runs"]] == [("probed", 1), ("ours", 1), ("floor", 1)]
     for run in result["runs"]:
         # each part was found: the first step, the launcher's start, the trainer's own line
@@ -45,6 +45,6 @@ def _check(cluster, bench, result):
     kept = [p.name for p in (cluster.node_cache_dir("node1") / "ddp-deploy" / "probe").iterdir()]
     assert [k for k in kept if k.endswith("-" + image.removeprefix("sha256:"))], (kept, image)
     # the floor's containers are gone, by their exact names; ours were stopped by `stop`
-    for h in cluster.hosts[:1]:
+    for h, container in zip(cluster.hosts[:1], ours):
         left = cluster.run_on(h.name, ["docker", "ps", "-a", "--format", "{{.Names}}"]).stdout.split()
-        assert not [n for n in left if n in (f"ddp-floor-{h.name}", f"ddp-test-{h.name}")], left
+        assert not [n for n in left if n in (f"ddp-floor-{h.name}", container)], left

@@ -26,7 +26,7 @@ import torch
 from procs import children_of
 from trainer import launch
 
-from .operator_cli import (complete_checkpoint_steps, containers_on, ddp, empty_nas, node_states, ok, start_ddp,
+from .operator_cli import (complete_checkpoint_steps, container_of, containers_on, ddp, empty_nas, node_states, ok, start_ddp,
                            records, wait_until)
 
 pytestmark = pytest.mark.cluster
@@ -106,7 +106,7 @@ def _elastic_job(cluster, tmp_path: Path):
         yield elastic
     finally:
         for h in cluster.hosts:
-            got = cluster.run_on(h.name, ["docker", "logs", "-t", f"ddp-test-{h.name}"])
+            got = cluster.run_on(h.name, ["docker", "logs", "-t", container_of(elastic, h.name)])
             text = got.stdout + got.stderr
             (tmp_path / f"{h.name}.log").write_text(text)
             # shown by pytest only when the test fails: CI keeps no tmp_path
@@ -267,7 +267,7 @@ def test_a_node_killed_mid_epoch_rejoins_and_the_job_ends_bit_identical(
     hosts = kill_hosts
     ok(ddp(cluster, hosts, "launch"))
     newest, _ = _run_past_a_checkpoint(fresh_nas)
-    container = f"ddp-test-{node}"
+    container = container_of(hosts, node)
     pid = int(cluster.run_on(node, ["docker", "inspect", "--format", "{{.State.Pid}}", container],
                              check=True).stdout)
     os.kill(pid, signal.SIGKILL)  # the container's torchrun, as the OOM killer would end it
@@ -603,7 +603,7 @@ def test_a_taken_rendezvous_port_or_a_running_job_is_named_and_nothing_else_star
         second = ddp(cluster, other, "launch")
         assert second.returncode == 1 and "port 29400 is in use" in second.stderr
         for h in cluster.hosts:
-            assert containers_on(cluster, h.name) == [f"ddp-test-{h.name}"]  # the first job alone
+            assert containers_on(cluster, h.name) == [container_of(hosts, h.name)]  # the first job alone
     finally:
         ddp(cluster, other, "stop")
     ok(ddp(cluster, hosts, "stop"))
