@@ -238,6 +238,44 @@ def test_each_gpu_a_recorded_gpu_check_trained_on_passes_the_architecture_check(
         assert report["arch_list"] and len(report["capabilities"]) == report["devices"], name
 
 
+# What real machines printed: a torch build's architectures and a GPU's compute capability, and
+# whether a kernel then ran (tests/gpu_logs/: a header of the facts, then the output verbatim).
+GPU_LOGS = sorted((Path(__file__).parent / "gpu_logs").glob("*.txt"))
+
+
+def _gpu_log(path: Path) -> tuple[dict, str]:
+    head, _, body = path.read_text().partition("\n---\n")
+    return dict(line.split(": ", 1) for line in head.splitlines()), body
+
+
+@pytest.mark.parametrize("path", GPU_LOGS, ids=[p.stem for p in GPU_LOGS])
+def test_a_real_machine_s_recorded_build_and_gpu_are_judged_as_its_kernel_fared(path):
+    """Each recording's facts are in its verbatim output, and check passes exactly those that ran,
+    naming the GPU and its capability where one did not."""
+    facts, printed = _gpu_log(path)
+    arch, (major, minor) = facts["arch_list"].split(), facts["capability"].split(".")
+    assert all(f"'{a}'" in printed or f" {a}" in printed for a in arch), path.name
+    assert any(form in printed for form in (f"sm_{major}{minor}", f"capability {major}.{minor}",
+                                            f"({major}, {minor})")), path.name
+    ran = facts["outcome"].startswith("ran: ")
+    assert ran or facts["outcome"].split(": ", 1)[1] in printed, path.name
+    torch_version = facts["torch"] if facts["torch"][:1].isdigit() else "2.5.1+cu124"  # not printed: not judged here
+    cu = torch_version.split("+cu")[1]
+    c = _judge({**H100, "torch": torch_version, "cuda_build": f"{cu[:-1]}.{cu[-1]}", "devices": 1, "device_names": [facts["gpu"]], "arch_list": arch,
+                "capabilities": [facts["capability"]],
+                **({} if ran else {"cuda_available": False, "nccl": None, "cuda_error": facts["outcome"][8:]})},
+               gpus=1)
+    assert c.ok == ran, c.detail
+    if not ran:
+        assert f"GPU 0 ({facts['gpu']}, compute capability {facts['capability']}) has no code in this torch" \
+            in c.detail, c.detail
+
+
+def test_the_recordings_of_real_machines_hold_gpus_that_ran_and_gpus_that_did_not():
+    outcomes = {_gpu_log(p)[0]["outcome"].split(":")[0] for p in GPU_LOGS}
+    assert outcomes == {"ran", "failed"}, outcomes
+
+
 def test_a_gpu_older_than_the_build_is_told_to_find_a_build_that_keeps_it():
     c = _judge(_on("V100", "2.14.1+cu130", works=False))
     assert not c.ok and c.detail.endswith("build the image on a base with code for compute capability 7.0 "

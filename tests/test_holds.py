@@ -165,3 +165,33 @@ def test_each_launcher_says_it_runs_and_the_fleet_view_groups_a_job_s_nodes(hold
     rows = fleet_jobs.gather([j for node, out in answers.items() for j in fleet_jobs.parse(node, out)])
     assert [(r.job, r.uid, r.since, r.nodes) for r in rows] == [
         ("?", 0, 1.0, {"a": ()}), ("small", 1002, 10.0, {"a": ()}), ("big", 1001, 20.0, {"a": (0, 1), "b": (2,)})]
+
+
+def test_a_launcher_tells_what_its_ranks_do_and_the_fleet_view_shows_it_as_text(tmp_path):
+    """A hold told its job's state answers with it (read apart from the answers, so an answer never
+    waits on it); what a node tells is shown only where it is one of the states, a stall first."""
+    hold = holds.Hold([], "told-job", "r9")
+    try:
+        told = [{"state": "stalled", "step": 41, "quiet_s": 400}]
+        hold.tell(lambda: told[-1], every=0.05)
+        time.sleep(0.3)
+        answers = [j["said"] for j in holds.jobs() if j["pid"] == os.getpid()]
+        assert answers == [{"job": "told-job", "run": "r9", "user": ME, "gpus": [], "state": "stalled", "step": 41,
+                            "quiet_s": 400}], answers
+        told.clear()  # the reading fails (IndexError): that is told, and the answers go on
+        time.sleep(0.3)
+        answers = [j["said"]["state"] for j in holds.jobs() if j["pid"] == os.getpid()]
+        assert answers == ["unknown (IndexError)"], answers
+    finally:
+        hold.release()
+    line = lambda state, step: json.dumps({"pid": 7, "uid": 0, "since": 1.0,  # noqa: E731
+                                           "said": {"job": "j", "run": "r", "state": state, "step": step}})
+    parsed = fleet_jobs.parse("a", "\n".join([line("running", 12), line("\x1b[2Jstalled", 10 ** 30),
+                                              line(["running"], -1), line("unknown (OSError)", 3)]))
+    assert [(j.state, j.step) for j in parsed] == [("running", 12), ("not told", None), ("not told", None),
+                                                   ("unknown", 3)]
+    row = fleet_jobs.gather([fleet_jobs.NodeJob(n, "j", "r", "u", 0, 7, 1.0, (), state, step)
+                             for n, state, step in (("a", "running", 12), ("b", "stalled", 10), ("c", "running", 11))])
+    assert [(r.state, r.step) for r in row] == [("stalled on b; running on a, c", 12)]
+    same = fleet_jobs.gather([fleet_jobs.NodeJob(n, "j", "r", "u", 0, 7, 1.0, (), "running", None) for n in "ab"])
+    assert [(r.state, r.step) for r in same] == [("running", None)]

@@ -175,7 +175,8 @@ class Hold:
             user = pwd.getpwuid(os.getuid()).pw_name
         except (ImportError, KeyError):
             user = str(os.getuid())
-        self.line = (json.dumps({"job": job, "run": run, "user": user, "gpus": indices}) + "\n").encode()
+        self.said = {"job": job, "run": run, "user": user, "gpus": indices}
+        self.answer = self._line({})
         self.sockets = []
         for attempt in range(self.TRIES):
             self._bind(indices)
@@ -214,10 +215,28 @@ class Hold:
                 try:
                     c, _ = s.accept()
                     c.settimeout(1.0)
-                    c.sendall(self.line)
+                    c.sendall(self.answer)
                     c.close()
                 except OSError:
                     pass
+
+    def _line(self, more):
+        line = json.dumps(dict(self.said, **more))
+        return (line if len(line) < SAID_MAX else json.dumps(self.said)).encode() + b"\n"  # what it tells first
+
+    def tell(self, state, every=1.0):
+        """Tell what the job is doing with each answer from now on: ``state()``, a dict (the
+        launcher's: its ranks' state and step, trainer.heartbeat.state), read every ``every``
+        seconds in a thread of its own, so that an answer never waits on it."""
+        def refresh():
+            while self.sockets:
+                try:
+                    more = state()
+                except Exception as exc:  # answers go on whatever the reading met
+                    more = {"state": "unknown (%s)" % type(exc).__name__}
+                self.answer = self._line(more)
+                time.sleep(every)
+        threading.Thread(target=refresh, name="gpu-hold-state", daemon=True).start()
 
     def release(self):
         for s in self.sockets:

@@ -536,7 +536,7 @@ def main() -> None:
     if forks is not None:
         zygote.install(forks)
     try:  # the node's GPUs, held for this job while this launcher lives (after the zygote's fork: a thread)
-        hold = holds.from_environ(os.environ)  # noqa: F841  (kept: the hold ends with this process)
+        hold = holds.from_environ(os.environ)  # kept: the hold ends with this process
     except holds.Held as exc:
         sys.exit(f"trainer.launch: error: {exc}; stop that job, or give this job other GPUs (nodes[].gpu_ids)")
     address = option(args, "--local-addr")
@@ -553,6 +553,9 @@ def main() -> None:
     else:  # every worker beats on its collectives, whatever its program (trainer/progress_hook)
         os.environ["PYTHONPATH"] = heartbeat.hooked_path(os.environ.get("PYTHONPATH"))
     watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall, job.stall_timeout
+    if hold is not None and beats is not None:  # `ddp-deploy jobs` is told what the ranks are doing
+        setting = heartbeat.stall_setting()
+        hold.tell(lambda: heartbeat.state(setting, heartbeat.read_beats(beats)))
     record = os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
     group = formed.Watch(beats, record).start()  # a rank's heartbeat seen: kept with the run (trainer/formed.py)
     if watchdog is not None:

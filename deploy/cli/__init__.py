@@ -306,7 +306,8 @@ def unlock(st: _State, force: bool) -> None:
 @pass_state
 def jobs(st: _State, as_json: bool) -> None:
     """Every job running on the inventory's nodes, whoever started it: its name, run, user, nodes,
-    GPUs and since when, as each node's kernel says (the jobs this tool launched, of any user)."""
+    GPUs and since when, as each node's kernel says, and its state and newest step as its launchers tell
+    them (the jobs this tool launched, of any user)."""
     st.engine.jobs(as_json)
 
 

@@ -199,7 +199,8 @@ class SshFleet(Engine):
         with Remote(self.inv) as remote:
             found = fleet.jobs(self.inv, remote)
         if as_json:
-            click.echo(json.dumps({"jobs": [asdict(j) for j in found.jobs], "unanswered": found.unanswered}))
+            click.echo(json.dumps({"jobs": [{**asdict(j), "state": j.state} for j in found.jobs],
+                                   "unanswered": found.unanswered}))
         else:
             render.jobs_table(found)
         if found.unanswered:

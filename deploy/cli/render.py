@@ -38,14 +38,16 @@ def states_table(job: str, ranks: dict[str, int | None], states: dict[str, NodeS
 
 
 def jobs_table(found: fleet.FleetJobs) -> None:
-    """``jobs``: one row per job (its name, run and uid), its nodes with the GPUs each holds."""
+    """``jobs``: one row per job (its name, run and uid), its state and newest step as its launchers
+    tell them, its nodes with the GPUs each holds."""
     import time
 
-    t = DataTable("job", "run", "user", "nodes", "GPUs", "since", title="jobs on the nodes")
+    t = DataTable("job", "run", "user", "state", "step", "nodes", "GPUs", "since", title="jobs on the nodes")
     for j in found.jobs:
         gpus = "; ".join(f"{n}: {','.join(map(str, g))}" for n, g in j.nodes.items() if g) or "-"
-        t.add_row(j.job, j.run or "-", f"{j.user} (uid {j.uid})", ", ".join(j.nodes), gpus,
-                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.since)))
+        t.add_row(j.job, j.run or "-", f"{j.user} (uid {j.uid})",
+                  cell(j.state, style="yellow" if "stalled" in j.state else ""), "-" if j.step is None else str(j.step),
+                  ", ".join(j.nodes), gpus, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.since)))
     if found.jobs:
         Screen().print(t)
     else:

@@ -100,14 +100,24 @@ def test_two_users_jobs_start_at_once_and_train_and_a_held_gpu_is_refused(cluste
                                       "0", "1"])
         assert gpu_job.first == "holding"
 
-        seen = ok(ddp(cluster, ours, "jobs", "--json"))
-        listed = {j["job"]: j for j in json.loads(seen.stdout)["jobs"]}
+        # each job's launchers tell it is running once their ranks have shown a step's interval
+        def running():
+            seen = ok(ddp(cluster, ours, "jobs", "--json"))
+            listed = {j["job"]: j for j in json.loads(seen.stdout)["jobs"]}
+            return (seen, listed) if all(listed.get(j, {}).get("state") == "running"
+                                         for j in ("shared-ours", "shared-theirs")) else None
+        seen, listed = wait_until(running, 120, "both jobs running in the jobs view")
         assert sorted(listed) == ["shared-ours", "shared-theirs", "their-gpus"], listed
+        assert listed["shared-ours"]["step"] >= 1 and listed["shared-theirs"]["step"] >= 1, listed
+        assert listed["their-gpus"]["state"] == "not told"  # a hold alone tells no ranks' state
         every = {h.name: [] for h in cluster.hosts}
         assert (listed["shared-ours"]["uid"], listed["shared-ours"]["nodes"]) == (os.getuid(), every)
         assert (listed["shared-theirs"]["uid"], listed["shared-theirs"]["nodes"]) == (tenant.pw_uid, every)
         assert (listed["their-gpus"]["uid"], listed["their-gpus"]["nodes"]) == (tenant.pw_uid, {node2.name: [0, 1]})
         assert json.loads(seen.stdout)["unanswered"] == {}
+        # both trained side by side; what follows needs only the GPU job's hold (and spares the CPU)
+        stopped = [ddp(cluster, ours, "stop"), ddp(cluster, theirs, "stop", env=as_tenant)]
+        assert [s.returncode for s in stopped] == [0, 0], [s.stderr for s in stopped]
 
         # a third job on GPU 0 of every node: node2's is held
         third = cluster.write_hosts_yaml(
@@ -132,7 +142,7 @@ def test_two_users_jobs_start_at_once_and_train_and_a_held_gpu_is_refused(cluste
         assert checked.stdout.count("no other job holds GPUs 2") == 3, checked.stdout
         assert "is held by" not in checked.stdout + checked.stderr
         after = {j["job"] for j in json.loads(ok(ddp(cluster, ours, "jobs", "--json")).stdout)["jobs"]}
-        assert after == {"shared-ours", "shared-theirs", "their-gpus"}  # the third started nothing
+        assert after == {"their-gpus"}  # the third started nothing
     finally:
         for proc in (planted, gpu_job):
             if proc is not None:

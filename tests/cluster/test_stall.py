@@ -77,6 +77,10 @@ def test_a_rank_sleeping_before_a_collective_shows_every_node_stalled_in_time(
         detect = seen - max(n["stalled"]["since"] for n in stalled)  # since the last beat on any node
         table = ok(ddp(cluster, hosts, "status")).stdout
         assert table.count("stalled ") == 3 and table.count("last step 4 since") == 3
+        # the fleet view, told by each node's launcher: the same stall at the same step
+        listed = json.loads(ok(ddp(cluster, hosts, "jobs", "--json")).stdout)["jobs"]
+        assert [(j["job"], j["state"], j["states"], j["step"]) for j in listed] == [
+            ("ddp-test", "stalled", {h.name: "stalled" for h in cluster.hosts}, 4)], listed
 
         asked = time.monotonic()
         found = ok(ddp(cluster, hosts, "doctor")).stdout.splitlines()

@@ -32,19 +32,19 @@ from __future__ import annotations
 
 from .contract import (
     DIAGNOSE_S, DIAGNOSIS_BYTES, HEARTBEAT_DIR_ENV, LAUNCHER_FILE, LINE_BYTES, ON_STALL_ENV, SETTLE_S,
-    STALL_RECORD_ENV, STALL_TIMEOUT_ENV, WORKERS_DIR,
+    STALL_RECORD_ENV, STALL_TIMEOUT_ENV, STATES, WORKERS_DIR,
 )
 from .writer import Heartbeat
 from .directory import HOOK_DIR, empty, hooked_path, prepare, remove
-from .judge import Beat, ENDED, FLOOR_S, GAP_FACTOR, LARGEST, LEFT_S, PHASES, QUIET_S, parse_beat, stall_limit, verdict
+from .judge import Beat, ENDED, FLOOR_S, GAP_FACTOR, LARGEST, LEFT_S, PHASES, QUIET_S, parse_beat, stall_limit, state, verdict
 from .diagnose import DIAGNOSE
 from .procs import group_formed, proc_stat, ranked, read_beats, workers
-from .watchdog import Watchdog, main_thread_at
+from .watchdog import Watchdog, main_thread_at, stall_setting
 
 __all__ = [
     "Beat", "DIAGNOSE", "DIAGNOSE_S", "DIAGNOSIS_BYTES", "ENDED", "FLOOR_S", "GAP_FACTOR", "HEARTBEAT_DIR_ENV",
     "HOOK_DIR", "Heartbeat", "LARGEST", "LAUNCHER_FILE", "LEFT_S", "LINE_BYTES", "ON_STALL_ENV", "PHASES",
-    "QUIET_S", "SETTLE_S", "STALL_RECORD_ENV", "STALL_TIMEOUT_ENV", "WORKERS_DIR", "Watchdog", "empty",
+    "QUIET_S", "SETTLE_S", "STALL_RECORD_ENV", "STALL_TIMEOUT_ENV", "STATES", "WORKERS_DIR", "Watchdog", "empty",
     "group_formed", "hooked_path", "main_thread_at", "parse_beat", "prepare", "proc_stat", "ranked",
-    "read_beats", "remove", "stall_limit", "verdict", "workers",
+    "read_beats", "remove", "stall_limit", "stall_setting", "state", "verdict", "workers",
 ]

@@ -29,3 +29,5 @@ reused later never has): every worker of the job descends from that process, tor
 LINE_BYTES = 46
 """A beat's line: step (20 digits), rank (10), gap in ms (13), the spaces and the newline: fixed,
 so that a write in place never leaves a longer line's end behind."""
+STATES = ("starting", "running", "stalled", "ending")
+"""A node's part of a job as its launcher tells ``ddp-deploy jobs`` (trainer.heartbeat.judge.state)."""

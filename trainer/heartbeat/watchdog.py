@@ -18,6 +18,17 @@ from .judge import verdict
 from .procs import read_beats, workers
 
 
+def stall_setting(environ=os.environ):
+    """``job.stall_timeout`` as the deploy tool passed it: ``auto``, seconds, or None (never)."""
+    raw = environ.get(STALL_TIMEOUT_ENV, "auto")
+    if raw == "None":
+        return None
+    try:
+        return "auto" if raw == "auto" else float(raw)
+    except ValueError:
+        return "auto"
+
+
 def main_thread_at(depth: int = 5) -> str:
     """Where this process's main thread is, its innermost ``depth`` frames innermost first: in the
     launcher, torchrun's agent."""
@@ -67,13 +78,9 @@ class Watchdog:
         action = environ.get(ON_STALL_ENV)
         if not directory or action not in ("report", "restart", "stop"):
             return None
-        raw = environ.get(STALL_TIMEOUT_ENV, "auto")
-        if raw == "None":
+        setting = stall_setting(environ)
+        if setting is None:
             return None
-        try:
-            setting = "auto" if raw == "auto" else float(raw)
-        except ValueError:
-            setting = "auto"
         return cls(directory, setting, action, environ.get(STALL_RECORD_ENV) or None)
 
     def check(self, now: float | None = None) -> bool:
