@@ -40,3 +40,8 @@ def lines(text: str) -> list[str]:
     by :func:`safe` as its escape), and what follows it stays in that line, of that line's rank."""
     cut = text.split("\n")
     return cut[:-1] if cut[-1] == "" else cut
+
+
+def size(n: int) -> str:
+    """A byte count as people read it: ``12.3 MB``, ``4.5 kB``."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"

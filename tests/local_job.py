@@ -21,14 +21,16 @@ def beats_dir(hosts: Path, node: str = "here") -> str:
 
 
 def local_hosts(tmp_path: Path, *, job: str, train: dict, procs: int = 1, name: str = "hosts.yaml",
-                max_restarts: int = 0) -> Path:
+                max_restarts: int = 0, interface: str | None = None) -> Path:
     """hosts.yaml in ``tmp_path`` for node ``here`` (127.0.0.1), data and checkpoints under
-    ``tmp_path/nas``; ``train``: the train section but for its python (this interpreter)."""
+    ``tmp_path/nas``; ``train``: the train section but for its python (this interpreter);
+    ``interface``: the node's NIC (None: found at launch)."""
     hosts = tmp_path / name
     hosts.write_text(json.dumps({  # JSON is YAML
         "job": {"name": job, "runtime": "host", "max_restarts": max_restarts},
         "rendezvous": {"node": "here", "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs}],
+        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": "local", "procs": procs,
+                   **({"interface": interface} if interface else {})}],
         "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
                     "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
                     "min_free_gb": 0.01},

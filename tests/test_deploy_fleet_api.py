@@ -5,11 +5,15 @@ the real trainer; what it gets back is data."""
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 
+from deploy.cli import cli
 from deploy.errors import InputError, RuntimeFailure
 from deploy.engines.choose import api
 from deploy.engines.fleet import Fleet, LogLine, Started
 from deploy.engines.slurmjob import SlurmJob
+from deploy.job import launchplan
+from deploy.nodes.remote import command_line
 from local_job import local_hosts
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +24,7 @@ TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "25
 
 def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
-    hosts = local_hosts(tmp_path, job="apitest", train={"args": TRAIN_ARGS}, procs=2)
+    hosts = local_hosts(tmp_path, job="apitest", train={"args": TRAIN_ARGS}, procs=2, interface="lo")
     said, warned = [], []
     fleet = Fleet(hosts, say=said.append, warn=warned.append)
     readied = fleet.deploy()  # the shared directories made, the interpreter checked: each node's line
@@ -28,8 +32,19 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert (tmp_path / "nas" / "ckpt").is_dir() and (tmp_path / "nas" / "data").is_dir()
     assert any(line.startswith("directories ready: ") for line in said), said
 
+    planned = fleet.plan()  # what `launch --dry-run` prints, and what the launch below runs
+    dry = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    shown = [f"[here] {line}" for line in command_line(planned.commands()["here"]).split("\n")]
+    assert dry.output.splitlines()[-len(shown):] == shown, dry.output
+    assert [f"[all] {line}" for line in planned.lines()] == dry.output.splitlines()[:len(planned.lines())]
+
     started = fleet.launch()
     assert isinstance(started, Started) and started.nodes == ("here",) and started.procs == 2
+    # what it ran on each node: the plan, with the run's id in place of RUN_ID
+    assert {n: tuple(a.replace(started.run, launchplan.DRY_RUN) for a in argv)
+            for n, argv in started.plan.commands().items()} == planned.commands()
+    assert started.plan.run == started.run and planned.run == launchplan.DRY_RUN
     assert started.describe().startswith(f"started apitest run {started.run} on 1 nodes (2 processes): ")
     assert list(started.phases) == ["lock", "states", "code", "checks", "image", "record", "start"]
     with pytest.raises(RuntimeFailure, match="a previous run of apitest is still running on here"):

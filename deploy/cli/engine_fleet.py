@@ -14,8 +14,7 @@ from ..checks import netcheck
 from ..engines import fleet
 from ..errors import InputError, RemoteFailure, RuntimeFailure
 from ..images import prepare
-from ..job import codesync, lock, phases, plan, record, runs, runtime, secretenv
-from ..job.payload import payload
+from ..job import codesync, launchplan, lock, phases, plan, record, runtime, secretenv
 from ..nodes.remote import Remote
 from ..observe import view
 from ..text import safe
@@ -74,27 +73,8 @@ class SshFleet(Engine):
     def launch(self, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float = 0.0) -> None:
         inv = self.inv
         if dry_run:
-            secrets = secretenv.resolve(inv)
-            snap = codesync.snapshot_of(inv)
-            click.echo(f"[all] program: {payload(inv).describe()}")
-            if snap is not None:
-                click.echo(f"[all] code: {snap.root} ({len(snap.files)} files, {fleet.size(snap.size)}) as snapshot "
-                           f"{snap.id} in {codesync.store_dir(inv)}; each node gets the files its store lacks")
-            for name in secrets:
-                click.echo(f"[all] secret {name}={secretenv.MASK} (from {secretenv.source(inv, name)}), on the start "
-                           "command's stdin")
-            click.echo(f"[all] {lock.describe(inv, 'launch')}, held until the job has started")
-            click.echo("[all] the preflight checks of `ddp-deploy check` first; any failure starts nothing")
-            click.echo(f"[all] a new run id (RUN_ID below); its record, logs and exit codes kept in {runs.runs_dir(inv)}"
-                       f"/RUN_ID, the newest {inv.job.keep_runs} runs (job.keep_runs)")
-            for s in plan.launch_plan(inv, code=codesync.code_dir(inv, snap)):
-                node = inv.node(s.node)
-                render.show(s.node, s.argv)
-                if node.interface is None:
-                    click.echo(f"[{s.node}] GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME: the interface holding "
-                               f"{node.address}, detected at launch")
-                for note in runtime.runtime(inv).dry_run_notes(node):
-                    click.echo(f"[{s.node}] {note}")
+            secretenv.resolve(inv)  # each one there, or exit 2 naming it
+            render.launch_plan(launchplan.make(inv, codesync.snapshot_of(inv)))
             return
         with Remote(inv) as remote:
             started = fleet.launch(inv, remote, hosts=self.st.hosts, redact=self.st.redact, say=render.say, warn=render.warn,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .common import (
     FAILURE_TAIL, Say, check, node_index, on_any_node, one_image, quiet, readers, refuse_failed_checks,
-    running_job, size, start_run, sync_code, undo_start, without_interface,
+    running_job, start_run, sync_code, undo_start, without_interface,
 )
 from .watch import (
     NOTHING_TRAINED_HINT, UNREACHABLE_POLLS, diagnose, first_failure, node_states, nothing_trained,
@@ -41,7 +41,7 @@ __all__ = [
     "Shipping", "Started",    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "jobs", "join",
     "joinable", "kept_failure", "kept_run", "kept_runs", "kept_stalls", "launch", "log_reads", "metrics",
     "newest_stall", "no_progress", "node_index", "node_states", "nothing_trained", "on_any_node", "one_image",
-    "plot", "quiet", "read_logs", "readers", "refuse_failed_checks", "running_job", "size",
+    "plot", "quiet", "read_logs", "readers", "refuse_failed_checks", "running_job",
     "stalled_and_stopped", "start_run", "stop", "stopped_by_operator", "sync_code", "undo_start", "unlock",
     "verdict", "wait", "when", "without_interface", "witnesses",
 ]

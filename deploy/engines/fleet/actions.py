@@ -11,7 +11,7 @@ from ...errors import InputError, RemoteFailure, RuntimeFailure
 from ...images import deliveries, prepare
 from ...images.build import QuietView
 from ...inventory import Inventory
-from ...job import codesync, lock, phases, plan, record, runs, runtime, secretenv
+from ...job import codesync, launchplan, lock, phases, plan, record, runs, runtime, secretenv
 from ...job.payload import payload
 from ...nodes.remote import Remote
 from .common import Say, node_index, one_image, quiet, refuse_failed_checks, running_job, start_run, sync_code, undo_start, without_interface
@@ -30,6 +30,8 @@ class Started:
     code: runtime.CodeDir | None
     phases: dict = field(default_factory=dict)
     """Where the launch's time went, phase by phase (deploy/job/phases.py)."""
+    plan: launchplan.LaunchPlan | None = None
+    """What it ran on each node: ``launch --dry-run``'s plan, with the run's id and what the checks found."""
 
     def describe(self) -> str:
         return (f"started {self.job} run {self.run} on {len(self.nodes)} nodes ({self.procs} processes): "
@@ -78,7 +80,8 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
         with took("image"):
             image_id = one_image(inv, remote)
         run = runs.new_id()
-        specs = plan.launch_plan(inv, pre.facts, code, run)
+        planned = launchplan.make(inv, snap, facts=pre.facts, run=run)
+        specs = [n.spec for n in planned.nodes]
         # Preparing took a while: an `unlock --force` meanwhile may have let another operator in,
         # whose run the cleanup below or a second start would break.
         held.confirm("launch")
@@ -106,7 +109,7 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
             raise RemoteFailure("launch", results, hint=hint)
     # the lock is released: the job has started, and following it only reads
     return Started(inv.job.name, run, tuple(s.node for s in specs), sum(n.nprocs for n in inv.nodes),
-                   payload(inv).describe(), code, took.data())
+                   payload(inv).describe(), code, took.data(), planned)
 
 
 def stop(inv: Inventory, remote: Remote, *, now: bool = False) -> dict:

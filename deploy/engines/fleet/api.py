@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import InputError, RemoteFailure
 from ...inventory import load
-from ...job import plan, runs, secretenv
+from ...job import codesync, launchplan, plan, runs, secretenv
 from ...nodes.remote import Remote
 from ...observe import doctor
 from ...observe.goodput import Goodput
@@ -51,6 +51,12 @@ class Fleet:
         with Remote(self.inv) as remote:
             return deploy(self.inv, remote, hosts=self.hosts, build=build, say=self.say, warn=self.warn,
                           shipping=shipping, wait_lock=wait_lock)
+
+    def plan(self) -> launchplan.LaunchPlan:
+        """What ``launch`` would run on each node (``ddp-deploy launch --dry-run``), touching nothing:
+        the run's id ``RUN_ID``, each node's NIC found only at launch (its notes say so)."""
+        secretenv.resolve(self.inv)
+        return launchplan.make(self.inv, codesync.snapshot_of(self.inv))
 
     def launch(self, *, wait_lock: float = 0.0) -> Started:
         """Starts the job on every node, all or nothing (``ddp-deploy launch``; ``wait_lock``: seconds

@@ -11,6 +11,7 @@ from ...errors import RuntimeFailure
 from ...inventory import Inventory
 from ...job import codesync, plan, record, runs, runtime, secretenv
 from ...nodes.remote import Remote, Result
+from ...text import size
 
 
 Say = Callable[[str], None]
@@ -18,10 +19,6 @@ Say = Callable[[str], None]
 
 def quiet(text: str) -> None:
     """The default reporter: says nothing."""
-
-
-def size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def sync_code(inv, remote, snap, say: Say = quiet, nodes=None) -> runtime.CodeDir | None:
