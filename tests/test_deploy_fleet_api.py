@@ -4,7 +4,14 @@ the real trainer; what it gets back is data."""
 
 from __future__ import annotations
 
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from deploy.cli import cli
@@ -13,11 +20,14 @@ from deploy.engines.choose import api
 from deploy.engines.fleet import Fleet, LogLine, Started
 from deploy.engines.slurmjob import SlurmJob
 from deploy.job import launchplan
-from deploy.nodes.remote import command_line
+from deploy.nodes.remote import Remote
+from fakes import free_port
 from local_job import local_hosts
 
 pytestmark = pytest.mark.e2e
 
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--synthetic-size", "256", "--batch-size", "32", "--epochs", "1"]
 TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "256", "--batch-size", "32",
               "--log-every", "1"]
 
@@ -34,13 +44,13 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
 
     planned = fleet.plan()  # what `launch --dry-run` prints, and what the launch below runs
     dry = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"])
-    assert dry.exit_code == 0, dry.output
-    shown = [f"[here] {line}" for line in command_line(planned.commands()["here"]).split("\n")]
-    assert dry.output.splitlines()[-len(shown):] == shown, dry.output
-    assert [f"[all] {line}" for line in planned.lines()] == dry.output.splitlines()[:len(planned.lines())]
+    assert dry.exit_code == 0 and dry.output == f"{planned}\n", dry.output
+    assert planned.commands()["here"][:2] == ("sh", "-c") and "[here] sh -c " in dry.output
 
-    started = fleet.launch()
+    run = fleet.launch()
+    started = run.started
     assert isinstance(started, Started) and started.nodes == ("here",) and started.procs == 2
+    assert run.id == started.run
     # what it ran on each node: the plan, with the run's id in place of RUN_ID
     assert {n: tuple(a.replace(started.run, launchplan.DRY_RUN) for a in argv)
             for n, argv in started.plan.commands().items()} == planned.commands()
@@ -111,3 +121,63 @@ def test_each_api_refuses_the_other_engine_s_inventory_and_api_picks_the_right_o
     picked = api(slurm_hosts, say=said.append)
     assert isinstance(picked, SlurmJob) and picked.inv.slurm.nodes == 2 and picked.say == said.append
     assert isinstance(api(fleet_hosts, without=()), Fleet)
+
+
+def _docs_example() -> str:
+    """The program of docs/fleet.md's "From a program", as it is printed there."""
+    text = (REPO / "docs" / "fleet.md").read_text()
+    section = text[text.index("**From a program**"):]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_documented_program_runs_the_shipped_inventory_s_job_to_its_end(tmp_path, monkeypatch, capsys):
+    """docs/fleet.md's example, run as it is printed, on the shipped hosts.yaml. What this machine
+    changes in it: where the shared volume is (the test's own), the interpreter (this one), a free
+    rendezvous port, and a smaller dataset than the shipped job's two epochs of 8192 samples."""
+    shipped = yaml.safe_load((REPO / "hosts.yaml").read_text())
+    shipped["storage"] = {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
+                          "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
+                          "min_free_gb": 0.01}
+    shipped["rendezvous"]["port"] = free_port()
+    shipped["train"].update(python=sys.executable, args=[*shipped["train"]["args"], *SMALL])
+    (tmp_path / "hosts.yaml").write_text(yaml.safe_dump(shipped))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    exec(compile(_docs_example(), "docs/fleet.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "finished all nodes finished with exit code 0" in out, out
+    assert "[local] " in out and "[all] program: the built-in trainer" in out, out  # the plan, printed
+    assert re.search(r"^local 0 ", out, re.M), out  # rank 0's last lines
+    assert re.search(r"\[\('\S+', 'exit 0'\)\]", out), out
+    assert api(tmp_path / "hosts.yaml").states()["local"].state == "absent"  # the example's stop cleared it
+
+
+def test_a_job_in_with_keeps_one_connection_and_a_run_s_log_iterator_can_be_left(tmp_path, monkeypatch):
+    """In ``with``, every call goes through one Remote, opened once; a program that stops reading
+    a run's log lines half-way leaves no reader behind."""
+    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
+    hosts = local_hosts(tmp_path, job="apikept", train={"args": TRAIN_ARGS}, procs=1)
+    opened = []
+    real = Remote.__init__
+    monkeypatch.setattr(Remote, "__init__", lambda self, *a, **k: (opened.append(threading.current_thread().name),
+                                                                    real(self, *a, **k))[1])
+    with api(hosts) as job:
+        job.deploy()
+        run = job.launch()
+        assert run.wait(timeout=240).state == "finished"
+        assert job.run().id == run.id and job.run(run.id).id == run.id
+        with pytest.raises(RuntimeFailure, match="has no kept run nope"):
+            job.run("nope")
+        first = next(iter(run.logs()))
+        assert first.node == "here"
+        reading = run.logs()
+        next(reading)
+        reading.close()  # left after one line: its reader thread ends
+        run.stop()
+    # the block's alone; a thread opens its own: each log reader, the heartbeat of a held lock
+    assert opened.count("MainThread") == 1, opened
+    assert sorted(set(opened)) == ["MainThread", "fleet-lock-heartbeat", f"logs-{run.id}"], opened
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("logs-") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("logs-")]

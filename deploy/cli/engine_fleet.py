@@ -74,7 +74,7 @@ class SshFleet(Engine):
         inv = self.inv
         if dry_run:
             secretenv.resolve(inv)  # each one there, or exit 2 naming it
-            render.launch_plan(launchplan.make(inv, codesync.snapshot_of(inv)))
+            click.echo(launchplan.make(inv, codesync.snapshot_of(inv)))
             return
         with Remote(inv) as remote:
             started = fleet.launch(inv, remote, hosts=self.st.hosts, redact=self.st.redact, say=render.say, warn=render.warn,

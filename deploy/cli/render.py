@@ -54,16 +54,6 @@ def jobs_table(found: fleet.FleetJobs) -> None:
         click.echo("no job of this tool runs on the nodes that answered")
 
 
-def launch_plan(planned) -> None:
-    """``launch --dry-run``: the plan's lines for every node, then each node's command and notes."""
-    for line in planned.lines():
-        click.echo(safe(f"[all] {line}"))
-    for n in planned.nodes:
-        show(n.spec.node, n.spec.argv)
-        for note in n.notes:
-            click.echo(safe(f"[{n.spec.node}] {note}"))
-
-
 def show(node: str, argv) -> None:
     """A node's command as its shell receives it, each line under the node's name (a node program
     spans lines)."""

@@ -5,7 +5,7 @@ data or raises a :class:`~deploy.errors.DeployError`, and reports progress throu
     from deploy.engines.slurmjob import SlurmJob
 
     job = SlurmJob("hosts.yaml", say=print)
-    submitted = job.launch()             # the run id and the Slurm job's id
+    run = job.launch()                   # the run; run.started: its id and the Slurm job's id
     final = job.wait(timeout=3600)       # Slurm's state once it is done with the job
     print(job.verdict(final))            # or a RuntimeFailure naming the first failure
     job.stop()
@@ -26,13 +26,13 @@ from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
 from ..inventory import load
 from ..job import codesync, outcome, phases, plan, record, runs, runtime, scripts, secretenv
 from ..job.payload import payload
-from ..nodes.remote import Remote
 from ..observe import doctor, view
 from ..observe.goodput import Goodput
 from ..observe import plot as plotting
 from ..text import safe
 from . import fleet, slurm
 from .fleet import LogLine, Say, quiet
+from .handle import JobApi, Run
 
 
 def login(inv) -> str:
@@ -309,7 +309,7 @@ def read_logs(inv, remote, on_line: Callable[[LogLine], None], *, run_id: str | 
     return chosen
 
 
-class SlurmJob:
+class SlurmJob(JobApi):
     """The job of a hosts.yaml with a ``slurm:`` section, verb by verb, for a program instead of a
     shell: each verb goes to the login node. ``say`` and ``warn`` receive the progress lines and
     warnings the CLI prints. Every secret value is masked in what is returned."""
@@ -327,51 +327,58 @@ class SlurmJob:
     def check(self) -> list[Check]:
         """The login node's checks (``ddp-deploy check``): Slurm's commands, the partition, storage."""
         secretenv.resolve(self.inv)
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return login_checks(self.inv, remote)
 
     def deploy(self, *, build: bool = False) -> dict[str, str]:
         """The shared directories and what the job runs with (``build`` has no meaning here: the
         site's image or the shared interpreter is given): the login node's line."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return deploy(self.inv, remote, self.say)
 
-    def launch(self) -> Submitted:
-        with Remote(self.inv) as remote:
-            return submit(self.inv, remote, redact=self.redact, say=self.say, warn=self.warn)
+    def plan(self) -> str:
+        """What ``launch`` submits (``ddp-deploy export slurm``): the batch script, the run's id ``RUN_ID``."""
+        secretenv.resolve(self.inv)
+        return slurm.batch_script(self.inv, "RUN_ID", codesync.code_dir(self.inv, codesync.snapshot_of(self.inv)))
+
+    def launch(self) -> Run:
+        """Submits the job: the run, with what Slurm was given (``.started``: the Slurm job's id)."""
+        with self.connected() as remote:
+            submitted = submit(self.inv, remote, redact=self.redact, say=self.say, warn=self.warn)
+        return Run(self, submitted.run, submitted)
 
     def state(self) -> slurm.SlurmState:
         """Slurm's state of the job's newest run: its id, state, reason, nodes and each node's exits."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return job_state(self.inv, remote, self.redact)
 
     def states(self) -> dict[str, plan.NodeState]:
         """Each node's state, a running node's read on the node itself (stalls included)."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return node_states(self.inv, remote, job_state(self.inv, remote, self.redact), self.redact, warn=self.warn)
 
     def wait(self, timeout: float | None = None) -> slurm.SlurmState:
         """Slurm's state once it is done with the job; each change of state to ``say``."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return follow(self.inv, remote, timeout, self.redact, self.say)
 
     def verdict(self, final: slurm.SlurmState) -> str:
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return verdict(self.inv, remote, final, self.redact)
 
     def runs(self) -> list[runs.Run]:
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return fleet.kept_runs(self.inv, remote, "", self.redact).runs
 
     def goodput(self) -> dict[str, Goodput | None]:
         """As :meth:`deploy.engines.fleet.Fleet.goodput`."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             kept = fleet.kept_runs(self.inv, remote, "", self.redact).runs
             running = bool(kept) and kept[-1].end is None and job_state(self.inv, remote).active
             return fleet.goodputs(self.inv, remote, kept, running, self.warn)
 
     def doctor(self) -> doctor.Diagnosis:
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return diagnose(self.inv, remote, job_state(self.inv, remote, self.redact), self.redact)
 
     def logs(self, *, tail: int | None = None, nodes: tuple[str, ...] = (), ranks: tuple[int, ...] = (),
@@ -381,21 +388,21 @@ class SlurmJob:
         if follow and on_line is None:
             raise InputError("logs: follow=True needs on_line", hint="pass on_line=print, or a function of your own")
         kept: list[LogLine] = []
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             read_logs(self.inv, remote, on_line or kept.append, run_id=run, nodes=nodes, ranks=ranks, tail=tail,
                       follow=follow, redact=self.redact, say=self.say)
         return kept
 
     def metrics(self, runs: tuple[str, ...] = ()) -> dict[str, list[dict]]:
         """As :meth:`deploy.engines.fleet.Fleet.metrics`."""
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             by_run = fleet.metrics(self.inv, remote, runs, self.redact, self.warn)[0]
         return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
 
     def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return fleet.plot(self.inv, remote, path, runs, self.redact, self.warn)
 
     def stop(self, *, now: bool = False) -> str:
-        with Remote(self.inv) as remote:
+        with self.connected() as remote:
             return stop(self.inv, remote, now=now, redact=self.redact)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..inventory import Inventory
+from ..nodes.transport import command_line
 from ..text import size
 from . import codesync, lock, runs, secretenv
 from .payload import payload
@@ -57,9 +58,17 @@ class LaunchPlan:
         """Each node's start command: what ``launch`` runs there."""
         return {n.spec.node: n.spec.argv for n in self.nodes}
 
+    def __str__(self) -> str:
+        """The plan as ``launch --dry-run`` prints it: what every node shares (``[all]``), then each
+        node's command as its shell receives it, and what only the launch will find there."""
+        out = [f"[all] {line}" for line in self.lines()]
+        for n in self.nodes:
+            out += [f"[{n.spec.node}] {line}" for line in command_line(n.spec.argv).split("\n")]
+            out += [f"[{n.spec.node}] {note}" for note in n.notes]
+        return "\n".join(out)
+
     def lines(self) -> list[str]:
-        """What comes first, for everyone to read (``[all]`` lines; each node's command and notes are
-        its own)."""
+        """What every node shares."""
         out = [f"program: {self.program}"]
         if self.code is not None:
             c = self.code

@@ -8,7 +8,7 @@ a notebook or a CI pipeline can launch, follow and stop a job without a shell::
     from deploy.engines.fleet import Fleet
 
     fleet = Fleet("hosts.yaml", say=print)
-    started = fleet.launch()             # the run id, its nodes and where the launch's time went
+    run = fleet.launch()                 # the run; run.started: its nodes and where the launch's time went
     final = fleet.wait(timeout=3600)     # every node's state once the job has ended
     print(fleet.verdict(final))          # or a RuntimeFailure naming the first failure (JobStopped: stopped)
     fleet.stop()
