@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from deploy.engines.choose import api
+from deploy.engines.handle import Outcome
 from deploy.engines.slurmjob import SlurmJob
 from hung_job import hanging_program
 
@@ -94,6 +95,14 @@ def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh
     assert len(checks) == 5 and all(c.ok for c in checks), checks
     script = (fresh_nas / "ckpt" / ".ddp-deploy" / "ddp-slurm" / "runs" / run / "job.sbatch").read_text()
     assert script == re.sub(r"\bRUN_ID\b", run, ok(ddp(cluster, hosts, "export", "slurm")).stdout)
+    # and as a notebook holds it: one connection to the login node, the run as a handle
+    with api(hosts) as held:
+        assert re.sub(r"\bRUN_ID\b", run, held.plan()) == script  # what launch submitted
+        handle = held.run()
+        assert handle.id == run and held.run(run).id == run
+        assert handle.wait(timeout=120) == Outcome("finished", f"Slurm job {job_id} COMPLETED: all nodes finished "
+                                                               "with exit code 0")
+        assert {(line.node, line.rank) for line in handle.logs(nodes=("node2",), ranks=(3,), tail=5)} == {("node2", 3)}
     assert _queue(slurm) == []
 
 
