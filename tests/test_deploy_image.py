@@ -287,9 +287,9 @@ def test_a_containerd_node_holding_the_previous_image_gets_only_the_layers_it_la
 
 def test_a_containerd_node_s_previous_layers_stay_alive_while_the_new_image_loads(fake_docker):
     """docker load moves the name before it unpacks the new image on the previous one's snapshots;
-    containerd's collector may drop what no name then holds (containerd#3787; seen once in CI on
-    Docker 26). The fake collects so whenever it can: the load holds the previous image by a second
-    name until it has ended, then drops that name."""
+    containerd's collector may drop what no name then holds (the load fails: "parent snapshot ...
+    does not exist"; seen in CI on Docker 26). The fake collects so whenever it can: the load holds
+    the previous image by a second name until it has ended, then drops that name."""
     _, old_diff_ids = docker_save_tar([BASE, DEPS, CODE], NAME)[1:]
     image_id, _ = _image(fake_docker, [BASE, DEPS, b"code v2" * 1000])
     _containerd(fake_docker)

@@ -13,7 +13,7 @@ Torch internals used, and how they behave across the range:
 - ``TCPStore(master_listen_fd=...)``: TCPStore binds every address of the machine; handed a
   socket already bound to the node's address, it listens there alone. That works from 2.8 on
   (:data:`BOUND_STORE_SINCE`). Before 2.8 the libuv backend (the default since 2.4) refuses a
-  listen fd (NotImplementedError, pytorch#150215; ``USE_LIBUV=0`` does not reach a TCPStore
+  listen fd (NotImplementedError; ``USE_LIBUV=0`` does not reach a TCPStore
   built directly), and the classic backend takes it but aborts the process ("failed to format
   addr, unknown family=0") when a reverse DNS lookup of the address fails for a while, as it
   does on a node whose resolver is unreachable (seen on the test cluster). So before 2.8 both
