@@ -22,6 +22,7 @@ import os
 import re
 import threading
 
+from . import torch_private
 from .heartbeat import HEARTBEAT_DIR_ENV
 
 REQUEST = "fr-request"
@@ -36,15 +37,7 @@ _TOKEN = re.compile(r"[0-9A-Za-z_.-]{1,40}")
 
 def dumper(backend: str | None):
     """torch's dump of its flight recorder for ``backend`` as JSON, or None where this torch has none."""
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:
-        return None
-    if backend == "nccl":
-        return getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
-    if backend == "gloo":
-        return getattr(c10d, "_dump_fr_trace_json", None)
-    return None
+    return torch_private.flight_dump(backend)
 
 
 def enable(backend: str | None, environ=os.environ) -> bool:
@@ -58,9 +51,7 @@ def enable(backend: str | None, environ=os.environ) -> bool:
 
 def buffer_env() -> str:
     """The variable this torch reads for the recorder's size."""
-    from torch._C import _distributed_c10d as c10d
-
-    return BUFFER_ENVS[0] if hasattr(c10d, "_dump_fr_trace_json") else BUFFER_ENVS[1]
+    return BUFFER_ENVS[0] if torch_private.flight_dump("gloo") is not None else BUFFER_ENVS[1]  # any backend's
 
 
 def newest(dump: str) -> tuple[int, str] | None:

@@ -34,7 +34,7 @@ import time
 from string import Template
 
 from .compat import binds_stores
-from . import exits, formed, heartbeat, holds, snapshot_hint, workdir, zygote
+from . import exits, formed, heartbeat, holds, snapshot_hint, torch_private, workdir, zygote
 from .entry import module_argv
 from .masking import SECRET_NAMES_ENV, Mask, StreamMask
 from .output import LOG_DIR_ENV
@@ -128,18 +128,16 @@ def bind_rendezvous_store(address: str) -> None:
     TCPStore has no bind address, but it accepts an already listening socket
     (``master_listen_fd``); the c10d backend's store is created through the name below.
     """
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
-
     from .dist import listening_fd
 
-    tcp_store = backend.TCPStore
+    def bound(tcp_store):
+        def bound_store(host, port, *args, is_master=False, **kwargs):
+            if is_master and kwargs.get("master_listen_fd") is None:
+                kwargs["master_listen_fd"] = listening_fd(address, port)
+            return tcp_store(host, port, *args, is_master=is_master, **kwargs)
+        return bound_store
 
-    def bound_store(host, port, *args, is_master=False, **kwargs):
-        if is_master and kwargs.get("master_listen_fd") is None:
-            kwargs["master_listen_fd"] = listening_fd(address, port)
-        return tcp_store(host, port, *args, is_master=is_master, **kwargs)
-
-    backend.TCPStore = bound_store
+    torch_private.wrap_rendezvous_store(bound)
 
 
 # The rendezvous watch: a probe every WATCH_EVERY_S s, each given PROBE_TIMEOUT_S s to connect; the
@@ -207,16 +205,14 @@ def keep_rendezvous_open_on_failure() -> None:
     rendezvous. torch's launcher calls ``shutdown`` from a ``finally``: an exception on its way
     out is the agent failing.
     """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    def kept_open(close):
+        def shutdown(self) -> bool:
+            if sys.exc_info()[0] is not None:
+                return False
+            return close(self)
+        return shutdown
 
-    close = DynamicRendezvousHandler.shutdown
-
-    def shutdown(self) -> bool:
-        if sys.exc_info()[0] is not None:
-            return False
-        return close(self)
-
-    DynamicRendezvousHandler.shutdown = shutdown
+    torch_private.wrap_rendezvous_shutdown(kept_open)
 
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -333,31 +329,30 @@ class Relay:
     def install(self) -> None:
         """torchrun's agent starts each worker with pipes to this relay as its stdout and stderr,
         unless torchrun opened files for them (``--tee``, ``--redirects``: the operator's choice)."""
-        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+        def piped(popen):
+            def start(handler, args, env):
+                if any(f is not None for f in torch_private.worker_files(handler)):
+                    return popen(handler, args, env)
+                prefix = self.prefix(env)
+                (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+                files = open(out_w, "wb", buffering=0), open(err_w, "wb", buffering=0)
+                torch_private.set_worker_files(handler, *files)
+                try:
+                    proc = popen(handler, args, env)
+                except BaseException:
+                    os.close(out_r)
+                    os.close(err_r)
+                    raise
+                finally:  # the worker holds the write ends: a pipe ends once it and its children are gone
+                    for f in files:
+                        f.close()
+                    torch_private.set_worker_files(handler, None, None)
+                self._follow(out_r, sys.stdout, prefix)
+                self._follow(err_r, sys.stderr, prefix)
+                return proc
+            return start
 
-        popen = sh.SubprocessHandler._popen
-
-        def piped(handler, args, env):
-            if handler._stdout is not None or handler._stderr is not None:
-                return popen(handler, args, env)
-            prefix = self.prefix(env)
-            (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-            handler._stdout, handler._stderr = open(out_w, "wb", buffering=0), open(err_w, "wb", buffering=0)
-            try:
-                proc = popen(handler, args, env)
-            except BaseException:
-                os.close(out_r)
-                os.close(err_r)
-                raise
-            finally:  # the worker holds the write ends: a pipe ends once it and its children are gone
-                handler._stdout.close()
-                handler._stderr.close()
-                handler._stdout = handler._stderr = None
-            self._follow(out_r, sys.stdout, prefix)
-            self._follow(err_r, sys.stderr, prefix)
-            return proc
-
-        sh.SubprocessHandler._popen = piped
+        torch_private.wrap_worker_start(piped)
 
     def _follow(self, fd: int, stream, prefix: bytes) -> None:
         tail = None

@@ -7,9 +7,9 @@ torch's) before its agent starts any worker. With ``DDP_PREFORK=1`` it forks a *
 first, before it starts a thread; the zygote imports the rest (``torch._dynamo``, torchvision) while
 the rendezvous runs, and forks each worker that torchrun's agent asks for.
 
-What torchrun's agent sees is unchanged: ``SubprocessHandler._popen`` (torch.distributed.elastic)
-returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``, ``poll()``, ``wait()``,
-``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
+What torchrun's agent sees is unchanged: its worker start (``SubprocessHandler._popen``, through
+trainer.torch_private) returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``,
+``poll()``, ``wait()``, ``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
 the agent's ``killpg`` reaches it and its children (and a worker the zygote has reaped already
 is closed without one: its group is gone). It gets the agent's standard input and the
 output torchrun gave it (its files, or the launcher's pipes), no other descriptor (as ``close_fds``),
@@ -57,7 +57,7 @@ import subprocess
 import sys
 import threading
 
-from . import exits
+from . import exits, torch_private
 from .heartbeat import HEARTBEAT_DIR_ENV, WORKERS_DIR
 
 ENABLE_ENV = "DDP_PREFORK"
@@ -66,7 +66,7 @@ starts them; unset: a zygote where no GPU can be opened (``GPU_DEVICES``)."""
 GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
 """The device nodes through which a process reaches a GPU (NVIDIA's, ROCm's, WSL's). Where none
 exists, nothing the zygote imports can initialise a GPU before it forks."""
-PRELOAD = ("torch._dynamo", "torchvision")
+PRELOAD = (*torch_private.DDP_IMPORTS, "torchvision")
 """What the zygote imports before it forks (torch itself the launcher has): DDP's constructor
 imports ``torch._dynamo``; the trainer's models come from torchvision."""
 LAUNCHER_PID_ENV = "DDP_LAUNCHER_PID"
@@ -271,39 +271,39 @@ class Forked:
 def install(zygote: Zygote) -> None:
     """torchrun's agent starts its workers through ``zygote`` (falling back to its own ``Popen``
     for a program the zygote does not run, or when the zygote fails)."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+    failed: list[BaseException] = []  # (not torch's start put back: what wraps this one stays in place)
 
-    popen = sh.SubprocessHandler._popen
-    failed: list[BaseException] = []  # (not torch's _popen put back: what wraps this one stays in place)
+    def forking(popen):
+        def forked(self, args, env):
+            if not failed and program_of(args) is not None:
+                out, err = torch_private.worker_files(self)
+                try:
+                    return zygote.spawn(args, env, 0, _fd(out, 1), _fd(err, 2))
+                except (OSError, EOFError, ValueError) as exc:
+                    sys.stderr.write(f"trainer.launch: warning: workers start on their own (the zygote: {exc})\n")
+                    failed.append(exc)
+            return popen(self, args, env)
+        return forked
 
-    def forked(self, args, env):
-        if not failed and program_of(args) is not None:
+    def reaped(close):
+        def closed(self, death_sig=None):
+            # A forked worker is the zygote's child, reaped there the moment it ends: its process group
+            # can be gone while the agent has yet to read its end (a Popen's zombie would hold the group
+            # until the agent reaps it). torch's killpg then raises ProcessLookupError and the agent dies
+            # of it: a stall's restart SIGKILLs a node's workers while its agent closes them for the
+            # first one's end, and that node never came back. Nothing is left to signal.
             try:
-                return zygote.spawn(args, env, 0, _fd(self._stdout, 1), _fd(self._stderr, 2))
-            except (OSError, EOFError, ValueError) as exc:
-                sys.stderr.write(f"trainer.launch: warning: workers start on their own (the zygote: {exc})\n")
-                failed.append(exc)
-        return popen(self, args, env)
+                close(self, death_sig)
+            except ProcessLookupError:
+                if not isinstance(self.proc, Forked):
+                    raise
+                for handle in torch_private.worker_files(self):
+                    if handle:
+                        handle.close()
+        return closed
 
-    sh.SubprocessHandler._popen = forked
-    close = sh.SubprocessHandler.close
-
-    def closed(self, death_sig=None):
-        # A forked worker is the zygote's child, reaped there the moment it ends: its process group
-        # can be gone while the agent has yet to read its end (a Popen's zombie would hold the group
-        # until the agent reaps it). torch's killpg then raises ProcessLookupError and the agent dies
-        # of it: a stall's restart SIGKILLs a node's workers while its agent closes them for the
-        # first one's end, and that node never came back. Nothing is left to signal.
-        try:
-            close(self, death_sig)
-        except ProcessLookupError:
-            if not isinstance(self.proc, Forked):
-                raise
-            for handle in (self._stdout, self._stderr):
-                if handle:
-                    handle.close()
-
-    sh.SubprocessHandler.close = closed
+    torch_private.wrap_worker_start(forking)
+    torch_private.wrap_worker_close(reaped)
 
 
 def _fd(handle, default: int) -> int:
