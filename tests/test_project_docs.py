@@ -130,24 +130,31 @@ def test_every_variable_the_readme_promises_a_program_is_set_by_the_plan():
     assert promised and promised <= set(env) and promised <= set(RESERVED_ENV)
 
 
-def test_the_readme_s_python_api_example_calls_what_the_api_has():
+def test_the_documented_program_calls_what_both_apis_and_the_run_have():
     import ast
     import inspect
 
     from deploy.engines.fleet import Fleet
+    from deploy.engines.handle import Run
     from deploy.engines.slurmjob import SlurmJob
 
     text = docs().split("**From a program**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     tree = ast.parse(text)
-    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
-              and isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) == "fleet"}
-    assert called == {"deploy", "check", "launch", "wait", "verdict", "logs", "stop", "runs"}
-    assert all(callable(getattr(Fleet, name, None)) for name in called)
-    assert all(callable(getattr(SlurmJob, name, None)) for name in called)  # "runs unchanged on both"
-    assert {"tail", "ranks", "follow", "on_line"} <= set(inspect.signature(Fleet.logs).parameters)
+
+    def called(on: str) -> set[str]:
+        return {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) == on}
+
+    assert called("job") == {"deploy", "plan", "launch", "runs"}
+    assert called("run") == {"wait", "logs", "stop"}
+    for api in (Fleet, SlurmJob):  # the same program serves both
+        assert all(callable(getattr(api, name, None)) for name in called("job")), api
+        assert {"__enter__", "__exit__"} <= set(dir(api))
+    assert all(callable(getattr(Run, name, None)) for name in called("run"))
+    assert {"tail", "ranks", "follow"} <= set(inspect.signature(Run.logs).parameters)
     assert set(inspect.signature(Fleet.logs).parameters) == set(inspect.signature(SlurmJob.logs).parameters)
     assert {"say", "without"} <= set(inspect.signature(Fleet).parameters)
-    assert "timeout" in inspect.signature(Fleet.wait).parameters
+    assert "timeout" in inspect.signature(Run.wait).parameters
 
 
 def test_the_readme_stays_short_tells_no_history_and_links_every_page_of_the_docs():
