@@ -78,6 +78,7 @@ rm -rf "$DIR"
     cp -al "$kept" "$DIR" 2>/dev/null || { rm -rf "$DIR"; cp -a "$kept" "$DIR"; }
 ) 9>"$kept.lock"
 rm -f "$DIR/.complete"
+echo "$kept" > "$DIR/.kept"  # which kept venv it is a copy of (the key holds the week it was made in)
 target=$(cd "$DIR" && pwd)
 # Each script's first line, the activation scripts and pyvenv.cfg name the venv by its path.
 grep -lIs -- "$kept" "$DIR"/bin/* "$DIR/pyvenv.cfg" | while read -r f; do

@@ -12,9 +12,11 @@ data, not an exception), its log lines as an iterator, its stop and its diagnosi
     with api("hosts.yaml") as job:
         print(job.plan())              # what launch runs (the SSH fleet's plan; Slurm's batch script)
         run = job.launch()
-        for line in run.logs(follow=True):
+        print(run.wait().state)        # finished, failed, stopped, lost, or running (past the timeout)
+        for line in run.logs(tail=20):
             print(line.node, line.rank, line.text)
-        print(run.wait().state)        # finished, failed, stopped or running (past the timeout)
+
+(docs/fleet.md has the whole example, which a test runs.)
 """
 
 from __future__ import annotations
