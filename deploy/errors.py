@@ -91,6 +91,14 @@ class RuntimeFailure(DeployError):
     exit_code = 1
 
 
+class StillRunning(RuntimeFailure):
+    """The followed job had not ended when the wait's time was up: it runs on."""
+
+
+class LostContact(RuntimeFailure):
+    """Too many of the followed job's nodes stopped answering: what became of it is not known."""
+
+
 class JobStopped(RuntimeFailure):
     """The followed job was ended by the operator's ``stop``: neither a success nor a failure of
     the job. A RuntimeFailure, so that a caller that treats any end but success alike still may."""

@@ -15,9 +15,10 @@ import yaml
 from click.testing import CliRunner
 
 from deploy.cli import cli
-from deploy.errors import InputError, RuntimeFailure
+from deploy.errors import InputError, JobStopped, LostContact, RuntimeFailure, StillRunning
 from deploy.engines.choose import api
 from deploy.engines.fleet import Fleet, LogLine, Started
+from deploy.engines.handle import Outcome, Run
 from deploy.engines.slurmjob import SlurmJob
 from deploy.job import launchplan
 from deploy.nodes.remote import Remote
@@ -181,3 +182,17 @@ def test_a_job_in_with_keeps_one_connection_and_a_run_s_log_iterator_can_be_left
     while any(t.name.startswith("logs-") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("logs-")]
+
+
+@pytest.mark.parametrize("raised, state", [
+    (StillRunning("still in Slurm after 60 s: job 7 RUNNING"), "running"),  # Slurm's wait past its time
+    (StillRunning("still running after 60 s"), "running"),
+    (LostContact("lost contact with node2 while the job ran"), "lost"),
+    (JobStopped("the job was stopped by alice"), "stopped"),
+    (RuntimeFailure("the job failed on node1: rank 0 exited with 1"), "failed")])
+def test_a_run_s_end_is_told_by_the_kind_of_end_its_engine_raised(raised, state):
+    class Job:
+        def wait(self, timeout=None):
+            raise raised
+
+    assert Run(Job(), "r1").wait(timeout=60) == Outcome(state, str(raised))

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import JobStopped, RuntimeFailure
+from ..errors import JobStopped, LostContact, RuntimeFailure, StillRunning
 from ..nodes.remote import Remote
 
 
@@ -113,10 +113,12 @@ class Run:
             return Outcome("finished", self.job.verdict(final))
         except JobStopped as e:
             return Outcome("stopped", str(e), e.hint)
+        except StillRunning as e:
+            return Outcome("running", str(e), e.hint)
+        except LostContact as e:
+            return Outcome("lost", str(e), e.hint)
         except RuntimeFailure as e:
-            state = ("running" if str(e).startswith("still running after") else
-                     "lost" if str(e).startswith("lost contact") else "failed")
-            return Outcome(state, str(e), e.hint)
+            return Outcome("failed", str(e), e.hint)
 
     def logs(self, *, tail: int | None = None, nodes: tuple[str, ...] = (), ranks: tuple[int, ...] = (),
              follow: bool = False) -> Iterator:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checks.judges import Check
-from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure
+from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure, StillRunning
 from ..inventory import load
 from ..job import codesync, outcome, phases, plan, record, runs, runtime, scripts, secretenv
 from ..job.payload import payload
@@ -115,8 +115,8 @@ def follow(inv, remote, timeout, redact, say: Say = quiet, every: float = 10.0, 
                          f"{diagnose(inv, remote, s, redact).summary} (`ddp-deploy doctor` shows each rank)"))
             diagnosed = bool(stalled)
         if deadline is not None and time.monotonic() > deadline:
-            raise RuntimeFailure(f"still in Slurm after {timeout:g} s: job {s.job_id} {s.state}",
-                                 hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
+            raise StillRunning(f"still in Slurm after {timeout:g} s: job {s.job_id} {s.state}",
+                               hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
         time.sleep(2)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ...errors import JobStopped, RuntimeFailure
+from ...errors import JobStopped, LostContact, RuntimeFailure, StillRunning
 from ...job import outcome, plan, secretenv, stall
 from ...observe import doctor, failure
 from .common import FAILURE_TAIL, Say, quiet
@@ -99,13 +99,13 @@ def wait(inv, remote, timeout, redact, show: Callable[[dict], None] = lambda sta
             return states
         if lost and len(inv.nodes) - len(lost) < floor:
             last(states)
-            raise RuntimeFailure(f"lost contact with {', '.join(lost)} while the job ran",
-                                 hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume "
-                                      f"(`ddp-deploy --without {lost[0]} launch` leaves a node out for good)")
+            raise LostContact(f"lost contact with {', '.join(lost)} while the job ran",
+                              hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume "
+                                   f"(`ddp-deploy --without {lost[0]} launch` leaves a node out for good)")
         if deadline is not None and time.monotonic() > deadline:
             last(states)
-            raise RuntimeFailure(f"still running after {timeout:g} s",
-                                 hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
+            raise StillRunning(f"still running after {timeout:g} s",
+                               hint="follow with `ddp-deploy status`, end it with `ddp-deploy stop`")
         time.sleep(1)
 
 
