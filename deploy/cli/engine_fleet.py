@@ -73,8 +73,7 @@ class SshFleet(Engine):
     def launch(self, dry_run: bool, wait: bool, timeout: float | None, wait_lock: float = 0.0) -> None:
         inv = self.inv
         if dry_run:
-            secretenv.resolve(inv)  # each one there, or exit 2 naming it
-            click.echo(launchplan.make(inv, codesync.snapshot_of(inv)))
+            click.echo(launchplan.dry_run(inv))
             return
         with Remote(inv) as remote:
             started = fleet.launch(inv, remote, hosts=self.st.hosts, redact=self.st.redact, say=render.say, warn=render.warn,

@@ -11,7 +11,7 @@ import click
 from ..engines import fleet, slurm
 from ..engines import slurmjob as job
 from ..errors import InputError
-from ..job import codesync, plan, runtime, secretenv
+from ..job import plan, runtime, secretenv
 from ..nodes.remote import Remote
 from ..observe import view
 from ..text import safe
@@ -66,12 +66,11 @@ class Slurm(Engine):
         inv = self.inv
         secrets = secretenv.resolve(inv)
         if dry_run:
-            snap = codesync.snapshot_of(inv)
             login = job.login(inv)
-            click.echo(f"[{login}] the batch script below, kept as {slurm.script_path(inv, 'RUN_ID')}; submitted with "
+            click.echo(f"[{login}] the batch script below, kept as {slurm.script_path(inv, plan.DRY_RUN)}; submitted with "
                        f"`sbatch --parsable` there" + (f", with {', '.join(secrets)} in its environment (never in the "
                                                        "script)" if secrets else ""))
-            click.echo(slurm.batch_script(inv, "RUN_ID", codesync.code_dir(inv, snap)))
+            click.echo(job.dry_run_script(inv))
             return
         with Remote(inv) as remote:
             submitted = job.submit(inv, remote, redact=self.st.redact, say=render.say, warn=render.warn,
@@ -158,7 +157,7 @@ class Slurm(Engine):
 
     def batch_script(self) -> str:
         """The batch script ``launch`` would submit (its run id: RUN_ID)."""
-        return slurm.batch_script(self.inv, "RUN_ID", codesync.code_dir(self.inv, codesync.snapshot_of(self.inv)))
+        return job.dry_run_script(self.inv)
 
 
 __all__ = ["Slurm"]

@@ -26,7 +26,7 @@ from trainer.output import LOG_DIR_ENV
 
 from ..inventory import Inventory
 from ..job.payload import payload
-from ..job.plan import contract_env, count, rdzv_conf, stall_env, tool_flags, torchrun_procs
+from ..job.plan import DRY_RUN, contract_env, count, rdzv_conf, stall_env, tool_flags, torchrun_procs
 from ..job.runs import NODES_OF, parse as parse_runs
 from ..job.runtime import STOP_GRACE_S, WORK_SUBDIR, CodeDir, job_dir, operator, runtime, spy_beside
 from ..job.scripts import BEGIN_STOP, PROGRESS, RECORD_STOP
@@ -216,7 +216,7 @@ def _word(arg: str) -> str:
     return f'"{arg}"' if arg in _SCRIPT_VARS else shlex.quote(arg)
 
 
-def batch_script(inv: Inventory, run: str = "RUN_ID", code: CodeDir | None = None) -> str:
+def batch_script(inv: Inventory, run: str = DRY_RUN, code: CodeDir | None = None) -> str:
     """The exact script ``launch`` submits (``export slurm`` and ``launch --dry-run`` print it). Secret
     values are never in it: sbatch's environment carries them (their names are listed)."""
     lines = ["#!/bin/bash", f"# ddp-deploy: job {inv.job.name}, run {run}: {payload(inv).describe()}"]

@@ -309,6 +309,11 @@ def read_logs(inv, remote, on_line: Callable[[LogLine], None], *, run_id: str | 
     return chosen
 
 
+def dry_run_script(inv) -> str:
+    """The batch script ``launch`` would submit, its run's id ``RUN_ID`` (``--dry-run``, ``export slurm``)."""
+    return slurm.batch_script(inv, code=codesync.code_dir(inv, codesync.snapshot_of(inv)))
+
+
 class SlurmJob(JobApi):
     """The job of a hosts.yaml with a ``slurm:`` section, verb by verb, for a program instead of a
     shell: each verb goes to the login node. ``say`` and ``warn`` receive the progress lines and
@@ -339,7 +344,7 @@ class SlurmJob(JobApi):
     def plan(self) -> str:
         """What ``launch`` submits (``ddp-deploy export slurm``): the batch script, the run's id ``RUN_ID``."""
         secretenv.resolve(self.inv)
-        return slurm.batch_script(self.inv, "RUN_ID", codesync.code_dir(self.inv, codesync.snapshot_of(self.inv)))
+        return dry_run_script(self.inv)
 
     def launch(self) -> Run:
         """Submits the job: the run, with what Slurm was given (``.started``: the Slurm job's id)."""

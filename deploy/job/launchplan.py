@@ -15,11 +15,8 @@ from ..nodes.transport import command_line
 from ..text import size
 from . import codesync, lock, runs, secretenv
 from .payload import payload
-from .plan import LaunchSpec, launch_plan
+from .plan import DRY_RUN, LaunchSpec, launch_plan
 from .runtime import NodeFacts, runtime
-
-DRY_RUN = "RUN_ID"
-"""The run's id in a plan made before there is a run."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,13 @@ class LaunchPlan:
         out.append(f"{run}; its record, logs and exit codes kept in {self.runs}/{self.run}, the newest "
                    f"{self.keep_runs} runs (job.keep_runs)")
         return out
+
+
+def dry_run(inv: Inventory) -> LaunchPlan:
+    """What ``launch`` would run, before any check (``launch --dry-run``): every secret must be
+    there (an InputError naming the one that is not), none is read into the plan."""
+    secretenv.resolve(inv)
+    return make(inv, codesync.snapshot_of(inv))
 
 
 def make(inv: Inventory, snap: codesync.Snapshot | None, *, facts: dict[str, NodeFacts] | None = None,

@@ -35,6 +35,10 @@ from .stall import Beat, Stall, StallRecord, ended_state, judge
 MAKE_DIRS = TOOL_DIR + node_program("make_dirs.sh")
 
 
+DRY_RUN = "RUN_ID"
+"""The run's id in what is shown before there is a run (``--dry-run``, ``export slurm``)."""
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything needed to start one node, as data."""
@@ -199,7 +203,7 @@ def stall_env(inv: Inventory) -> tuple[tuple[str, str], ...]:
 
 
 def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code: CodeDir | None = None,
-                run: str = "RUN_ID") -> LaunchSpec:
+                run: str = DRY_RUN) -> LaunchSpec:
     """nodes[index]'s start command; ``run``: the run's id (runs.py), new at each launch."""
     node = inv.nodes[index]
     torchrun = torchrun_options(inv, index)
@@ -214,7 +218,7 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
 
 
 def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None,
-                code: CodeDir | None = None, run: str = "RUN_ID") -> list[LaunchSpec]:
+                code: CodeDir | None = None, run: str = DRY_RUN) -> list[LaunchSpec]:
     """Every node's launch; ``facts`` holds what the preflight found on each node (NIC, InfiniBand),
     ``code`` the code snapshot the job runs in (train.code), ``run`` the run's id."""
     facts = facts or {}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import InputError, RemoteFailure
 from ...inventory import load
-from ...job import codesync, launchplan, plan, runs, secretenv
+from ...job import launchplan, plan, runs, secretenv
 from ...observe import doctor
 from ...observe.goodput import Goodput
 from ...observe import plot as plotting
@@ -56,8 +56,7 @@ class Fleet(JobApi):
     def plan(self) -> launchplan.LaunchPlan:
         """What ``launch`` would run on each node (``ddp-deploy launch --dry-run``), touching nothing:
         the run's id ``RUN_ID``, each node's NIC found only at launch (its notes say so)."""
-        secretenv.resolve(self.inv)
-        return launchplan.make(self.inv, codesync.snapshot_of(self.inv))
+        return launchplan.dry_run(self.inv)
 
     def launch(self, *, wait_lock: float = 0.0) -> Run:
         """Starts the job on every node, all or nothing (``ddp-deploy launch``; ``wait_lock``: seconds
