@@ -207,16 +207,16 @@ def test_a_rank_ending_while_others_wait_on_it_is_named_as_the_hang_in_any_setti
 def test_the_state_a_launcher_tells_the_jobs_view_is_its_ranks_verdict():
     """What ``jobs`` is told of a node: starting, running, stalled or ending, by the same judgment."""
     state = heartbeat.state
-    assert state("auto", []) == {"state": "starting", "step": None, "quiet_s": None}  # no rank has beaten
+    assert state("auto", []) == {"state": "starting", "step": None}  # no rank has beaten
     assert state("auto", [_b(0, 40, "start"), _b(1, 40, "init")])["state"] == "starting"
     assert state(30, [_b(0, 40, "start"), _b(1, 40, "init")])["state"] == "stalled"
     assert state("auto", [_b(0, 1, "run", step=7, gap=2.0), _b(1, 2, None, step=9, gap=0.5)]) == {
-        "state": "running", "step": 9, "quiet_s": 1}
-    assert state("auto", [_b(0, 400, "run", step=7, gap=2.0)]) == {"state": "stalled", "step": 7, "quiet_s": 400}
+        "state": "running", "step": 9}
+    assert state("auto", [_b(0, 400, "run", step=7, gap=2.0)]) == {"state": "stalled", "step": 7}
     assert state(None, [_b(0, 4000, "run", step=7, gap=2.0)])["state"] == "running"  # stall_timeout null: never
     assert state("auto", [_b(0, 12, "run"), _b(1, 11, "ended")])["state"] == "stalled"  # waits on an ended rank
     assert state("auto", [_b(0, 5, "done", step=20), _b(1, 5, "ended", step=20)]) == {
-        "state": "ending", "step": 20, "quiet_s": None}
+        "state": "ending", "step": 20}
 
 
 def test_status_judges_a_hooked_node_as_its_watchdog_does():

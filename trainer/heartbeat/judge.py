@@ -94,19 +94,17 @@ def verdict(setting, beats: list) -> tuple[float, float, str | None] | None:
 
 
 def state(setting, beats: list) -> dict:
-    """What a node's ranks are doing, from their beats, for ``ddp-deploy jobs``: ``{"state", "step",
-    "quiet_s"}``, the state one of contract.STATES. ``starting``: no rank has beaten yet, or (``auto``) none has shown an interval;
-    ``ending``: every rank is done with its process group or has ended (a finish, or a restart of
-    the workers); ``stalled``: :func:`verdict` says so; else ``running``. With ``job.stall_timeout``
-    null nothing is judged stalled; ``quiet_s`` still says for how long no rank moved."""
-    live = [b for b in beats if b[5] != "done" and b[5] not in ENDED]
+    """What a node's ranks are doing, from their beats, for ``ddp-deploy jobs``: ``{"state",
+    "step"}``, the state one of contract.STATES. ``starting``: no rank has beaten yet, or
+    (``auto``) none has shown an interval; ``ending``: every rank is done with its process group or
+    has ended (a finish, or a restart of the workers); ``stalled``: :func:`verdict` says so; else
+    ``running``. With ``job.stall_timeout`` null nothing is judged stalled."""
     step = max((b[1] for b in beats if b[1] is not None), default=None)
-    quiet = min((b[4] for b in live), default=None)
-    if not live:
-        return {"state": "ending" if beats else "starting", "step": step, "quiet_s": None}
+    if not any(b[5] != "done" and b[5] not in ENDED for b in beats):
+        return {"state": "ending" if beats else "starting", "step": step}
     seen = verdict(setting, beats)
     if seen is None:
         told = "running" if setting is None else "starting"
     else:
         told = "stalled" if seen[0] > seen[1] else "running"
-    return {"state": told, "step": step, "quiet_s": quiet}
+    return {"state": told, "step": step}
