@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Dependencies first: a code-only change reuses every layer up to the COPY of trainer/.
+# Dependencies first: a code-only change reuses every layer up to the COPY of agent/ and trainer/.
 COPY docker/requirements.txt /tmp/requirements.txt
 RUN python -m pip install --no-cache-dir -r /tmp/requirements.txt \
  && python -c "import torch, yaml, tensorboard"
@@ -20,6 +20,7 @@ RUN (getent group 1000 >/dev/null || groupadd --gid 1000 trainer) \
  && mkdir -p /data /ckpt && chown 1000:1000 /data /ckpt
 
 WORKDIR /app
+COPY agent /app/agent
 COPY trainer /app/trainer
 ENV PYTHONPATH=/app \
     DDP_DATA_DIR=/data \
@@ -28,7 +29,7 @@ VOLUME ["/data", "/ckpt"]
 USER 1000:1000
 
 # torchrun options, `--`, trainer flags; with no `--`, a standalone run on all GPUs (or 1 CPU process).
-# `python -m trainer.launch`, without the working directory on sys.path: a project image's WORKDIR
-# (or a synced snapshot at /workspace) with a trainer/ package of its own must not replace this
-# launcher (trainer/entry.py).
-ENTRYPOINT ["python", "-c", "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)", "trainer.launch"]
+# `python -m agent.launch`, without the working directory on sys.path: a project image's WORKDIR
+# (or a synced snapshot at /workspace) with an agent/ package of its own must not replace this
+# launcher (agent/contract.py, RUN_MODULE).
+ENTRYPOINT ["python", "-c", "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)", "agent.launch"]

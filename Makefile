@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 HOSTS ?= hosts.yaml
-# The supported torch range (pyproject.toml, trainer/compat.py) is tested at three points: the main
+# The supported torch range (pyproject.toml, agent/compat.py) is tested at three points: the main
 # venv has the newest, $(BASE_VENV) the torch of the Dockerfile's default base, $(OLDEST_VENV) the
 # oldest. `make test` runs the trainer's end-to-end tests on all three and a cluster run on both ends.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1

@@ -1,15 +1,15 @@
 """What a torch process spends after its last line: the interpreter's teardown, against ending by
-``trainer.exits`` (the launcher, the probe, the trainer and the zygote's workers end that way).
+``agent.exits`` (the launcher, the probe, the trainer and the zygote's workers end that way).
 
 Each case runs as a fresh ``python -c`` twice per round, once ending as the interpreter ends a
 program and once through ``exits.main``, alternating round by round so that both see the same
 machine; its CPU is the user + system time the child used (``getrusage(RUSAGE_CHILDREN)``, one
 child at a time). The cases: ``import torch`` (a probe), ``torch.distributed.run`` (a launcher
 and its torchrun agent), ``torch._dynamo`` (what DDP's constructor imports: a worker), and a
-standalone launch (``trainer.launch``, 2 workers forked from its zygote, a short synthetic job),
+standalone launch (``agent.launch``, 2 workers forked from its zygote, a short synthetic job),
 its ``main`` called as the module's ``__main__`` block calls it, or called plainly: the launcher's
 own CPU (its zygote and the workers that zygote reaps are not children it waits for; both end
-through ``trainer.exits`` either way).
+through ``agent.exits`` either way).
 
 Run: python bench/bench_exit.py [--rounds 8] [--out bench/results/exit.json] [--smoke]
 Prints JSON: per case, every round's CPU seconds of each ending and their medians, and the
@@ -41,15 +41,15 @@ CASES = {
 }
 JOB = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-size", "32", "--epochs", "1",
        "--log-every", "2", "--eval-batch-size", "128", "--model", "lenet"]
-LAUNCH = "import sys; from trainer import exits, launch; sys.argv[0] = 'trainer.launch'; "
+LAUNCH = "import sys; from agent import exits, launch; sys.argv[0] = 'agent.launch'; "
 
 
 def programs(case: str) -> dict[str, str]:
-    """The case's two programs: ending by the interpreter, and by ``trainer.exits``."""
+    """The case's two programs: ending by the interpreter, and by ``agent.exits``."""
     if case == "standalone launch":
         return {"teardown": LAUNCH + "launch.main()", "exits": LAUNCH + "exits.main(launch.main)"}
     body = CASES[case]
-    return {"teardown": body, "exits": f"{body}\nfrom trainer import exits; exits.main(lambda: None)"}
+    return {"teardown": body, "exits": f"{body}\nfrom agent import exits; exits.main(lambda: None)"}
 
 
 def run_once(code: str, args: list[str], env: dict, cwd: str) -> float:

@@ -1,4 +1,4 @@
-"""The cost of a rank's heartbeat (trainer/heartbeat/) against the cheapest training step there is.
+"""The cost of a rank's heartbeat (agent/heartbeat/) against the cheapest training step there is.
 
 In one run, interleaved: (h) ``Heartbeat.beat`` into a directory in /dev/shm, as the built-in
 trainer calls it once per optimizer step; (s) one optimizer step of the smallest model (``lenet``,
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.heartbeat import Heartbeat  # noqa: E402
+from agent.heartbeat import Heartbeat  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """What a small test job costs in CPU with each model: the trainer's launcher on this machine alone
-(``python -m trainer.launch --standalone``, 2 processes forked from its zygote, gloo), one job shape
+(``python -m agent.launch --standalone``, 2 processes forked from its zygote, gloo), one job shape
 the deploy tests use (48 steps of 32 samples) and the fault tests' (128 steps of 4 samples with a
 checkpoint every 8), once per model in turn, ``--rounds`` times, so that every model sees the same
 machine. The figure is the machine's busy CPU seconds over the job (/proc/stat: the launcher, its
@@ -50,7 +50,7 @@ def run_job(work: Path, model: str, shape: list[str], root: Path = ROOT) -> tupl
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {**os.environ, "DDP_PREFORK": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    argv = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "2", "--",
+    argv = [sys.executable, "-m", "agent.launch", "--standalone", "--nproc-per-node", "2", "--",
             "--dataset", "synthetic", "--model", model, *shape,
             "--ckpt-dir", str(work / "ckpt"), "--data-dir", str(work / "data")]
     before, start = busy_cpu_seconds(), time.perf_counter()

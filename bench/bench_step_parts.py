@@ -5,7 +5,7 @@ trainer's own step, one part added per rung, timed side by side in one process (
   +gather   the trainer's batches: a gather of uint8 images by index, normalised per batch
   +stats    the running loss/accuracy kept on the device (trainer.metrics.RunningStats)
   +sched    autocast and GradScaler (both off, as in an fp32 run), the LR scheduler's step
-  +beat     the heartbeat's write (trainer.heartbeat, into a folder on /dev/shm)
+  +beat     the heartbeat's write (agent.heartbeat, into a folder on /dev/shm)
   +stop     the stop flag (trainer.stopping.StopSignal.requested; a job of one process asks nobody)
   +log      the metrics interval every --log-every steps (an all-reduce, a sync, the record)
   trainer   trainer.loop.train itself, timed by its metrics intervals (bench_trainer's (a))
@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_trainer  # noqa: E402
 from trainer import data  # noqa: E402
-from trainer.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat  # noqa: E402
+from agent.contract import HEARTBEAT_DIR_ENV  # noqa: E402
+from agent.heartbeat import Heartbeat  # noqa: E402
 from trainer.metrics import IntervalTimer, RunningStats  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 from trainer.stopping import StopSignal  # noqa: E402

@@ -40,7 +40,7 @@ from trainer import data, flight  # noqa: E402
 from trainer.__main__ import make_context, torch_seed_per_rank  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.dist import setup  # noqa: E402
-from trainer.heartbeat import HEARTBEAT_DIR_ENV  # noqa: E402
+from agent.contract import HEARTBEAT_DIR_ENV  # noqa: E402
 from trainer.loop import Position, train  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 from trainer.stopping import StopSignal  # noqa: E402
@@ -140,7 +140,7 @@ def bare(root: Path, device: torch.device, steps: int, warmup: int) -> float:
 @contextlib.contextmanager
 def one_rank(device: str, port: str):
     """This process as a launched job of one rank, as ddp-deploy starts one (with a heartbeat
-    directory: trainer/heartbeat/, trainer/flight.py), the synthetic dataset prepared in a scratch
+    directory: agent/heartbeat/, trainer/flight.py), the synthetic dataset prepared in a scratch
     folder; yields (the DistEnv, the folder). Both folders and the process group go after."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)

@@ -2,7 +2,7 @@
 
 Run: python bench/gpu_check.py [--out DIR] [--list]      (make gpu-check)
 
-Every training run goes through the launcher users run (``python -m trainer.launch``, torchrun
+Every training run goes through the launcher users run (``python -m agent.launch``, torchrun
 in-process) on the synthetic dataset; the steps are listed by ``--list``. Each step is recorded
 as {name, ok (true, false, or null when skipped), seconds, summary, detail}. A step that fails
 keeps the last lines of its run's output, and the other steps still run. The record goes to
@@ -155,7 +155,7 @@ def last_lines(text: str, n: int = TAIL) -> list[str]:
 
 def torchrun_cmd(check: Check, run_dir: Path, *flags: str, nproc: int = 1) -> list[str]:
     """The launcher users run (torchrun in-process, standalone on this machine), then trainer flags."""
-    return [check.python, "-m", "trainer.launch", "--standalone", "--nproc-per-node", str(nproc), "--",
+    return [check.python, "-m", "agent.launch", "--standalone", "--nproc-per-node", str(nproc), "--",
             "--device", check.device, "--backend", check.backend, *COMMON,
             "--data-dir", str(check.work / "data"), "--ckpt-dir", str(run_dir / "ckpt"), *flags]
 
@@ -172,7 +172,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def printed_metrics(stdout: str) -> list[dict]:
-    """The records rank 0 printed, in order (``METRICS`` lines; trainer.launch has torchrun echo
+    """The records rank 0 printed, in order (``METRICS`` lines; agent.launch has torchrun echo
     them with the rank in front, ``[rank0]: ``)."""
     lines = (RANKED.sub("", line, count=1) for line in stdout.splitlines())
     return [json.loads(line[len("METRICS "):]) for line in lines if line.startswith("METRICS ")]
@@ -311,7 +311,7 @@ def step_environment(check: Check) -> tuple[bool, str, dict]:
         "bf16_supported": torch.cuda.is_bf16_supported(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         # what `check` judges on a node of these GPUs (the build's architectures against each
-        # device's): trainer.probe's answer, as deploy runs it; tests/test_deploy_probe.py judges it
+        # device's): agent.probe's answer, as deploy runs it; tests/test_deploy_probe.py judges it
         "probe": probe_report(count),
     }
     drivers = sorted({g["driver"] for g in detail["nvidia_smi"]}) if smi is not None else ["unknown"]
@@ -322,16 +322,16 @@ def step_environment(check: Check) -> tuple[bool, str, dict]:
 
 
 def probe_report(gpus: int) -> dict | str:
-    """``python -m trainer.probe`` on ``gpus`` GPUs: its report, or why there is none."""
+    """``python -m agent.probe`` on ``gpus`` GPUs: its report, or why there is none."""
     try:
-        r = subprocess.run([sys.executable, "-m", "trainer.probe", "--gpus", str(gpus), "--procs", str(max(gpus, 1))],
+        r = subprocess.run([sys.executable, "-m", "agent.probe", "--gpus", str(gpus), "--procs", str(max(gpus, 1))],
                            capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        return "trainer.probe took longer than 300 s"
+        return "agent.probe took longer than 300 s"
     for line in r.stdout.splitlines():
         if line.startswith("PROBE {"):
             return json.loads(line[len("PROBE "):])
-    return f"trainer.probe exited {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}"
+    return f"agent.probe exited {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}"
 
 
 def step_nccl_init(check: Check) -> tuple[bool, str, dict]:

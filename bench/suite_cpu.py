@@ -39,8 +39,8 @@ AHZ = 100  # acct_v3 times are in 1/100 s
 # (class, pattern on the command line); the first match wins. The image's entrypoint runs a module
 # as ``python -c "import runpy, ..." MODULE``.
 CLASSES = [
-    ("preflight probe", re.compile(r"(-m |runpy.*[ ,])trainer\.probe\b")),
-    ("launcher and torchrun agent", re.compile(r"((-m |runpy.*[ ,])trainer\.launch\b|torch\.distributed\.run|/torchrun\b)")),
+    ("preflight probe", re.compile(r"(-m |runpy.*[ ,])agent\.probe\b")),
+    ("launcher and torchrun agent", re.compile(r"((-m |runpy.*[ ,])agent\.launch\b|torch\.distributed\.run|/torchrun\b)")),
     ("trainer worker", re.compile(r"(-m trainer( |$)|-u -m |trainer/__main__\.py)")),
     ("operator CLI", re.compile(r"(ddp-deploy|-m deploy\b)")),
     ("pytest", re.compile(r"(pytest|xdist|execnet)")),
@@ -91,7 +91,7 @@ def record(out: Path) -> None:
 
 
 ZYGOTE = "ddp-zygote"
-"""A launcher's zygote names itself so (trainer/zygote.py); the workers it forks show its command
+"""A launcher's zygote names itself so (agent/zygote.py); the workers it forks show its command
 line, so they are told by their parent."""
 
 

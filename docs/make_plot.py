@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deploy.observe.plot import records_by_run, render  # noqa: E402
-from trainer.output import RUN_ID_ENV  # noqa: E402
+from agent.contract import RUN_ID_ENV  # noqa: E402
 
 RUNS = (("0.02", "a1f3"), ("0.002", "7c0e"))  # learning rate, the run id's random part
 FLAGS = ["--dataset", "synthetic", "--synthetic-size", "2048", "--batch-size", "32", "--epochs", "3",
@@ -40,7 +40,7 @@ def main() -> int:
         for i, (lr, suffix) in enumerate(RUNS):
             run = time.strftime("%Y%m%d-%H%M%S", time.gmtime(start + 600 * i)) + "-" + suffix
             ckpt = Path(tmp) / f"ckpt-{i}"
-            cmd = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "2", "--",
+            cmd = [sys.executable, "-m", "agent.launch", "--standalone", "--nproc-per-node", "2", "--",
                    "--data-dir", f"{tmp}/data", "--ckpt-dir", str(ckpt), *FLAGS, "--lr", lr]
             print(f"run {run}: lr {lr}", file=sys.stderr)
             subprocess.run(cmd, env={**env, RUN_ID_ENV: run}, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)

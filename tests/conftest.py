@@ -59,7 +59,7 @@ def node_cache_home(tmp_path_factory, monkeypatch) -> Path:
 @pytest.fixture(autouse=True)
 def own_tmpdir(tmp_path_factory, monkeypatch) -> Path:
     """Each test's own TMPDIR, for the processes it starts: a launcher the test kills before it can
-    remove its torch log folder (trainer/launch.py torch_log_dir) leaves that folder, with its
+    remove its torch log folder (agent/launch.py torch_log_dir) leaves that folder, with its
     workers' output, under pytest's temporary root, never in this machine's /tmp (a clean-clone run
     left about ten /tmp/ddp-torchelastic-* there, as torch log folders were named then). A test that sets TMPDIR itself keeps its own."""
     path = tmp_path_factory.mktemp("tmpdir")

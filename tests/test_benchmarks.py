@@ -140,12 +140,12 @@ def test_suite_cpu_classes_each_ended_process_by_the_command_line_it_started_wit
         record(100, 1000, 500, "python3.11") + record(101, 1000, 300, "python3.11")
         + record(100, 2000, 120, "python3.11") + record(102, 1000, 7, "docker")
         + record(103, 1000, 1, "x\x1b]0;pwn\x07")
-        # a launcher's zygote (trainer/zygote.py) and a worker it forked, which shows the launcher's command line
+        # a launcher's zygote (agent/zygote.py) and a worker it forked, which shows the launcher's command line
         + record(104, 1000, 40, "ddp-zygote", 101) + record(105, 1000, 200, "python", 104) + b"\0" * 10)
     sampled = [(100, 1000.4, "/opt/venv/bin/python -u -m trainer --epochs 1"),
-               (101, 999.6, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3"),
-               (100, 2000.2, "python -m trainer.probe --gpus 0"),
-               (105, 1000.1, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) trainer.launch --nnodes 3")]
+               (101, 999.6, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) agent.launch --nnodes 3"),
+               (100, 2000.2, "python -m agent.probe --gpus 0"),
+               (105, 1000.1, "python -c import runpy, sys; runpy.run_module(sys.argv.pop(1)) agent.launch --nnodes 3")]
     (tmp_path / "cmdlines.jsonl").write_text("".join(json.dumps({"pid": p, "start": s, "cmd": c}) + "\n"
                                                      for p, s, c in sampled))
     summary = suite_cpu.report(tmp_path)

@@ -112,7 +112,7 @@ def test_an_ssh_remote_still_reads_ssh_config_at_once_and_a_local_one_does_not(t
 
 def test_torch_versions_are_still_judged_against_the_supported_range():
     from deploy.checks.versions import torch_supported
-    from trainer.compat import TORCH_SUPPORTED
+    from agent.contract import TORCH_SUPPORTED
 
     low = TORCH_SUPPORTED.split(",")[0].lstrip(">=~ ")
     assert torch_supported(low) and torch_supported(f"{low}+cu124")

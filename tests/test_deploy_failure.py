@@ -23,7 +23,7 @@ time.sleep(30)
 
 
 def _torchrun(python: str, *program: str, cwd: Path = ROOT) -> str:
-    argv = [python, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+    argv = [python, "-m", "agent.launch", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0", *program]
     proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=180,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
@@ -64,11 +64,11 @@ def test_the_earliest_root_cause_across_nodes_is_the_first_failure():
 
 
 def test_a_node_without_torchrun_s_summary_still_says_what_its_program_said():
-    assert program_error("starting\ntrainer.launch: error: --entry needs a value\n") == (
-        "trainer.launch: error: --entry needs a value", None)
+    assert program_error("starting\nagent.launch: error: --entry needs a value\n") == (
+        "agent.launch: error: --entry needs a value", None)
     assert first_failure({"n": "all fine\n"}) is None
-    assert first_failure({"n": "trainer.launch: error: --entry needs a value\n"}).describe() == (
-        "n failed first: trainer.launch: error: --entry needs a value")
+    assert first_failure({"n": "agent.launch: error: --entry needs a value\n"}).describe() == (
+        "n failed first: agent.launch: error: --entry needs a value")
 
 
 def test_torchrun_s_log_lines_are_never_the_program_s_error_whatever_their_date():
@@ -79,7 +79,7 @@ def test_torchrun_s_log_lines_are_never_the_program_s_error_whatever_their_date(
         assert program_error(log) == ("trainer: error: the program's words", None)
 
 
-# What torch 2.14's torchrun (trainer.launch: --tee 3, gloo on CPU) printed, captured from real
+# What torch 2.14's torchrun (agent.launch: --tee 3, gloo on CPU) printed, captured from real
 # runs: rank 1 of 2 returns while rank 0 is in all_reduce; rank 2 of 3 returns while rank 0 is in
 # an all_reduce with it and rank 1 sleeps (torchrun stops rank 1 itself: exit -15, listed); rank
 # 1 of 2 ends with os._exit(3) instead (a crash: the others see the same broken connection); the
@@ -221,10 +221,10 @@ def test_an_mp_spawn_worker_is_named_with_its_own_error_not_a_bare_process_raise
 
 def test_the_launcher_s_word_on_a_write_to_the_code_is_in_the_first_failure_s_line():
     """The launcher's word on a write through the code is in the first failure's line."""
-    hint = ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it cannot "
+    hint = ("agent.launch: model.pth is a file of your code, a link to the read-only code snapshot: it cannot "
             "be written; leave it out of train.code (train.code.ignore) so that the program writes its own, or "
             "write to $DDP_CKPT_DIR (/ckpt)")
-    forged = "[rank0]: trainer.launch: x.pt is a file of your code, a link to the read-only code snapshot"
+    forged = "[rank0]: agent.launch: x.pt is a file of your code, a link to the read-only code snapshot"
     log = (forged + "\n" + _raised(0, "[Errno 30] Read-only file system: 'model.pth'").replace("RuntimeError", "OSError")
            + _summary("2026-11-23_06:51:21", 0, 1) + hint + "\n")
     first = first_failure({"node1": log})

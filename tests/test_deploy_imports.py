@@ -128,3 +128,50 @@ def test_the_circle_finder_sees_an_import_inside_a_function_and_across_packages(
     except graphlib.CycleError:
         return
     raise AssertionError("graphlib saw no circle")
+
+
+REPO = DEPLOY.parent
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports by its absolute name, at the top or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def _sources(package: str) -> list[Path]:
+    return [p for p in sorted((REPO / package).rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def test_deploy_imports_nothing_of_the_job_s_side_but_the_contract():
+    crossing = {str(p.relative_to(REPO)): sorted(m for m in _absolute_imports(p)
+                                                 if m.split(".")[0] in ("agent", "trainer"))
+                for p in _sources("deploy")}
+    allowed = {"agent", "agent.contract"}  # ``from agent.contract import X`` also names agent.contract.X
+    beyond = {f: [m for m in ms if m not in allowed and not m.startswith("agent.contract.")]
+              for f, ms in crossing.items()}
+    assert not {f: ms for f, ms in beyond.items() if ms}, beyond
+    assert any(crossing.values()), "no module of deploy/ imports the contract: the scan sees nothing"
+
+
+def test_the_contract_is_the_standard_library_alone_and_the_agent_imports_no_trainer():
+    import sys
+
+    contract = _absolute_imports(REPO / "agent" / "contract.py")
+    assert {m.split(".")[0] for m in contract} <= set(sys.stdlib_module_names) | {"__future__"}, contract
+    into_trainer = {str(p.relative_to(REPO)) for p in _sources("agent")
+                    if any(m.split(".")[0] == "trainer" for m in _absolute_imports(p))}
+    assert not into_trainer, f"the node agent runs user programs without the trainer: {into_trainer}"
+
+
+def test_the_holds_program_spells_the_contract_s_variable():
+    """agent/holds.py runs alone from its text on a node, so it spells DDP_HOLD itself."""
+    from agent import contract, holds
+
+    assert holds.ENV == contract.HOLD_ENV
+    assert contract.program("holds") == Path(holds.__file__).read_text()

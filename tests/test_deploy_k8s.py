@@ -17,7 +17,7 @@ from deploy.engines import k8s
 from deploy.errors import InputError
 from deploy.inventory import loads
 from fakes import install_command
-from trainer.entry import module_argv
+from agent.contract import module_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,7 +188,7 @@ def test_only_index_zero_hosts_the_rendezvous_when_the_pods_run(tmp_path, monkey
     runs = {i: _run_pod(box, {"JOB_COMPLETION_INDEX": str(i), "POD_IP": f"10.244.0.{i + 5}"}, tmp_path, monkeypatch)
             for i in range(3)}
     for i, argv in runs.items():
-        assert argv[:3] == module_argv("trainer.launch")  # never a trainer/ package of the workdir
+        assert argv[:3] == module_argv("agent.launch")  # never a trainer/ package of the workdir
         assert _opt(argv, "--node-rank") == str(i)
         assert _opt(argv, "--local-addr") == f"10.244.0.{i + 5}"
         assert _opt(argv, "--rdzv-endpoint") == "demo-0.demo:29500"

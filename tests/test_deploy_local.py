@@ -18,8 +18,8 @@ import pytest
 
 from local_job import beats_dir, local_hosts
 from procs import alive, children_of, parent_of, with_environ
-from trainer import heartbeat
-from trainer.entry import module_argv
+from agent import heartbeat
+from agent.contract import module_argv
 from waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -180,7 +180,7 @@ def test_stop_kills_the_whole_process_group_of_a_running_job(ddp, tmp_path):
     shown = _wait_for(lambda: (lambda s: s if s.get("step") and s.get("kind") == "train" else None)(_state(ddp, hosts)),
                       "a training step in status", interval=0.5)
     assert shown["epochs"] == 1000 and shown["eta_s"] > 0 and shown["restarts"] == 0 and shown["kind"] == "train"
-    # and that it moves, from its rank's heartbeat (trainer/heartbeat/): one per rank, never stalled
+    # and that it moves, from its rank's heartbeat (agent/heartbeat/): one per rank, never stalled
     assert [(b["local_rank"], b["rank"]) for b in shown["heartbeats"]] == [(0, 0)] and shown["stalled"] is None
     assert shown["heartbeats"][0]["step"] >= 1 and shown["heartbeats"][0]["gap_s"] is not None
 
@@ -307,10 +307,10 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _failing_at_once(tmp_path: Path) -> Path:
-    """An inventory whose interpreter passes the preflight checks (python -m trainer.probe, python -c
+    """An inventory whose interpreter passes the preflight checks (python -m agent.probe, python -c
     LISTENER) but cannot start the job."""
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\n[ "$3" = trainer.launch ] && exit 127\nexec {sys.executable} "$@"\n')
+    fake.write_text(f'#!/bin/sh\n[ "$3" = agent.launch ] && exit 127\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     hosts = _inventory(tmp_path, TRAIN_ARGS)
     hosts.write_text(hosts.read_text().replace(sys.executable, str(fake)))
@@ -384,7 +384,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(ddp, tmp_path):
     r = ddp(hosts, "launch", "--dry-run")
     assert r.exit_code == 0
     assert "\n[here] sh -c " in r.stdout
-    assert shlex.join(module_argv("trainer.launch")) in r.stdout and "is_host=1" in r.stdout
+    assert shlex.join(module_argv("agent.launch")) in r.stdout and "is_host=1" in r.stdout
     assert not (tmp_path / "nas").exists()
 
 

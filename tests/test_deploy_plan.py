@@ -14,7 +14,7 @@ from deploy.nodes.remote import command_line
 from deploy.job.runtime import STOP_GRACE_S, heartbeat_dir
 from deploy.job.scripts import HOST_START
 from fakes import install_command
-from trainer.entry import module_argv
+from agent.contract import module_argv
 
 THREE_NODES = """
 job: {name: demo, runtime: docker, max_restarts: 2}
@@ -34,7 +34,7 @@ train:
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
     """The environment every program gets (docs/own-code.md)."""
     forked = ["DDP_PREFORK=1"] if device == "cpu" else []  # workers forked from a zygote: CPU jobs alone
-    # the node's GPUs, held for the job by its launcher (trainer/holds.py)
+    # the node's GPUs, held for the job by its launcher (agent/holds.py)
     gpus = ([0, 1] if node != "c" else [0]) if device == "cuda" else []
     held = [f'DDP_HOLD={{"job": "demo", "run": "RUN_ID", "gpus": {gpus}}}']
     return [f"DDP_NODE_NAME={node}", f"DDP_DATA_DIR={data}", f"DDP_CKPT_DIR={ckpt}", "DDP_RUN_ID=demo",
@@ -47,7 +47,7 @@ DEMO_WHERE = hashlib.sha256(b"/nas/ckpt/.ddp-deploy/demo").hexdigest()[:12]
 
 def beats(node, runtime="docker"):
     """Where the started job's ranks keep their heartbeats (the node's memory, this job's and node's
-    alone), and how its launcher judges and acts on a stall (trainer/heartbeat/, Watchdog)."""
+    alone), and how its launcher judges and acts on a stall (agent/heartbeat/, Watchdog)."""
     return [f"DDP_HEARTBEAT_DIR=/dev/shm/ddp-heartbeat-{runtime}-demo@{node}-{DEMO_WHERE}", "DDP_ON_STALL=report",
             "DDP_STALL_TIMEOUT=auto"]
 
@@ -176,7 +176,7 @@ def test_network_check_runs_the_launcher_in_the_foreground_with_its_own_rendezvo
     assert _opt(a, "--entry") == "trainer.netcheck"
     assert a[a.index("--", a.index("--entry")):] == ["--", "--device", "cuda", "--backend", "nccl", "--size-mb", "4"]
     host = list(plan.netcheck_plan(_inv(**{"runtime: docker": "runtime: host"}), {}, ())["b"])
-    assert host[4] == "/nas/ckpt/work/b" and host[5] == "env" and host[host.index("python3"):][:4] == ["python3", *module_argv("trainer.launch")]
+    assert host[4] == "/nas/ckpt/work/b" and host[5] == "env" and host[host.index("python3"):][:4] == ["python3", *module_argv("agent.launch")]
 
 
 def test_the_probe_runs_with_the_job_s_torch_and_gpus():
@@ -184,11 +184,11 @@ def test_the_probe_runs_with_the_job_s_torch_and_gpus():
     a = plan.probe_argv(inv, inv.node("a"))
     assert a[:3] == ("docker", "run", "--rm") and _opt(a, "--entrypoint") == "python"
     assert _opt(a, "--gpus") == '"device=0,1"' and _opt(a, "--network") == "none"
-    assert a[a.index("ddp-trainer:latest") + 1:] == (*module_argv("trainer.probe"), "--gpus", "2", "--procs", "2",
+    assert a[a.index("ddp-trainer:latest") + 1:] == (*module_argv("agent.probe"), "--gpus", "2", "--procs", "2",
                                                      "--import", "trainer.__main__")
     host = _inv(**{"runtime: docker": "runtime: host"})
     c = plan.probe_argv(host, host.node("c"))
-    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-9:-2] == (*module_argv("trainer.probe"), "--gpus", "1", "--procs", "1")
+    assert "CUDA_VISIBLE_DEVICES=0" in c and c[-9:-2] == (*module_argv("agent.probe"), "--gpus", "1", "--procs", "1")
 
 
 def test_host_runtime_runs_torchrun_with_host_paths_detached():
@@ -203,7 +203,7 @@ def test_host_runtime_runs_torchrun_with_host_paths_detached():
     assert cmd[:17] == ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "CUDA_VISIBLE_DEVICES=0,1",
                         *contract("a", "/nas/data", "/nas/ckpt"), "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
                         *beats("a", "host")]
-    assert cmd[17:21] == ["python3", *module_argv("trainer.launch")]
+    assert cmd[17:21] == ["python3", *module_argv("agent.launch")]
     t = cmd.index("--")
     assert tuple(cmd[21:t]) == spec.torchrun
     assert cmd[t + 1:t + 5] == ["--data-dir", "/nas/data", "--ckpt-dir", "/nas/ckpt"]

@@ -16,7 +16,7 @@ import pytest
 from deploy.errors import InputError, RuntimeFailure
 from deploy.observe import plot as plotting
 from deploy.observe.plot import NO_RUN, PANELS, SIZE_IN, DPI, records_by_run, render, series
-from trainer.output import RUN_ID_ENV
+from agent.contract import RUN_ID_ENV
 from local_job import kept_run
 from trainer_helpers import ROOT, SMALL, trainer_env
 

@@ -32,7 +32,7 @@ esac
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     install_command(tmp_path, monkeypatch, "docker", FAKE_DOCKER)
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # where `python -m trainer.probe` finds trainer
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # where `python -m agent.probe` finds trainer
 
 
 def _inv(tmp_path: Path, nodes=3, rdzv="n2", port=None, extra_nodes=()):

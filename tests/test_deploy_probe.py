@@ -1,4 +1,4 @@
-"""How `check` judges what trainer.probe found where the job runs. The probe itself runs for real
+"""How `check` judges what agent.probe found where the job runs. The probe itself runs for real
 in tests/test_deploy_preflight.py and on the cluster; GPUs, drivers and the NVIDIA container
 runtime cannot exist here, so their answers are written out below as the probe prints them."""
 
@@ -16,7 +16,7 @@ from deploy.inventory import loads
 from deploy.checks.judges import _torch
 from deploy.nodes.remote import Result
 from deploy.checks.versions import torch_supported
-from trainer.compat import TORCH_SUPPORTED
+from agent.contract import TORCH_SUPPORTED
 
 INVENTORY = """
 job: {name: demo, runtime: RUNTIME}
@@ -121,7 +121,7 @@ def test_the_supported_range_compares_releases_ignoring_local_build_tags(version
 
 
 def test_the_probe_runs_here_and_names_this_torch_without_cuda():
-    out = subprocess.run([sys.executable, "-m", "trainer.probe", "--gpus", "1", "--procs", "1"],
+    out = subprocess.run([sys.executable, "-m", "agent.probe", "--gpus", "1", "--procs", "1"],
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout  # as on a node without GPUs
     report = json.loads(out.removeprefix("PROBE "))
@@ -132,13 +132,13 @@ def test_the_probe_runs_here_and_names_this_torch_without_cuda():
     assert not c.ok and c.detail.startswith("CUDA not usable in image ddp-trainer:latest")
 
 
-def test_a_trainer_without_the_probe_or_without_trainer_at_all_is_told_apart():
-    old = _judge(None, exit_code=1, stderr="/usr/bin/python: No module named trainer.probe")
-    assert not old.ok and "has a trainer older than trainer.probe: rebuild the image" in old.detail
-    none = _judge(None, runtime="host", exit_code=1,
-                  stderr="/opt/venv/bin/python: Error while finding module specification for 'trainer.probe' "
-                         "(ModuleNotFoundError: No module named 'trainer')")
-    assert not none.ok and none.detail.startswith("/opt/venv/bin/python cannot import trainer: install this version")
+def test_a_node_without_this_version_s_agent_is_told_what_to_install():
+    old = _judge(None, exit_code=1, stderr="/usr/bin/python: Error while finding module specification for "
+                                          "'agent.probe' (ModuleNotFoundError: No module named 'agent')")
+    assert not old.ok and "cannot import agent.probe, this version's node agent: rebuild the image" in old.detail
+    none = _judge(None, runtime="host", exit_code=1, stderr="/opt/venv/bin/python: No module named agent.probe")
+    assert not none.ok and none.detail.startswith("/opt/venv/bin/python cannot import agent.probe, this version's "
+                                                  "node agent: install this version")
 
 
 def test_a_probe_past_its_time_limit_or_of_another_version_is_named_not_crashed_on():
@@ -230,7 +230,7 @@ def test_each_gpu_a_recorded_gpu_check_trained_on_passes_the_architecture_check(
     the build has code for them (and name each one where it would not)."""
     recorded = [(name, report) for name, report in _recorded_probes() if report.get("devices")]
     if not recorded:
-        pytest.skip("no recorded gpu-check in bench/results holds trainer.probe's answer: "
+        pytest.skip("no recorded gpu-check in bench/results holds agent.probe's answer: "
                     "`make gpu-check` on a machine with an NVIDIA GPU records it")
     for name, report in recorded:
         c = _judge(report, gpus=report["devices"])
@@ -305,7 +305,7 @@ def test_machine_code_ptx_and_architecture_specific_builds_run_where_cuda_runs_t
 
 
 def test_the_probe_reports_architectures_and_devices_before_a_kernel_fails():
-    from trainer.probe import _cuda
+    from agent.probe import _cuda
 
     class Cuda:
         is_available = staticmethod(lambda: True)

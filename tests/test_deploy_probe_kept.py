@@ -1,4 +1,4 @@
-"""A host CPU node keeps its good probe answer for the next launch (trainer/probe.py --kept,
+"""A host CPU node keeps its good probe answer for the next launch (agent/probe.py --kept,
 deploy/programs/probe_kept_host.sh): the same command and the same installation of its interpreter
 reuse it; a package installed or removed where the interpreter imports from, a failed answer, a GPU
 node or a trainer too old to keep one: probed afresh."""
@@ -13,6 +13,7 @@ from pathlib import Path
 from deploy.checks import judges
 from deploy.inventory import load
 from deploy.job import plan
+from agent.contract import PROBE_KEPT_PREFIX
 from deploy.job.scripts import HOST_PROBE_KEPT
 from local_job import local_hosts
 
@@ -35,19 +36,19 @@ def test_launch_reuses_a_good_answer_until_a_package_lands_where_python_imports_
     node = inv.nodes[0]
     first = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("PROBE {") and judges.PROBE_KEPT not in first.stdout
+    assert first.stdout.startswith("PROBE {") and PROBE_KEPT_PREFIX not in first.stdout
     again = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
-    assert again.stdout.splitlines()[0].startswith(judges.PROBE_KEPT + " ")
+    assert again.stdout.splitlines()[0].startswith(PROBE_KEPT_PREFIX + " ")
     assert again.stdout.splitlines()[1] == first.stdout.strip()
     assert "kept for this interpreter's installation and probe command, probed " in judges._kept(again.stdout, "host")
 
     checked = _probe(tmp_path, plan.probe_argv(inv, node, reuse=False), extra)  # `check`: always probed
-    assert judges.PROBE_KEPT not in checked.stdout and checked.stdout.startswith("PROBE {")
+    assert PROBE_KEPT_PREFIX not in checked.stdout and checked.stdout.startswith("PROBE {")
 
     (extra / "newpkg").mkdir()  # a package installed: another installation
     after = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
-    assert judges.PROBE_KEPT not in after.stdout and after.stdout.startswith("PROBE {")
-    assert _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra).stdout.startswith(judges.PROBE_KEPT)
+    assert PROBE_KEPT_PREFIX not in after.stdout and after.stdout.startswith("PROBE {")
+    assert _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra).stdout.startswith(PROBE_KEPT_PREFIX)
 
 
 def test_a_failed_answer_is_never_kept(tmp_path):
@@ -56,7 +57,7 @@ def test_a_failed_answer_is_never_kept(tmp_path):
     extra.mkdir()
     for _ in range(2):
         r = _probe(tmp_path, plan.probe_argv(inv, inv.nodes[0], reuse=True), extra)
-        assert judges.PROBE_KEPT not in r.stdout and '"program_error": "' in r.stdout, r
+        assert PROBE_KEPT_PREFIX not in r.stdout and '"program_error": "' in r.stdout, r
     kept = tmp_path / "home/.cache/ddp-deploy/probe"
     assert not kept.exists() or not any(kept.iterdir())
 
@@ -77,7 +78,7 @@ def test_a_trainer_on_the_node_older_than_kept_answers_is_probed_as_before(tmp_p
 
 
 def test_a_key_that_is_no_hex_is_refused_before_any_path_is_made_of_it(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "trainer.probe", "--kept", "reuse", "../../etc"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "agent.probe", "--kept", "reuse", "../../etc"], capture_output=True,
                        text=True, env={**os.environ, "HOME": str(tmp_path)}, cwd=Path(__file__).resolve().parents[1],
                        timeout=60)
     assert r.returncode == 2 and "not a key" in r.stderr and not (tmp_path / ".cache").exists()

@@ -17,7 +17,8 @@ from deploy.errors import InputError, InventoryError
 from deploy.inventory import loads
 from deploy.job.scripts import SECRETS_FROM_STDIN
 from deploy.nodes.transport import Result
-from trainer.masking import SECRET_NAMES_ENV, Mask, StreamMask
+from agent.contract import SECRET_NAMES_ENV, Mask
+from agent.masking import StreamMask
 
 INVENTORY = """
 job: {{name: s}}

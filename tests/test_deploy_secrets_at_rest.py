@@ -22,7 +22,7 @@ from local_job import beats_dir, local_hosts
 from procs import alive, descendants_of, kill
 from test_deploy_local import LONG_ARGS, _records, _wait_for
 from torch_ends import torch_python  # noqa: F401  (the fixture: the tested points of the torch range)
-from trainer import launch
+from agent import launch
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def test_a_secret_in_a_recorded_error_rests_in_no_file_after_a_restart_or_a_kill
     env.pop("DDP_PREFORK", None)
     started = tmp_path / "second attempt"
     launcher = subprocess.Popen(
-        [torch_python.python, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+        [torch_python.python, "-m", "agent.launch", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
          "--script", str(tmp_path / "prog.py"), "--", str(started)],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     everything: list[int] = []
@@ -200,7 +200,7 @@ def test_a_job_with_secrets_checkpoints_when_stopped_and_leaves_no_torch_folder(
 
 def _teed(tmp_path: Path, script: str, names: str, env: dict[str, str]) -> tuple[int, str]:
     """The launcher's tee (run_teed) with the mask main() gives it, around ``python -c script``."""
-    code = ("import sys; from trainer.launch import run_teed; from trainer.masking import Mask; "
+    code = ("import sys; from agent.launch import run_teed; from agent.masking import Mask; "
             f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}], Mask.from_environ({names!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **env})
@@ -225,7 +225,7 @@ def test_torchs_log_folder_is_removed_at_the_end_or_by_the_next_launcher(
     args = ["--tee", "3", "--nnodes", "1", "--", "--epochs", "1"]
     killed = subprocess.Popen(
         [sys.executable, "-c", "import os, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
-         "from trainer import launch\nwith launch.torch_log_dir(['--tee', '3', '--', 'x']) as d:\n"
+         "from agent import launch\nwith launch.torch_log_dir(['--tee', '3', '--', 'x']) as d:\n"
          "    open(os.path.join(d[1], 'stdout.log'), 'w').write(sys.argv[2])\n    print(d[1], flush=True)\n"
          "    sys.stdin.readline()\n", str(tmp_path), SECRET],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -261,7 +261,7 @@ def test_a_launcher_killed_alone_leaves_its_folder_to_its_torchrun_until_it_ends
              "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n")
     teed = subprocess.Popen(
         [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
-         "from trainer import launch\nwith launch.torch_log_dir(['--tee', '3', '--', 'x']) as d:\n    print(d[1], flush=True)\n"
+         "from agent import launch\nwith launch.torch_log_dir(['--tee', '3', '--', 'x']) as d:\n    print(d[1], flush=True)\n"
          "    launch.run_teed(None, [sys.executable, '-c', sys.argv[2], sys.argv[3]], keep=(d.held,))\n",
          str(tmp_path / "tmp"), child, str(tmp_path / "end")],
         cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -120,7 +120,7 @@ def test_without_train_code_or_a_container_each_task_works_in_its_node_s_directo
     got = _run_task(tmp_path, inventory(), "node2", 1)
     assert got[-1] == f"cwd {tmp_path}/work/node2", got  # not where sbatch ran ($HOME on the login node)
     code = CodeDir("abc", "/nas/ckpt/.ddp-deploy/code/snapshots/abc")
-    assert slurm.work_root(inventory(), code) == ""  # the launcher makes the same directory (trainer/workdir.py)
+    assert slurm.work_root(inventory(), code) == ""  # the launcher makes the same directory (agent/workdir.py)
     pyxis = inventory(job={"name": "mnist", "runtime": "docker"},
                       slurm={**BASE["slurm"], "container": {"kind": "pyxis", "image": "reg.example/ddp:1"}})
     assert slurm.work_root(pyxis, None) == ""  # the image's working directory

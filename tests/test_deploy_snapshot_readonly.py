@@ -1,4 +1,4 @@
-"""The read-only code snapshot behind the program's working directory (trainer/workdir.py), through
+"""The read-only code snapshot behind the program's working directory (agent/workdir.py), through
 the real CLI on a local host-runtime node: a snapshot something wrote into is moved aside and named,
 a failed write through a file of the code is explained in one line, and a project with a trainer/
 package of its own still runs the bundle's launcher."""
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from local_job import local_hosts
-from trainer import snapshot_hint
-from trainer.entry import module_argv
+from agent import contract
+from agent import snapshot_hint
+from agent.contract import module_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,38 +52,42 @@ def test_a_launch_names_the_file_it_moved_aside_from_a_snapshot_something_wrote_
     assert ddp(hosts, "stop").exit_code == 0
 
 
-OWN_TRAINER = """\
-import json, os, trainer
-# the program's own trainer package, from its own directory: first on its path, as usual (the
-# script's real directory, the snapshot, whose files the working directory links to)
-mine = os.path.realpath(os.path.join(os.getcwd(), "trainer", "__init__.py"))
-assert os.path.realpath(trainer.__file__) == mine != os.path.join(os.getcwd(), "trainer", "__init__.py"), trainer.__file__
-print("METRICS " + json.dumps({"kind": "final", "epoch": 0, "step": 1, "loss": 0.5, "mine": trainer.MINE}), flush=True)
+OWN_PACKAGES = """\
+import json, os, agent, trainer
+# the program's own agent and trainer packages, from its own directory: first on its path, as usual
+# (the script's real directory, the snapshot, whose files the working directory links to)
+for package in (agent, trainer):
+    name = package.__name__
+    mine = os.path.realpath(os.path.join(os.getcwd(), name, "__init__.py"))
+    assert os.path.realpath(package.__file__) == mine != os.path.join(os.getcwd(), name, "__init__.py"), package.__file__
+print("METRICS " + json.dumps({"kind": "final", "epoch": 0, "step": 1, "loss": 0.5, "mine": agent.MINE + trainer.MINE}),
+      flush=True)
 """
 
 
 @pytest.mark.e2e
-def test_a_project_with_a_trainer_package_of_its_own_still_runs_the_bundles_launcher(ddp, tmp_path):
+def test_a_project_with_its_own_agent_and_trainer_still_runs_the_bundles_launcher(ddp, tmp_path):
     project = tmp_path / "proj"
-    (project / "trainer").mkdir(parents=True)
-    (project / "trainer/__init__.py").write_text("MINE = 'yes'\n")
     shadow = "import sys; print('the project launcher ran'); sys.exit(3)\n"
-    for name in ("launch.py", "probe.py", "__main__.py"):
-        (project / "trainer" / name).write_text(shadow)
-    (project / "run.py").write_text(OWN_TRAINER)
+    for package in ("agent", "trainer"):
+        (project / package).mkdir(parents=True)
+        (project / package / "__init__.py").write_text("MINE = 'yes'\n")
+        for name in ("launch.py", "probe.py", "__main__.py"):
+            (project / package / name).write_text(shadow)
+    (project / "run.py").write_text(OWN_PACKAGES)
     hosts = _hosts(tmp_path, {"script": "run.py", "code": str(project)})
 
     r = ddp(hosts, "launch", "--wait", "--timeout", "120")
     assert r.exit_code == 0, r.output
     logs = ddp(hosts, "logs").stdout
-    assert "the project launcher ran" not in logs and '"mine": "yes"' in logs, logs
+    assert "the project launcher ran" not in logs and '"mine": "yesyes"' in logs, logs
     assert ddp(hosts, "stop").exit_code == 0
 
 
 def test_the_entrypoint_runs_the_launcher_without_the_working_directory_on_its_path():
     """The image's entrypoint runs the launcher without the working directory on its path."""
     entry = next(line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT "))
-    assert json.loads(entry[len("ENTRYPOINT "):]) == ["python", *module_argv("trainer.launch")]
+    assert json.loads(entry[len("ENTRYPOINT "):]) == ["python", *module_argv("agent.launch")]
     project = (ROOT / "docker/Dockerfile.project").read_text().splitlines()
     assert not [line for line in project if line.startswith("ENTRYPOINT")]  # a project image inherits it
 
@@ -99,7 +104,7 @@ def test_the_bundle_module_form_skips_a_trainer_package_in_the_working_directory
 
 
 def _linked(tmp_path: Path, names: list[str]) -> tuple[Path, Path]:
-    """A snapshot holding ``names`` and a working directory of links to them (trainer/workdir.py)."""
+    """A snapshot holding ``names`` and a working directory of links to them (agent/workdir.py)."""
     snap, work = tmp_path / "snap", tmp_path / "work"
     for name in names:
         (snap / name).parent.mkdir(parents=True, exist_ok=True)
@@ -130,18 +135,18 @@ def test_each_failed_write_is_one_line_naming_the_file_or_the_code_s_files_there
     """Each failed write is said in one line, naming the file or the code's files there."""
     snap, work = _linked(tmp_path, ["model.pth", "train.py", "a/b.pt"])
     said = snapshot_hint.message(snapshot_hint.Write("model.pth", "link"), "/ckpt", str(snap), str(work))
-    assert said == ("trainer.launch: model.pth is a file of your code, a link to the read-only code snapshot: it "
+    assert said == ("agent.launch: model.pth is a file of your code, a link to the read-only code snapshot: it "
                     "cannot be written; leave it out of train.code (train.code.ignore) so that the program writes "
                     "its own, or write to $DDP_CKPT_DIR (/ckpt)")
     said = snapshot_hint.message(snapshot_hint.Write(".", "directory"), "/ckpt", str(snap), str(work))
-    assert said.startswith("trainer.launch: a write in the working directory failed on a file of your code, a link "
+    assert said.startswith("agent.launch: a write in the working directory failed on a file of your code, a link "
                            "to the read-only code snapshot (torch names no file; the code's files there that are not "
                            "Python: model.pth); ")
     said = snapshot_hint.message(snapshot_hint.Write(f"{snap}/x", "snapshot"), None, str(snap), str(work))
-    assert said == (f"trainer.launch: {snap}/x is inside the read-only code snapshot itself (a resolved path leads "
+    assert said == (f"agent.launch: {snap}/x is inside the read-only code snapshot itself (a resolved path leads "
                     "there, as Path(__file__).resolve() does): write relative to the working directory, or to "
                     "$DDP_CKPT_DIR")
-    assert all(snapshot_hint.is_hint(line) for line in [said])
+    assert all(contract.is_hint(line) for line in [said])
 
 
 def test_a_failed_write_elsewhere_or_another_error_is_not_blamed_on_the_snapshot(tmp_path):
@@ -168,7 +173,7 @@ def test_the_launcher_reads_the_workers_output_and_says_it_once_per_path_as_text
     out = io.StringIO()
     environ = {"DDP_CODE_SNAPSHOT": "abc", "DDP_CKPT_DIR": "/ckpt"}
     said = snapshot_hint.explain(snapshot_hint.tails(str(tmp_path / "torchelastic")), environ, out, str(snap))
-    assert said == ["trainer.launch: a\\x1b[2J.pt is a file of your code, a link to the read-only code snapshot: it "
+    assert said == ["agent.launch: a\\x1b[2J.pt is a file of your code, a link to the read-only code snapshot: it "
                     "cannot be written; leave it out of train.code (train.code.ignore) so that the program writes "
                     "its own, or write to $DDP_CKPT_DIR (/ckpt)"]
     assert "\x1b" not in out.getvalue()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from agent import contract
 from deploy.observe import doctor, view
 from deploy.job import plan, runs, stall
 from deploy.cli import cli
@@ -26,8 +27,10 @@ from deploy.job.scripts import HOST_STATUS
 from deploy.text import safe
 from hung_job import hanging_program
 from local_job import beats_dir, local_hosts
-from trainer import flight, heartbeat
-from trainer.heartbeat import Heartbeat, parse_beat
+from trainer import flight
+from agent import heartbeat
+from agent.heartbeat import Heartbeat
+from agent.contract import parse_beat
 from trainer_helpers import final_weights
 from waiting import wait_until
 
@@ -47,7 +50,7 @@ def test_a_rank_beats_in_place_with_its_step_rank_and_longest_interval(tmp_path)
     now[0] += 0.5
     hb.beat()  # an evaluation batch: the same step
     text = (tmp_path / "1").read_bytes()
-    assert len(text) == heartbeat.LINE_BYTES and text.split() == [b"2", b"3", b"2500"]
+    assert len(text) == contract.LINE_BYTES and text.split() == [b"2", b"3", b"2500"]
     hb.beat(10 ** 15)  # a longer number is written in the same fixed width: nothing of the old line is left
     assert (tmp_path / "1").read_bytes().split() == [b"1000000000000000", b"3", b"2500"]
     hb.close()
@@ -68,8 +71,8 @@ def test_the_launcher_empties_its_directory_and_refuses_a_link_or_file_in_its_pl
     assert heartbeat.prepare(str(mine)) == str(mine) and mine.is_dir()
     (mine / "0").write_text("9 9 9\n")
     # a run's beats are its own; the launcher that made it is named there (`doctor` finds its workers by it)
-    assert heartbeat.prepare(str(mine)) == str(mine) and [p.name for p in mine.iterdir()] == [heartbeat.LAUNCHER_FILE]
-    assert (mine / heartbeat.LAUNCHER_FILE).read_text().split()[0] == str(os.getpid())
+    assert heartbeat.prepare(str(mine)) == str(mine) and [p.name for p in mine.iterdir()] == [contract.LAUNCHER_FILE]
+    assert (mine / contract.LAUNCHER_FILE).read_text().split()[0] == str(os.getpid())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "keep").write_text("theirs")
@@ -324,7 +327,7 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(t
                             r"reported \(job.on_stall: report\)", shown[-2]), shown
         assert shown[-1] == ("  why: here rank 1 is in <module> (hangs.py:7); the 1 other rank waits in all_reduce "
                              "(hangs.py:8)"), shown
-        assert "trainer.launch: stalled: no rank on this node moved for " in _ddp(hosts, "logs").stdout
+        assert "agent.launch: stalled: no rank on this node moved for " in _ddp(hosts, "logs").stdout
     finally:
         assert _ddp(hosts, "stop", "--now").exit_code == 0
     assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
@@ -529,7 +532,7 @@ def _answering_worker(beats: Path, rank: str, seq: int, op: str, every: float):
 def test_diagnose_asks_each_worker_for_its_newest_collective_and_prints_each_answer(tmp_path):
     """diagnose asks the workers for their newest collective, and prints each answer."""
     with _answering_worker(tmp_path / "beats", "3", 41, "all_reduce", every=0.05) as worker:
-        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(tmp_path / "beats"), "/bin/true"],
+        got = subprocess.run(["sh", "-c", contract.program("diagnose"), "sh", str(tmp_path / "beats"), "/bin/true"],
                              capture_output=True, text=True, timeout=30)
     assert got.returncode == 0, got.stderr
     assert f"rank {worker.pid} 3 0 S" in got.stdout and f"fr {worker.pid} 41 all_reduce" in got.stdout.splitlines()
@@ -541,7 +544,7 @@ def test_two_diagnoses_at_once_each_print_the_workers_answer(tmp_path):
     # the launcher's watch diagnoses a stall while the operator's status does: each writes its request,
     # a worker answers the newest only, and the first asker once kept its stall with no collective
     with _answering_worker(tmp_path / "beats", "0", 7, "broadcast", every=0.5) as worker:
-        askers = [subprocess.Popen(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(tmp_path / "beats"), "/bin/true"],
+        askers = [subprocess.Popen(["sh", "-c", contract.program("diagnose"), "sh", str(tmp_path / "beats"), "/bin/true"],
                                    stdout=subprocess.PIPE, text=True) for _ in range(2)]
         said = [asker.communicate(timeout=30)[0] for asker in askers]
     for out in said:
@@ -555,7 +558,7 @@ def test_diagnose_never_writes_through_a_link_the_job_put_in_its_directory(tmp_p
     outside.write_text("kept\n")
     (beats / "fr-0").write_text("- none\n")  # a worker keeps the recorder: DIAGNOSE asks
     (beats / "fr-request").symlink_to(outside)
-    got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"], capture_output=True,
+    got = subprocess.run(["sh", "-c", contract.program("diagnose"), "sh", str(beats), "/bin/true"], capture_output=True,
                          text=True, timeout=30)
     assert got.returncode == 0, got.stderr
     assert outside.read_text() == "kept\n"
@@ -594,7 +597,7 @@ def test_diagnose_reads_a_worker_that_another_diagnosis_holds_for_a_moment(tmp_p
                    "the worker stopped by its tracer", interval=0.02)
         alone = subprocess.run([str(spy), "dump", "--pid", str(worker.pid)], capture_output=True, text=True, timeout=30)
         assert alone.returncode != 0 and "EPERM" in alone.stdout + alone.stderr  # what a single try finds
-        got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), str(spy)], capture_output=True,
+        got = subprocess.run(["sh", "-c", contract.program("diagnose"), "sh", str(beats), str(spy)], capture_output=True,
                              text=True, timeout=60)
     finally:
         for proc in (holder, worker):
@@ -683,7 +686,7 @@ def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(t
     finally:
         _ddp(hosts, "stop", "--now")
     log = _ddp(hosts, "logs").stdout
-    assert "trainer.launch: stalled: no rank on this node moved for " in log
+    assert "agent.launch: stalled: no rank on this node moved for " in log
     run = json.loads(_ddp(hosts, "runs", "--json").stdout)[-1]["id"]
     (stall,) = json.loads(_ddp(hosts, "status", "--run", run, "--json").stdout)["stalls"]
     assert stall["action"] == "restart" and stall["culprits"] == ["here rank 1"], stall
@@ -729,7 +732,7 @@ def test_the_watchdog_acts_once_per_stall_not_before_a_beat_or_while_ranks_move(
     os.utime(tmp_path / "1", (old, old))
     assert dog.check() and list(tmp_path.iterdir()) == []  # acted, and its beats are gone: the next are the new workers'
     assert not dog.check() and dog.actions == 1
-    assert out.getvalue().startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 9; "
+    assert out.getvalue().startswith("agent.launch: stalled: no rank on this node moved for 60 s (last step 9; "
                                      "job.stall_timeout 5 s); no worker of it runs, and torchrun's agent is in ")
     assert out.getvalue().endswith(": not kept (no run directory); killing its 0 workers, which torchrun starts again "
                                    "from the newest checkpoint (job.on_stall: restart)\n")
@@ -774,7 +777,7 @@ def test_a_stall_with_no_worker_left_names_where_the_agent_hangs(tmp_path):
     agent_hangs_here()
     assert found == [True]
     said = out.getvalue()
-    assert said.startswith("trainer.launch: stalled: no rank on this node moved for 60 s (last step 7; job.stall_timeout "
+    assert said.startswith("agent.launch: stalled: no rank on this node moved for 60 s (last step 7; job.stall_timeout "
                            "5 s); no worker of it runs, and torchrun's agent is in "), said
     assert " < agent_hangs_here (test_deploy_stall.py:" in said and said.count(" < ") == 4, said
 
@@ -820,7 +823,7 @@ def test_a_launcher_its_watchdog_stops_ends_with_0_even_if_its_workers_fail_firs
            "DDP_HEARTBEAT_DIR": str(beats), "DDP_ON_STALL": "stop", "DDP_STALL_TIMEOUT": "2",
            "DDP_DEPLOY_LOG_DIR": str(run)}
     port = _free_port()
-    done = subprocess.run([sys.executable, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "agent.launch", "--nnodes", "1", "--nproc-per-node", "2",
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
                            "--script", str(script), "--"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -841,7 +844,7 @@ def test_a_stall_is_kept_once_with_the_workers_stacks_and_again_only_after_progr
     program = tmp_path / "sleeper.py"
     program.write_text("import time\n\ndef wait():\n    time.sleep(600)\n\nprint('up', flush=True)\nwait()\n")
     worker = subprocess.Popen([sys.executable, str(program)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "0", "RANK": "0"})
+                              env={**os.environ, contract.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "0", "RANK": "0"})
     try:
         assert worker.stdout.readline() == "up\n"
         dog = heartbeat.Watchdog(str(beats), 5.0, "report", str(record), out=out)
@@ -856,7 +859,7 @@ def test_a_stall_is_kept_once_with_the_workers_stacks_and_again_only_after_progr
         (ranks,) = [doctor.parse("here", (record / f"stall-{now}").read_text())]
         assert [(r.pid, r.rank, r.local_rank) for r in ranks] == [(worker.pid, 0, 0)]
         assert ranks[0].where() == "wait (sleeper.py:4)", ranks[0]
-        assert out.getvalue() == ("trainer.launch: stalled: no rank on this node moved for 60 s (last step 12; "
+        assert out.getvalue() == ("agent.launch: stalled: no rank on this node moved for 60 s (last step 12; "
                                   "job.stall_timeout 5 s): the stacks of its workers are kept with the run "
                                   "(ddp-deploy status --run) (job.on_stall: report)\n")
         Heartbeat(str(beats), 0, 0).beat(13)  # it moves again; then stalls again: a new stall

@@ -1,4 +1,4 @@
-"""The working directory of a synced program (trainer/workdir.py): a tutorial script that reads
+"""The working directory of a synced program (agent/workdir.py): a tutorial script that reads
 ``data/`` beside it and saves ``checkpoint.pth`` and ``model.pth`` where it stands runs unchanged
 through ``train.code`` on a local host-runtime node with real torchrun, resumes from its own
 checkpoint at the next launch, and never writes into the snapshot; a save through a file of the
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from local_job import local_hosts
-from trainer import workdir
+from agent import workdir
 
 TUTORIAL = """\
 import os, sys
@@ -117,7 +117,7 @@ def test_a_save_through_a_file_of_the_code_fails_and_the_error_line_says_which(d
     assert r.exit_code == 1, r.output
     (error,) = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert "here rank 0 failed first (exit 1)" in error
-    assert ("trainer.launch: a write in the working directory failed on a file of your code, a link to the "
+    assert ("agent.launch: a write in the working directory failed on a file of your code, a link to the "
             "read-only code snapshot (torch names no file; the code's files there that are not Python: "
             "model.pth, notes.txt); leave it out of train.code (train.code.ignore)") in error, error
     (snap,) = _snapshots(tmp_path)
@@ -125,7 +125,7 @@ def test_a_save_through_a_file_of_the_code_fails_and_the_error_line_says_which(d
     assert ddp(hosts, "stop").exit_code == 0
 
 
-# The link tree on its own (trainer/workdir.py), on a plain directory as the snapshot.
+# The link tree on its own (agent/workdir.py), on a plain directory as the snapshot.
 
 def _snapshot(tmp_path: Path, files: dict[str, str]) -> Path:
     snap = tmp_path / "snap"
@@ -172,7 +172,7 @@ def test_a_file_the_program_put_where_the_code_now_has_one_is_kept_and_named(tmp
     snap = _snapshot(tmp_path, {"train.py": "1", "config.yaml": "the code's"})
     work, said = _refresh(tmp_path, snap)
     assert (work / "config.yaml").read_text() == "the program's"
-    assert said.startswith('trainer.launch: warning: "config.yaml" in the working directory ') and "kept" in said
+    assert said.startswith('agent.launch: warning: "config.yaml" in the working directory ') and "kept" in said
 
 
 def test_a_link_the_job_planted_never_takes_the_launchers_writes_outside(tmp_path):

@@ -1,4 +1,4 @@
-"""trainer/holds.py: a node's GPUs held by one job at a time, named from kernel facts.
+"""agent/holds.py: a node's GPUs held by one job at a time, named from kernel facts.
 
 No GPU is needed: a hold is a listening socket named by the GPU's index, so the holders here are
 real processes holding indices of GPUs this machine does not have (the GPU inventory is what is
@@ -25,7 +25,7 @@ from deploy.engines.fleet import alljobs as fleet_jobs
 from deploy.inventory import loads
 from deploy.job import plan
 from deploy.nodes.remote import Result
-from trainer import holds
+from agent import holds
 
 SCRIPT = Path(holds.__file__)
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -127,11 +127,14 @@ def test_the_check_names_each_holder_as_text_and_passes_free_gpus():
     since = time.mktime((2026, 12, 6, 9, 30, 0, 0, 0, -1))
     lying = {"gpu": 3, "pid": 777, "uid": 1001, "since": since, "name": "x",
              "said": {"job": "\x1b[2Jwipe", "user": "bob"}}
-    held = judges.gpu_holds(inv, Result("g", 0, json.dumps(lying) + "\nnot json\n"))
+    said = json.dumps(dict(lying, told=holds.describe(lying)))  # a line of the node's `holds.py list`
+    held = judges.gpu_holds(inv, Result("g", 0, said + "\nnot json\n"))
     assert not held.ok
     assert held.detail == ("GPU 3 is held by job '\\x1b[2Jwipe' of user 'bob' (uid 1001, pid 777) since "
                            "2026-12-06 09:30:00; an answer not understood: not json: stop that job first, or give "
                            "this job other GPUs (nodes[].gpu_ids)")
+    raw = judges.gpu_holds(inv, Result("g", 0, json.dumps({"told": "GPU 3 \x1b[2J"}) + "\n" + json.dumps(lying)))
+    assert raw.detail.startswith("GPU 3 \\x1b[2J; an answer not understood: {") and "\x1b" not in raw.detail, raw.detail
     failed = judges.gpu_holds(inv, Result("g", 127, "", "python3: not found"))
     assert not failed.ok and failed.detail.startswith("cannot tell who holds GPUs 2,3: ")
     assert failed.detail.endswith(f"(the node's {sys.executable} asks)")
@@ -141,12 +144,12 @@ def test_the_check_names_each_holder_as_text_and_passes_free_gpus():
 def test_a_launcher_refuses_to_start_on_a_gpu_another_job_holds(holders, tmp_path):
     a = holders("running", 6)
     env = {**os.environ, holds.ENV: json.dumps({"job": "late", "run": "r", "gpus": [6]}), "DDP_PREFORK": "0"}
-    proc = subprocess.run([sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "1", "--",
+    proc = subprocess.run([sys.executable, "-m", "agent.launch", "--standalone", "--nproc-per-node", "1", "--",
                            "--data-dir", str(tmp_path / "d"), "--ckpt-dir", str(tmp_path / "c")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"trainer.launch: error: GPU 6 is held by job 'running' of user '{ME}' (uid {os.getuid()}, pid {a.pid})")
+        f"agent.launch: error: GPU 6 is held by job 'running' of user '{ME}' (uid {os.getuid()}, pid {a.pid})")
     assert not (tmp_path / "c").exists()  # nothing started: no worker made its directory
 
 

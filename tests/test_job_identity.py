@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from agent import contract
 from deploy.job import scripts
 from deploy.observe import doctor
 from procs import alive, descendants_of, parent_of
-from trainer import heartbeat
-from trainer.heartbeat.procs import _one_uid
+from agent import heartbeat
+from agent.heartbeat.procs import _one_uid
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,17 +92,17 @@ def procs():
 
 
 def _rank_env(beats: Path, local: int) -> dict[str, str]:
-    return {heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": str(local), "RANK": str(local)}
+    return {contract.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": str(local), "RANK": str(local)}
 
 
 def _diagnose(beats: Path) -> str:
-    got = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/bin/true"], capture_output=True,
+    got = subprocess.run(["sh", "-c", contract.program("diagnose"), "sh", str(beats), "/bin/true"], capture_output=True,
                          text=True, timeout=60)
     assert got.returncode == 0, got.stderr
     return got.stdout
 
 
-# --- what doctor lists (heartbeat.DIAGNOSE) and the watchdog takes (heartbeat.workers) --------------
+# --- what doctor lists (contract.program("diagnose")) and the watchdog takes (heartbeat.workers) --------------
 
 @needs_root
 def test_doctor_lists_no_other_user_s_process_nor_one_outside_the_launcher_s_tree(tmp_path, procs):
@@ -109,16 +110,16 @@ def test_doctor_lists_no_other_user_s_process_nor_one_outside_the_launcher_s_tre
     environment."""
     beats = tmp_path / "beats"
     beats.mkdir()
-    marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"
+    marker = f"{contract.HEARTBEAT_DIR_ENV}={beats}"
     worker = procs.child(_rank_env(beats, 0), marker)  # this test's child: what runs the script is its launcher
     stranger = procs.other_user(_rank_env(beats, 1), marker)
     outside = procs.orphan(_rank_env(beats, 2), marker)
     # a forked worker's environment is the launcher's (no LOCAL_RANK): named by the zygote in workers/
-    (beats / heartbeat.WORKERS_DIR).mkdir()
-    named_stranger = procs.other_user({heartbeat.HEARTBEAT_DIR_ENV: str(beats)}, marker)
-    named_outside = procs.orphan({heartbeat.HEARTBEAT_DIR_ENV: str(beats)}, marker)
-    (beats / heartbeat.WORKERS_DIR / "3").write_text(f"{named_stranger} 3\n")
-    (beats / heartbeat.WORKERS_DIR / "4").write_text(f"{named_outside} 4\n")
+    (beats / contract.WORKERS_DIR).mkdir()
+    named_stranger = procs.other_user({contract.HEARTBEAT_DIR_ENV: str(beats)}, marker)
+    named_outside = procs.orphan({contract.HEARTBEAT_DIR_ENV: str(beats)}, marker)
+    (beats / contract.WORKERS_DIR / "3").write_text(f"{named_stranger} 3\n")
+    (beats / contract.WORKERS_DIR / "4").write_text(f"{named_outside} 4\n")
 
     found = _diagnose(beats)
     assert [(r.pid, r.rank) for r in doctor.parse("node1", found)] == [(worker, 0)], found
@@ -131,18 +132,18 @@ def test_doctor_lists_no_other_user_s_process_nor_one_outside_the_launcher_s_tre
 def test_doctor_finds_the_workers_of_the_directory_s_launcher_and_no_one_else_s(tmp_path, procs):
     """Doctor finds the workers of the launcher named in the directory, and no one else's."""
     beats = tmp_path / "beats"
-    marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"
+    marker = f"{contract.HEARTBEAT_DIR_ENV}={beats}"
     said = tmp_path / "worker"
     # a launcher that is no descendant of this test (the host runtime's is started detached): it
     # makes the directory, named in it, and starts one worker
     program = ("import subprocess, sys, time\n"
-               "from trainer import heartbeat\n"
+               "from agent import heartbeat\n"
                "assert heartbeat.prepare(sys.argv[1]) == sys.argv[1]\n"
                "w = subprocess.Popen(['sleep', '120'], env={'PATH': '/usr/bin:/bin', 'DDP_HEARTBEAT_DIR': sys.argv[1],"
                " 'LOCAL_RANK': '0', 'RANK': '5'})\n"
                "open(sys.argv[2], 'w').write(str(w.pid))\n"
                "time.sleep(120)\n")
-    launcher = procs.orphan({heartbeat.HEARTBEAT_DIR_ENV: str(beats), "PYTHONPATH": str(ROOT)}, marker,
+    launcher = procs.orphan({contract.HEARTBEAT_DIR_ENV: str(beats), "PYTHONPATH": str(ROOT)}, marker,
                             (sys.executable, "-c", program, str(beats), str(said)), cwd=tmp_path)
     wait_until(lambda: said.exists() and said.read_text(), 30, "the launcher's worker", interval=0.05)
     worker = _started(int(said.read_text()), marker)
@@ -166,7 +167,7 @@ def test_the_watchdog_kills_only_its_own_stalled_workers_never_another_user_s(tm
     """The watchdog kills its own stalled workers, and never another user's or one outside its tree."""
     beats = tmp_path / "beats"
     assert heartbeat.prepare(str(beats)) == str(beats)  # as the launcher does: this test is the launcher
-    marker = f"{heartbeat.HEARTBEAT_DIR_ENV}={beats}"
+    marker = f"{contract.HEARTBEAT_DIR_ENV}={beats}"
     worker = procs.child(_rank_env(beats, 0), marker)
     stranger = procs.other_user(_rank_env(beats, 1), marker)
     outside = procs.orphan(_rank_env(beats, 2), marker)
@@ -179,7 +180,7 @@ def test_the_watchdog_kills_only_its_own_stalled_workers_never_another_user_s(tm
     assert "killing its 1 workers" in out.getvalue(), out.getvalue()
     wait_until(lambda: not alive(worker), 10, "the stalled worker killed", interval=0.02)
     assert alive(stranger) and alive(outside)
-    assert [p.name for p in beats.iterdir()] == [heartbeat.LAUNCHER_FILE]  # the beats go; the launcher stays named
+    assert [p.name for p in beats.iterdir()] == [contract.LAUNCHER_FILE]  # the beats go; the launcher stays named
 
 
 def test_a_process_whose_uids_differ_is_no_job_s():

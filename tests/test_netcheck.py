@@ -194,7 +194,7 @@ def test_outside_torchrun_it_refuses_and_says_how_to_start_it(monkeypatch, capsy
 def _node(port: int, name: str, nproc: int, is_host: int) -> subprocess.Popen:
     # is_host=0 on the others too: every node's endpoint is a local address here, and each
     # would otherwise try to host the rendezvous store.
-    cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", "3", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "agent.launch", "--nnodes", "3", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"netcheck-{port}",
            "--rdzv-conf", f"is_host={is_host}", "--local-addr", "127.0.0.1",
            "--entry", "trainer.netcheck", "--", "--size-mb", "1", "--iters", "2"]

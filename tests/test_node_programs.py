@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from agent import contract
 from deploy.checks import preflight
 from deploy.job import runs, scripts
 from deploy.engines import slurm
 from deploy.images import image
 from deploy.programs import HERE, node_program
-from trainer import heartbeat
 
 SPLICED = {  # programs put together in Python from shared parts: (text, shell)
     "scripts.HOST_START": (scripts.HOST_START, "sh"), "scripts.RECORD_STOP": (scripts.RECORD_STOP, "sh"),
     "runs.NODES_OF": (runs.NODES_OF, "sh"), "slurm.TASK": (slurm.TASK, "sh"),
-    "preflight.PHASES": (preflight.PHASES, "bash"), "trainer.heartbeat.DIAGNOSE": (heartbeat.DIAGNOSE, "sh"),
+    "preflight.PHASES": (preflight.PHASES, "bash"), "agent/heartbeat/diagnose.sh": (contract.program("diagnose"), "sh"),
     "image.IDENTIFY": (image.IDENTIFY, "sh"), "image.LOAD": (image.LOAD, "sh"),
 }
 FILES = sorted(p for p in HERE.iterdir() if p.suffix in (".sh", ".bash"))

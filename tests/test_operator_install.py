@@ -36,7 +36,7 @@ def operator(tmp_path_factory):
     # What a build reads, copied: setuptools builds in the source tree, and a build/ folder left
     # in this one could carry files deleted since into the wheel.
     junk = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("trainer", "deploy"):
+    for part in ("trainer", "agent", "deploy"):
         shutil.copytree(ROOT / part, source / part, ignore=junk)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)

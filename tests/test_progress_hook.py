@@ -1,5 +1,5 @@
 """A stall is named for any program, with no change to it: the progress hook the launcher installs
-in every worker (trainer/progress_hook) beats the rank's heartbeat file on the process group's forming,
+in every worker (agent/progress_hook) beats the rank's heartbeat file on the process group's forming,
 each collective and each DDP step, and marks the worker's start, so that a program that prints
 nothing and writes no heartbeat is judged as precisely as the built-in trainer, at start-up too.
 Real torchrun, gloo on this machine's CPU."""
@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from agent import contract
 from deploy.cli import cli
 from deploy.job import stall
 from deploy.observe import doctor
 from fakes import free_port
 from local_job import local_hosts
-from trainer import heartbeat
-from trainer.heartbeat import Heartbeat, parse_beat, verdict
+from agent import heartbeat
+from agent.heartbeat import Heartbeat
+from agent.contract import parse_beat, verdict
 from waiting import wait_until
 
 # Rank 1 stops taking part before step 5's all-reduce (line 7), rank 0 waits in it (line 8). Nothing
@@ -66,7 +68,7 @@ dist.init_process_group("gloo")
 
 def _torchrun(python: str, script: Path, beats: Path) -> subprocess.Popen:
     beats.mkdir()
-    env = {**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats), "PYTHONPATH": heartbeat.hooked_path(None),
+    env = {**os.environ, contract.HEARTBEAT_DIR_ENV: str(beats), "PYTHONPATH": heartbeat.hooked_path(None),
            "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                              str(free_port()), str(script)], env=env, cwd=script.parent, stdout=subprocess.PIPE,
@@ -105,7 +107,7 @@ def test_a_program_that_never_beats_beats_on_collectives_and_the_sleeper_is_name
         out = io.StringIO()
         dog = heartbeat.Watchdog(str(beats), 2.0, "report", record=str(record), out=out)
         wait_until(dog.check, 60, "the watchdog's stall", interval=0.5)
-        assert out.getvalue().startswith("trainer.launch: stalled: no rank on this node moved for "), out.getvalue()
+        assert out.getvalue().startswith("agent.launch: stalled: no rank on this node moved for "), out.getvalue()
         (kept,) = record.glob("stall-*")
         found = doctor.diagnose(doctor.parse("here", kept.read_text()), {}, 2)
         assert found.summary == ("here rank 1 is in <module> (silent.py:7); the 1 other rank waits in all_reduce "
@@ -125,7 +127,7 @@ def test_a_rank_that_leaves_before_the_group_forms_is_named_even_with_auto(tmp_p
         dog = heartbeat.Watchdog(str(beats), "auto", "report", out=out)
         wait_until(dog.check, 180, "the watchdog's stall", interval=0.5)
         assert {b[0]: b[5] for b in heartbeat.read_beats(str(beats))} == {0: "init", 1: "left"}
-        assert out.getvalue().startswith("trainer.launch: stalled: rank 1 ended "), out.getvalue()
+        assert out.getvalue().startswith("agent.launch: stalled: rank 1 ended "), out.getvalue()
         assert "while the others on this node never formed the process group" in out.getvalue()
     finally:
         _end(proc, beats)
@@ -185,28 +187,28 @@ def test_a_number_judges_a_rank_from_its_worker_s_start_and_auto_guesses_no_star
     once = [_b(0, 400, "run"), _b(1, 400, "run")]  # formed, no interval shown yet (a long first step)
     assert verdict("auto", once) is None and verdict(None, once) is None
     shown = [_b(0, 400, "run", gap=2.0), _b(1, 1, "init")]
-    assert verdict("auto", shown) == (1, heartbeat.FLOOR_S, None)  # one rank still moves
-    assert verdict("auto", [_b(0, 400, "run", gap=2.0)]) == (400, heartbeat.FLOOR_S, None)
+    assert verdict("auto", shown) == (1, contract.FLOOR_S, None)  # one rank still moves
+    assert verdict("auto", [_b(0, 400, "run", gap=2.0)]) == (400, contract.FLOOR_S, None)
     # a program's own line (no phase) is judged as before; one that finished is not judged at all
-    assert verdict("auto", [_b(0, 5, None, step=9, gap=0.5)]) == (5, heartbeat.FLOOR_S, None)
+    assert verdict("auto", [_b(0, 5, None, step=9, gap=0.5)]) == (5, contract.FLOOR_S, None)
     assert verdict(30, [_b(0, 900, "done"), _b(1, 900, "ended")]) is None
 
 
 def test_a_rank_ending_while_others_wait_on_it_is_named_as_the_hang_in_any_setting():
     """A rank that ended while the others wait on it is a hang, and it is named by it under any setting."""
     for setting in ("auto", 300):
-        assert verdict(setting, [_b(0, 12, "init"), _b(1, 11, "left")]) == (11, heartbeat.LEFT_S, "rank 1")
-        assert verdict(setting, [_b(0, 12, "run"), _b(1, 11, "ended")]) == (11, heartbeat.LEFT_S, "rank 1")
+        assert verdict(setting, [_b(0, 12, "init"), _b(1, 11, "left")]) == (11, contract.LEFT_S, "rank 1")
+        assert verdict(setting, [_b(0, 12, "run"), _b(1, 11, "ended")]) == (11, contract.LEFT_S, "rank 1")
     assert verdict("auto", [_b(0, 12, "init"), _b(1, 3, "left")]) is None  # not yet: it may be the job's end
     # a peer past its first collective, or one not yet in init_process_group (a program without a
     # process group), is not waiting on it
-    assert verdict("auto", [_b(0, 12, "run", gap=1.0), _b(1, 11, "ended")]) == (12, heartbeat.FLOOR_S, None)
+    assert verdict("auto", [_b(0, 12, "run", gap=1.0), _b(1, 11, "ended")]) == (12, contract.FLOOR_S, None)
     assert verdict("auto", [_b(0, 12, "start"), _b(1, 11, "left")]) is None
 
 
 def test_the_state_a_launcher_tells_the_jobs_view_is_its_ranks_verdict():
     """What ``jobs`` is told of a node: starting, running, stalled or ending, by the same judgment."""
-    state = heartbeat.state
+    state = contract.state
     assert state("auto", []) == {"state": "starting", "step": None}  # no rank has beaten
     assert state("auto", [_b(0, 40, "start"), _b(1, 40, "init")])["state"] == "starting"
     assert state(30, [_b(0, 40, "start"), _b(1, 40, "init")])["state"] == "stalled"
@@ -260,7 +262,7 @@ def test_the_hook_chains_to_the_sitecustomize_it_hides_and_leaves_no_name_traine
     (tmp_path / "trainer" / "__init__.py").write_text("MINE = True\n")
     probe = ("import os, sys, trainer; print(os.environ.get('OTHER_SITE'), trainer.MINE, "
              "sorted(m for m in sys.modules if m.startswith('trainer')), 'ddp_deploy_progress' in sys.modules)")
-    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(str(other)), heartbeat.HEARTBEAT_DIR_ENV: str(tmp_path),
+    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(str(other)), contract.HEARTBEAT_DIR_ENV: str(tmp_path),
            "LOCAL_RANK": "0", "RANK": "0"}
     got = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert got.stdout.split() == ["ran", "True", "['trainer']", "True"], got.stdout + got.stderr
@@ -284,7 +286,7 @@ print(beat())
 
 @pytest.mark.e2e
 def test_each_ddp_step_beats_the_rank_with_no_collective_of_the_program(tmp_path):
-    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), heartbeat.HEARTBEAT_DIR_ENV: str(tmp_path),
+    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), contract.HEARTBEAT_DIR_ENV: str(tmp_path),
            "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     got = subprocess.run([sys.executable, "-c", DDP_STEP], env=env, cwd=tmp_path, capture_output=True, text=True,
@@ -298,7 +300,7 @@ def test_a_child_forked_from_the_worker_that_exits_does_not_end_the_rank(tmp_pat
     # the child runs the worker's atexit handlers when it exits normally; the rank goes on
     probe = ("import os, sys\npid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\n"
              "print(open(os.path.join(os.environ['DDP_HEARTBEAT_DIR'], '0')).read().split()[3])")
-    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), heartbeat.HEARTBEAT_DIR_ENV: str(tmp_path),
+    env = {**os.environ, "PYTHONPATH": heartbeat.hooked_path(None), contract.HEARTBEAT_DIR_ENV: str(tmp_path),
            "LOCAL_RANK": "0", "RANK": "0"}
     got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert got.stdout.split() == ["start"], got.stdout + got.stderr

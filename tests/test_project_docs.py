@@ -62,7 +62,7 @@ def test_one_torch_range_in_pyproject_code_readme_makefile_and_the_default_base(
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
     from deploy.checks.versions import torch_supported
-    from trainer.compat import TORCH_SUPPORTED
+    from agent.contract import TORCH_SUPPORTED
     from torch_ends import range_ends
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -19,7 +19,7 @@ from deploy.job.plan import contract_env, torchrun_options
 from deploy.job.runtime import runtime
 from local_job import beats_dir, local_hosts
 from torch_ends import NEWEST_ONLY
-from trainer.launch import Relay
+from agent.launch import Relay
 from waiting import wait_until
 
 TUTORIAL = """\

@@ -1,4 +1,4 @@
-"""trainer/torch_private.py, the one place that touches torch's private API: on each tested torch,
+"""agent/torch_private.py, the one place that touches torch's private API: on each tested torch,
 every part it uses is there in the shape it uses it, and nothing else in the package reaches past
 torch's public names."""
 
@@ -17,7 +17,7 @@ PRIVATE = ("_popen", "_stdout", "_stderr", "_distributed_c10d", "_dump_fr_trace_
 
 
 def test_every_private_part_of_torch_used_is_there_on_each_tested_torch(torch_python):
-    got = subprocess.run([torch_python.python, "-m", "trainer.torch_private"], cwd=REPO, capture_output=True,
+    got = subprocess.run([torch_python.python, "-m", "agent.torch_private"], cwd=REPO, capture_output=True,
                          text=True, timeout=180)
     assert got.returncode == 0, got.stderr[-3000:]
     said = json.loads(got.stdout.strip().splitlines()[-1])
@@ -25,7 +25,7 @@ def test_every_private_part_of_torch_used_is_there_on_each_tested_torch(torch_py
 
 
 def test_a_part_in_another_shape_is_named():
-    from trainer import torch_private
+    from agent import torch_private
 
     class Handler:
         def _popen(self, argv, env):  # a torch that renamed the parameter
@@ -42,9 +42,9 @@ def test_a_part_in_another_shape_is_named():
                for m in missing), missing
 
 
-@pytest.mark.parametrize("package", ["trainer", "deploy"])
+@pytest.mark.parametrize("package", ["trainer", "agent", "deploy"])
 def test_no_other_module_names_a_private_part_of_torch(package):
-    """Outside trainer/torch_private.py, no code (docstrings and comments aside) names one."""
+    """Outside agent/torch_private.py, no code (docstrings and comments aside) names one."""
     found = []
     for path in sorted((REPO / package).rglob("*.py")):
         if path.name == "torch_private.py" or "__pycache__" in path.parts:

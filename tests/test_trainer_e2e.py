@@ -4,7 +4,7 @@ Each test runs once on each tested point of the supported torch range (the ``tor
 those marked ``NEWEST_ONLY``, whose behaviour is the trainer's own (tests/torch_ends.py).
 
 The workers are forked from the launcher's zygote, as the launcher does where no GPU can be opened
-(trainer/zygote.py); those tests marked ``forked=False`` have torchrun start them (``DDP_PREFORK=0``),
+(agent/zygote.py); those tests marked ``forked=False`` have torchrun start them (``DDP_PREFORK=0``),
 as on a GPU machine: a whole run, a kill and a restart, a SIGTERM.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from trainer import data
-from trainer.compat import binds_stores
-from trainer.output import printed
+from agent.compat import binds_stores
+from agent.contract import printed
 from trainer.models import build_model
 from trainer_helpers import SMALL, final_weights, metrics, run_torchrun, torchrun_cmd, trainer_env, write_idx_mnist
 from fakes import free_port
@@ -206,7 +206,7 @@ def test_two_nodes_sharing_the_data_directory_fetch_the_dataset_once(torch_pytho
     port = free_port()
     nodes = []
     for is_host in (1, 0):
-        cmd = [torch_python.python, "-m", "trainer.launch", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [torch_python.python, "-m", "agent.launch", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fetch-once",
                "--rdzv-conf", f"is_host={is_host}", "--local-addr", "127.0.0.1",
                "--", "--data-dir", str(tmp_path / "data"), "--ckpt-dir", str(tmp_path / "ckpt"),
@@ -261,9 +261,9 @@ def _listeners_of(pids: set[int]) -> set[str]:
 def test_the_job_listens_only_on_the_addresses_it_was_given(torch_python, tmp_path):
     """The rendezvous store and the workers' store on --local-addr, gloo on the named interface:
     nothing on a wildcard address (0.0.0.0, [::], *). Before torch 2.8 the stores cannot be bound
-    (trainer.compat): there they are torch's own, on every address, and gloo stays on lo."""
+    (agent.compat): there they are torch's own, on every address, and gloo stays on lo."""
     port = free_port()
-    cmd = [torch_python.python, "-m", "trainer.launch", "--nnodes", "1", "--nproc-per-node", "2",
+    cmd = [torch_python.python, "-m", "agent.launch", "--nnodes", "1", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.2:{port}", "--rdzv-id", "listen",
            "--rdzv-conf", "is_host=1", "--local-addr", "127.0.0.2",
            "--", "--data-dir", str(tmp_path / "data"), "--ckpt-dir", str(tmp_path / "ckpt"),
@@ -286,7 +286,7 @@ def test_the_job_listens_only_on_the_addresses_it_was_given(torch_python, tmp_pa
         assert f"127.0.0.2:{port}" in seen  # the c10d store, bound to --local-addr
         assert len({s for s in seen if s.startswith("127.0.0.2:")}) >= 2  # and the workers' store
         assert hosts <= {"127.0.0.2", "127.0.0.1"}, seen  # gloo on lo's own address; no 0.0.0.0, [::] or *
-    else:  # before torch 2.8 both stores are torch's own, on every address (trainer.compat, README)
+    else:  # before torch 2.8 both stores are torch's own, on every address (agent.compat, README)
         assert {s for s in seen if s.endswith(f":{port}")} <= {f"*:{port}", f"0.0.0.0:{port}", f"[::]:{port}"}
         assert {s for s in seen if s.endswith(f":{port}")}, seen
         assert hosts - {"*", "0.0.0.0", "[::]"} <= {"127.0.0.1"}, seen  # gloo still on the named interface

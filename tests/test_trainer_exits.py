@@ -1,4 +1,4 @@
-"""trainer/exits.py: a program ended by ``exits.main`` ends as the interpreter ends it (its exit code,
+"""agent/exits.py: a program ended by ``exits.main`` ends as the interpreter ends it (its exit code,
 its traceback, Ctrl-C, its atexit handlers, its threads, its buffered output, its log files) but
 without the interpreter's teardown. Each program runs both ways in a fresh interpreter, its output a
 pipe, and the two ends are compared."""
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ENDINGS = {
     "the interpreter": "sys.exit(main())",
-    "exits": "from trainer import exits; exits.main(main)",
+    "exits": "from agent import exits; exits.main(main)",
 }
 
 

@@ -1,4 +1,4 @@
-"""The trainer runs in its image: it imports nothing the image does not install.
+"""The trainer and the node agent run in their image: they import nothing the image does not install.
 
 The image is the base (python, torch, torchvision) plus docker/requirements.txt. A module the
 deploy tool has on the operator's machine (packaging, pydantic, ...) is not there, and a trainer
@@ -27,10 +27,10 @@ def image_modules() -> set[str]:
 
 def trainer_imports() -> dict[str, set[str]]:
     """Top-level module -> the trainer files importing it (function-level imports included). A module
-    beside the file importing it is the trainer's own (trainer/progress_hook runs from a directory on
+    beside the file importing it is the trainer's own (agent/progress_hook runs from a directory on
     the workers' PYTHONPATH): not counted."""
     found: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "trainer").rglob("*.py")):
+    for path in sorted(p for part in ("trainer", "agent") for p in (ROOT / part).rglob("*.py")):
         beside = {p.stem for p in path.parent.glob("*.py")}
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -47,7 +47,7 @@ def trainer_imports() -> dict[str, set[str]]:
 
 
 def test_the_trainer_imports_only_the_standard_library_and_what_its_image_installs():
-    allowed = set(sys.stdlib_module_names) | image_modules() | {"trainer", "__future__"}
+    allowed = set(sys.stdlib_module_names) | image_modules() | {"trainer", "agent", "__future__"}
     foreign = {mod: sorted(files) for mod, files in trainer_imports().items() if mod not in allowed}
     assert not foreign, f"not in the image (docker/requirements.txt or the base): {foreign}"
 

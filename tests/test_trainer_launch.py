@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trainer.launch import bind_rendezvous_store, option, relays_output, torchrun_args
+from agent.launch import bind_rendezvous_store, option, relays_output, torchrun_args
 from fakes import free_port
 
 
@@ -32,7 +32,7 @@ def test_without_separator_it_runs_standalone_with_every_argument_for_the_traine
 
 
 def test_standalone_starts_one_process_per_gpu_or_one_without_gpus(monkeypatch):
-    import trainer.launch as launch
+    import agent.launch as launch
 
     monkeypatch.setattr(launch, "default_nproc", lambda: "1")  # what a machine without GPUs reports
     assert torchrun_args([], {})[:3] == ["--standalone", "--nproc-per-node", "1"]
@@ -40,7 +40,7 @@ def test_standalone_starts_one_process_per_gpu_or_one_without_gpus(monkeypatch):
 
 def test_default_nproc_counts_visible_gpus(monkeypatch):
     import torch
-    import trainer.launch as launch
+    import agent.launch as launch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert launch.default_nproc() == "1"
@@ -108,7 +108,7 @@ def test_a_program_option_without_a_value_is_a_usage_error():
 
 
 def _watcher(endpoint: str, conf: str) -> subprocess.Popen:
-    code = ("import time\nfrom trainer.launch import watch_rendezvous\n"
+    code = ("import time\nfrom agent.launch import watch_rendezvous\n"
             f"print(watch_rendezvous(['--rdzv-endpoint', {endpoint!r}, '--rdzv-conf', {conf!r}], every=0.1, "
             "slack=0) is not None, flush=True)\ntime.sleep(5)\nprint('still here', flush=True)\n")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -134,7 +134,7 @@ def test_a_store_that_answers_and_the_node_hosting_it_are_never_given_up_on():
 
 
 def test_only_a_node_range_with_room_is_elastic():
-    from trainer.launch import elastic
+    from agent.launch import elastic
 
     assert elastic(["--nnodes", "2:3", "--rdzv-backend", "c10d"])
     assert elastic(["--nnodes=1:4"])
@@ -149,7 +149,7 @@ import sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-from trainer.launch import keep_rendezvous_open_on_failure
+from agent.launch import keep_rendezvous_open_on_failure
 
 keep_rendezvous_open_on_failure()
 port = int(sys.argv[1])
@@ -190,15 +190,15 @@ def test_a_failing_agent_leaves_the_rendezvous_open_and_a_finishing_one_closes_i
 
 
 def _teed_process(tmp_path, script: str) -> subprocess.Popen:
-    """trainer.launch's run_teed around ``python -c script``, started in a session (and group) of its own."""
-    code = ("import sys; from trainer.launch import run_teed; "
+    """agent.launch's run_teed around ``python -c script``, started in a session (and group) of its own."""
+    code = ("import sys; from agent.launch import run_teed; "
             f"sys.exit(run_teed({str(tmp_path)!r}, [sys.executable, '-c', {script!r}]))")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
 def _teed(tmp_path, script: str):
-    """trainer.launch's run_teed around ``python -c script``, in a process of its own."""
+    """agent.launch's run_teed around ``python -c script``, in a process of its own."""
     proc = _teed_process(tmp_path, script)
     out, _ = proc.communicate(timeout=60)
     return proc.returncode, out

@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainer.dist import DistEnv
 from trainer.metrics import SCALARS, TENSORBOARD_DIR, MetricsWriter, TensorBoardScalars
-from trainer.output import RUN_ID_ENV, printed
+from agent.contract import RUN_ID_ENV, printed
 from trainer_helpers import ROOT, SMALL, metrics, torchrun_cmd, trainer_env
 
 RUN = "20261123-101500-beef"

@@ -1,4 +1,4 @@
-"""trainer/zygote.py: workers forked from the launcher's zygote behave as the processes torchrun's
+"""agent/zygote.py: workers forked from the launcher's zygote behave as the processes torchrun's
 agent would have started itself: their program, environment, directory, arguments, output, exit
 codes, signals and ends; and they are found by exact identity. Each test drives a real launcher-like
 process (the zygote forked from it, the worker forked from that) through ``DRIVER``."""
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from procs import alive
-from trainer import heartbeat, zygote
+from agent import contract
+from agent import heartbeat, zygote
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ DRIVER = textwrap.dedent("""
     spec = json.loads(sys.argv[1])
     if spec.get("torch"):
         import torch
-    from trainer import zygote
+    from agent import zygote
     sys.path.insert(0, spec["cwd"])  # where a test's own preload modules are
     for name in ("handshake_s", "ready_s"):
         if name in spec:
@@ -149,7 +150,7 @@ CLOSER = textwrap.dedent("""
     import inspect, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
-    from trainer import zygote
+    from agent import zygote
     zygote.install(zygote.Zygote.start(preload=()))
     extra = {"numa_options": None} if "numa_options" in inspect.signature(sh.SubprocessHandler).parameters else {}
     handler = sh.SubprocessHandler(sys.executable, ("-u", "-m", "sleeper"), dict(os.environ), None, None, 0, **extra)
@@ -259,15 +260,15 @@ def test_a_forked_worker_is_named_in_the_heartbeat_directory_and_found_by_its_ma
     beats = tmp_path / "beats"
     beats.mkdir()
     _program(tmp_path, "sleeper.py", "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-    env = {heartbeat.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "1", "RANK": "7"}
+    env = {contract.HEARTBEAT_DIR_ENV: str(beats), "LOCAL_RANK": "1", "RANK": "7"}
     # the launcher's own environment holds the marker, as deploy's does (the worker's /proc shows it)
     driver = _drive(tmp_path, ["-u", "-m", "sleeper"], env,
-                    launcher_env={**os.environ, heartbeat.HEARTBEAT_DIR_ENV: str(beats)})
+                    launcher_env={**os.environ, contract.HEARTBEAT_DIR_ENV: str(beats)})
     pid = _pid(driver)
     try:
         assert (beats / "workers" / "1").read_text() == f"{pid} 7\n"
         assert heartbeat.workers(str(beats)) == [pid]
-        found = subprocess.run(["sh", "-c", heartbeat.DIAGNOSE, "sh", str(beats), "/nonexistent"],
+        found = subprocess.run(["sh", "-c", contract.program("diagnose"), "sh", str(beats), "/nonexistent"],
                                capture_output=True, text=True, timeout=60).stdout
         assert f"rank {pid} 7 1 S" in found and "workers 1" in found, found
         assert heartbeat.workers(str(tmp_path / "another")) == []
@@ -302,9 +303,9 @@ def test_the_zygote_is_used_if_asked_or_unset_without_a_gpu_and_never_when_refus
     none, gpus = [str(tmp_path / "nvidia[0-9]*")], [str(tmp_path / "nvidia[0-9]*"), str(tmp_path / "kfd")]
     (tmp_path / "nvidiactl").touch()  # a driver's control node alone opens no GPU
     linux = sys.platform.startswith("linux")
-    assert zygote.wanted({}, none) is linux and zygote.wanted({zygote.ENABLE_ENV: "1"}, none) is linux
-    assert not zygote.wanted({zygote.ENABLE_ENV: "0"}, none)
+    assert zygote.wanted({}, none) is linux and zygote.wanted({contract.PREFORK_ENV: "1"}, none) is linux
+    assert not zygote.wanted({contract.PREFORK_ENV: "0"}, none)
     (tmp_path / "nvidia0").touch()
     assert not zygote.wanted({}, gpus)  # unset where a GPU may be opened: torchrun starts the workers
-    assert zygote.wanted({zygote.ENABLE_ENV: "1"}, gpus) is linux  # deploy asked for it
-    assert not zygote.wanted({zygote.ENABLE_ENV: "0"}, gpus)
+    assert zygote.wanted({contract.PREFORK_ENV: "1"}, gpus) is linux  # deploy asked for it
+    assert not zygote.wanted({contract.PREFORK_ENV: "0"}, gpus)

@@ -26,7 +26,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from trainer.compat import TORCH_SUPPORTED
+from agent.contract import TORCH_SUPPORTED
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ samples here, and half the samples of 1024 x 32 take about 45% less CPU for the 
 
 def trainer_env(forked: bool = True) -> dict[str, str]:
     """The launcher's environment. ``forked``: its workers forked from a zygote, as the launcher
-    does by default where no GPU can be opened (trainer/zygote.py); False: started by torchrun, as
+    does by default where no GPU can be opened (agent/zygote.py); False: started by torchrun, as
     on a GPU machine (``DDP_PREFORK=0``)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def torchrun_cmd(python: str, tmp: Path, *flags: str, nproc: int = 2) -> list[str]:
     """The launcher users run (torchrun in-process, standalone on this machine), then trainer flags."""
-    return [python, "-m", "trainer.launch", "--standalone", "--nproc-per-node", str(nproc), "--",
+    return [python, "-m", "agent.launch", "--standalone", "--nproc-per-node", str(nproc), "--",
             "--data-dir", str(tmp / "data"), "--ckpt-dir", str(tmp / "ckpt"), *flags]
 
 

@@ -9,14 +9,17 @@ import sys
 
 import torch
 
-from . import data, exits
+from agent import exits
+from agent.contract import HEARTBEAT_DIR_ENV
+from agent.heartbeat import Heartbeat
+
+from . import data
 from .build import build
 from .checkpoint import CheckpointError
 from .checkpointer import Checkpointer, ResumeMismatch
 from .config import ConfigError, TrainConfig, load_config
 from .dist import DistEnv, DistSetupError, setup, teardown
 from .flight import FlightWatch
-from .heartbeat import HEARTBEAT_DIR_ENV, Heartbeat
 from .loop import Context, evaluate, steps_per_epoch, train
 from .metrics import MetricsWriter
 from .stages import SplitError
@@ -84,7 +87,7 @@ def resume_and_train(ctx: Context, startup: Startup | None = None) -> dict:
     if env.is_main:
         ctx.metrics.write({"kind": "final", "epoch": pos.epoch, "step": pos.global_step,
                            "world_size": env.world_size, "backend": env.backend, **final})
-    ctx.heartbeat.finish()  # nothing left to watch on this rank (trainer/heartbeat/)
+    ctx.heartbeat.finish()  # nothing left to watch on this rank (agent/heartbeat/)
     return final
 
 

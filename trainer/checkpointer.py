@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from agent.heartbeat import Heartbeat
+
 from .build import Built
 from .checkpoint import CheckpointError, CheckpointStore, Found, save_final_model
 from .config import TrainConfig
 from .dist import DistEnv, broadcast_object, gather_objects
-from .heartbeat import Heartbeat
 from .metrics import MetricsWriter
 from .startup import Startup
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -238,3 +239,18 @@ def _read_yaml(path: Path) -> dict:
         if normal not in known:
             raise ConfigError(f"config: {path}: unknown field {key!r}")
     return {str(k).replace("-", "_"): v for k, v in loaded.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.config FLAG...``: what the trainer would refuse in these flags
+    (:func:`flag_problem`), on one line and exit 2, or nothing and exit 0. The deploy tool asks it so
+    of ``train.args`` when it reads an inventory."""
+    problem = flag_problem(sys.argv[1:] if argv is None else argv)
+    if problem:
+        print(problem)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 import threading
 import time
@@ -18,8 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import exits, flight
-from .compat import binds_stores
+from agent import exits
+from agent.compat import binds_stores, listening_fd
+
+from . import flight
 
 
 class DistSetupError(RuntimeError):
@@ -133,12 +134,6 @@ def setup(requested_device: str = "auto", requested_backend: str = "auto", timeo
     return DistEnv(rank, local_rank, world_size, local_world_size, device, backend, stages)
 
 
-def listening_fd(address: str, port: int) -> int:
-    """A socket listening on ``address`` alone, as a file descriptor for TCPStore's
-    ``master_listen_fd`` (TCPStore itself would listen on every address of the machine)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    return socket.create_server((address, port), family=family, backlog=1024).detach()
-
 
 def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """The workers' store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 on that address alone.
@@ -148,7 +143,7 @@ def _bound_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStor
     """
     addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500)
     listen_fd = None
-    if rank == 0 and binds_stores():  # before torch 2.8: torch's own bind, every address (trainer.compat)
+    if rank == 0 and binds_stores():  # before torch 2.8: torch's own bind, every address (agent.compat)
         try:
             listen_fd = listening_fd(addr, port)
         except OSError as exc:

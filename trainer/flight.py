@@ -7,7 +7,7 @@ it, and a hung rank's main thread is inside a collective; but that wait releases
 thread of the rank's own can still answer.
 
 Each worker of the built-in trainer runs :class:`FlightWatch` when the job has heartbeats
-(trainer/heartbeat/) and its torch records its backend's collectives. When ``fr-request`` in the
+(agent/heartbeat/) and its torch records its backend's collectives. When ``fr-request`` in the
 heartbeat directory holds a new token (``DIAGNOSE`` writes one), the thread writes
 ``fr-<LOCAL_RANK>`` there: one line ``TOKEN SEQ OP``, the newest collective of the default process
 group (its sequence number and name, e.g. ``1234 all_reduce``). ``doctor`` and the watchdog read it beside the stacks
@@ -22,8 +22,8 @@ import os
 import re
 import threading
 
-from . import torch_private
-from .heartbeat import HEARTBEAT_DIR_ENV
+from agent import torch_private
+from agent.contract import HEARTBEAT_DIR_ENV
 
 REQUEST = "fr-request"
 """The file in the heartbeat directory whose change asks every worker for its newest collective."""

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from agent.heartbeat import Heartbeat
+
 from .build import Built, amp_dtype
 from .checkpointer import Checkpointer, Position
 from .config import TrainConfig
 from .data import Normalizer, TensorData, augment, epoch_batches, eval_shard, train_sampler
 from .dist import DistEnv, all_reduce_sum
-from .heartbeat import Heartbeat
 from .metrics import IntervalTimer, MetricsWriter, RunningStats, peak_memory_mb
 from .stopping import Stopped, StopSignal
 
@@ -35,7 +36,7 @@ class Context:
     metrics: MetricsWriter
     stop: StopSignal
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None))
-    """This rank's progress for `status` (trainer/heartbeat/): every step, evaluation batch, checkpoint."""
+    """This rank's progress for `status` (agent/heartbeat/): every step, evaluation batch, checkpoint."""
 
 
 # --- evaluation -----------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def stop_here(ctx: Context, pos: Position) -> None:
 
 def _stopped(ctx: Context, pos: Position) -> Stopped:
     name = ctx.checkpointer.name(pos)
-    ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (trainer/heartbeat/)
+    ctx.heartbeat.finish()  # its checkpoint written, the rank only leaves: no stall to judge (agent/heartbeat/)
     ctx.metrics.write({"kind": "stopped", "epoch": pos.epoch, "step": pos.global_step, "micro": pos.micro,
                        "checkpoint": name, "signal": ctx.stop.received, "world_size": ctx.env.world_size})
     return Stopped(pos.global_step, pos.epoch, name, ctx.stop.received)

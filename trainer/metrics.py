@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from agent.contract import METRICS_PREFIX as PREFIX, RUN_ID_ENV
+
 from .dist import DistEnv, all_reduce_sum
-from .output import PREFIX, RUN_ID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class TensorBoardScalars:
 
 class MetricsWriter:
     """Rank 0's printed lines, JSON-lines file and TensorBoard files; other ranks write nothing.
-    With ``$DDP_LAUNCH_ID`` (trainer.output.RUN_ID_ENV) set, every record carries it as ``run``."""
+    With ``$DDP_LAUNCH_ID`` (agent.contract.RUN_ID_ENV) set, every record carries it as ``run``."""
 
     def __init__(self, env: DistEnv, directory: str) -> None:
         self.enabled = env.is_main

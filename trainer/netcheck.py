@@ -1,6 +1,6 @@
 """A short network check across every node of a job, with the job's own backend and launcher.
 
-    python -m trainer.launch <torchrun options> --entry trainer.netcheck -- [--size-mb 32]
+    python -m agent.launch <torchrun options> --entry trainer.netcheck -- [--size-mb 32]
         [--iters 5] [--device auto|cpu|cuda] [--backend auto|gloo|nccl] [--dist-timeout 120]
 
 Only each node's leader (local rank 0) measures; the other ranks join the process groups and
@@ -38,7 +38,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import exits
+from agent import exits
+
 from .dist import DistEnv, DistSetupError, setup, teardown
 
 SLOW_FRACTION = 0.5
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace, nccl_log: Path | None) -> int:
         print(f"netcheck: error: {exc}", file=sys.stderr)
         return 2
     if not env.distributed:
-        print("netcheck: error: not started by torchrun; run python -m trainer.launch <torchrun options> "
+        print("netcheck: error: not started by torchrun; run python -m agent.launch <torchrun options> "
               "--entry trainer.netcheck -- <netcheck flags>", file=sys.stderr)
         return 2
     finished = False

@@ -1,5 +1,5 @@
 """Where a process's time went before its first step: from its launcher's start (the
-agent that spawned it: torchrun or trainer.launch, started by the container or the node's
+agent that spawned it: torchrun or agent.launch, started by the container or the node's
 supervisor) to the process's own start, its imports, the process group (the rendezvous of the
 workers), the data, the model and the resume. Each node's first process prints it in one line:
 
@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from .zygote import LAUNCHER_PID_ENV
+from agent.contract import LAUNCHER_PID_ENV
 
 NAMES = {"process": "launcher to this process", "imports": "imports", "process_group": "process group",
          "data": "data", "model": "model", "resume": "resume"}

@@ -1,5 +1,5 @@
 """Whether a torch build has code a GPU can run: its compiled architectures (``torch.cuda.
-get_arch_list()``, as trainer.probe reports them) against the device's compute capability.
+get_arch_list()``, as agent.probe reports them) against the device's compute capability.
 
 A CUDA build carries machine code (``sm_XY``) for some architectures and may carry PTX
 (``compute_XY``), which the driver compiles for a newer device. A device of compute capability

@@ -13,8 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer import holds, probe
-from trainer.compat import TORCH_SUPPORTED
+from agent.contract import PROBE_KEPT_PREFIX, PROBE_MODULE, PROBE_PREFIX, TORCH_SUPPORTED
 
 from ..images import build as builder
 from ..inventory import Inventory, Node
@@ -27,7 +26,7 @@ from . import gpu_arch
 from .versions import torch_supported
 
 PROBE_SECONDS = 60
-"""How long trainer.probe may take on a node (the session's limit for it)."""
+"""How long agent.probe may take on a node (the session's limit for it)."""
 
 
 def parse_tagged(node: str, stdout: str) -> dict[str, Result]:
@@ -118,7 +117,6 @@ def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
     return out
 
 
-PROBE_PREFIX, PROBE_KEPT = probe.PREFIX, probe.KEPT_PREFIX  # what trainer.probe prints (probe_kept.sh too)
 PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names", "nccl", "cuda_error")
 
 
@@ -147,19 +145,17 @@ def _torch(inv: Inventory, r: Result, for_launch: bool) -> Check:
         if NO_GPU_RUNTIME in said:
             return fail("no NVIDIA container runtime: docker cannot give the container GPUs "
                         "(install nvidia-container-toolkit on the node and restart dockerd)")
-        if "No module named 'trainer'" in said:
-            return fail(f"{where} cannot import trainer: {rt.install_hint()}")
-        if "No module named trainer.probe" in said:
-            return fail(f"{where} has a trainer older than trainer.probe: {rt.install_hint()}")
+        if "No module named 'agent'" in said or "No module named agent." in said:  # none, or older than the agent
+            return fail(f"{where} cannot import {PROBE_MODULE}, this version's node agent: {rt.install_hint()}")
         if r.exit_code == 127:
             return fail(f"cannot run {where}: {(r.stderr.strip().splitlines() or ['not found'])[-1]}")
         if r.exit_code == 124:
-            return fail(f"trainer.probe in {where} took longer than {PROBE_SECONDS} s (CUDA or the image stuck?)")
-        return fail(f"{where}: trainer.probe failed: {r.summary()}")
+            return fail(f"agent.probe in {where} took longer than {PROBE_SECONDS} s (CUDA or the image stuck?)")
+        return fail(f"{where}: agent.probe failed: {r.summary()}")
     if report.get("error"):
         return fail(f"{where}: {report['error']}")
     if any(key not in report for key in PROBE_KEYS):
-        return fail(f"{where}: trainer.probe answered without {', '.join(k for k in PROBE_KEYS if k not in report)}: "
+        return fail(f"{where}: agent.probe answered without {', '.join(k for k in PROBE_KEYS if k not in report)}: "
                     f"a trainer of another version? {rt.install_hint()}")
     version = report["torch"]
     if not torch_supported(version):
@@ -202,12 +198,12 @@ def _no_code_for(report: dict, cannot: list[tuple[int, tuple[int, int]]]) -> str
 
 
 def _kept(stdout: str, runtime: str = "docker") -> str:
-    """How a kept answer (deploy/programs/probe_kept.sh, trainer/probe.py) is said: when it was probed,
+    """How a kept answer (deploy/programs/probe_kept.sh, agent/probe.py) is said: when it was probed,
     by the node's clock."""
     what = "image" if runtime == "docker" else "interpreter's installation"
     for line in stdout.splitlines():
         word = line.split(" ", 1)
-        if word[0] == PROBE_KEPT and len(word) == 2 and word[1].strip().isdigit() and len(word[1].strip()) < 12:
+        if word[0] == PROBE_KEPT_PREFIX and len(word) == 2 and word[1].strip().isdigit() and len(word[1].strip()) < 12:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(word[1])))
             return f" (the answer the node kept for this {what} and probe command, probed {when})"
     return ""
@@ -222,7 +218,7 @@ def _program(inv: Inventory, r: Result, code: CodeDir | None) -> Check | None:
     what = payload(inv).describe()
     where = runtime(inv, code).where() + (f", code snapshot {code.snapshot[:12]}" if code else "")
     if "program" not in report:
-        return Check(r.node, "program", False, f"trainer.probe in {runtime(inv).where()} cannot import a program: "
+        return Check(r.node, "program", False, f"agent.probe in {runtime(inv).where()} cannot import a program: "
                                                f"a trainer older than this tool? {runtime(inv).install_hint()}")
     if report["program_error"]:
         fix = "train.module / train.script, or the code (train.code" + (")" if code else ", or the image)")
@@ -323,8 +319,8 @@ def rendezvous(inv: Inventory, up: list[str], results) -> list[Check]:
 
 
 def gpu_holds(inv: Inventory, r: Result) -> Check:
-    """The job's GPUs on a node are free, or the holders are named (trainer/holds.py's ``list``:
-    one JSON line per holder, what the node's kernel says of it)."""
+    """The job's GPUs on a node are free, or the holders are named (agent/holds.py's ``list``:
+    one JSON line per holder, what the node's kernel says of it, ``told`` as a sentence)."""
     devices = inv.node(r.node).devices
     if not r.ok:
         asker = runtime(inv).listener_python()
@@ -333,7 +329,7 @@ def gpu_holds(inv: Inventory, r: Result) -> Check:
     said = []
     for line in r.stdout.splitlines()[:64]:
         try:
-            said.append(holds.describe(json.loads(line)))
+            said.append(text.safe(str(json.loads(line)["told"]))[:600])
         except (ValueError, KeyError, TypeError, AttributeError):
             said.append(f"an answer not understood: {text.safe(line)[:200]}")
     if not said:

@@ -24,7 +24,7 @@ runtime): shown, and on the docker runtime nodes of another platform than the fi
 refused (one image serves one platform; deploy builds it for the nodes' platform).
 
 The same session gathers the node's facts that shape its launch command (:class:`NodeFacts`:
-the NIC holding its address, InfiniBand devices), and runs ``trainer.probe`` where the job will
+the NIC holding its address, InfiniBand devices), and runs ``agent.probe`` where the job will
 run (in the image, or with the host interpreter; with the job's GPUs): torch and CUDA versions,
 judged against the supported range, and on GPU nodes whether CUDA works there at all.
 """
@@ -136,7 +136,7 @@ def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = No
     checks.append(("probe", plan.probe_argv(inv, node, code, reuse=reuse_probe)))
     if node.gpus > 0:
         checks.append(("gpus", ("nvidia-smi", "-L")))
-    if node.devices:  # who holds the GPUs this job would use, from the node's kernel (trainer/holds.py)
+    if node.devices:  # who holds the GPUs this job would use, from the node's kernel (agent/holds.py)
         checks.append(("holds", (runtime(inv).listener_python(), "-c", HOLDS, "list", *map(str, node.devices))))
     checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
     if meeting is None:

@@ -1,8 +1,8 @@
-"""Judging the torch a node reports against the range the trainer supports (trainer.compat)."""
+"""Judging the torch a node reports against the range the trainer supports (agent.compat)."""
 
 from __future__ import annotations
 
-from trainer.compat import TORCH_SUPPORTED
+from agent.contract import TORCH_SUPPORTED
 
 
 def torch_supported(version: str) -> bool:

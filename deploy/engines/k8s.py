@@ -1,7 +1,7 @@
 """The job as Kubernetes manifests (``ddp-deploy export k8s``): inventory in, plain dicts out.
 
 The same job as on a fleet or on Slurm: one pod per node, each running the image's launcher
-(``python -m trainer.launch``, torchrun) with a c10d rendezvous hosted by the pod of node index 0,
+(``python -m agent.launch``, torchrun) with a c10d rendezvous hosted by the pod of node index 0,
 the program's flags with the storage's container paths, the environment of the contract
 (docs/CONTRACTS.md), secrets by reference only. Two kinds, one class each:
 
@@ -21,7 +21,7 @@ import shlex
 
 import yaml
 
-from trainer.entry import RUN_MODULE
+from agent.contract import LAUNCH_MODULE, RUN_MODULE
 
 from ..errors import InputError
 from ..inventory import Inventory
@@ -51,7 +51,7 @@ inside it (--max-restarts) before that."""
 # name may not resolve yet when the pod starts), so is_host=1 is given to index 0 alone, as on a
 # fleet. Execs what the image's ENTRYPOINT runs.
 LAUNCH = ('node=$1; conf=$2; shift 2; [ "$node" = 0 ] && conf="is_host=1,$conf"; '
-          f'exec python -c {shlex.quote(RUN_MODULE)} trainer.launch --rdzv-conf "$conf" --node-rank "$node" "$@"')
+          f'exec python -c {shlex.quote(RUN_MODULE)} {LAUNCH_MODULE} --rdzv-conf "$conf" --node-rank "$node" "$@"')
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")

@@ -2,7 +2,7 @@
 
 hosts.yaml's ``slurm:`` replaces ``nodes:``. ``launch`` writes the batch script into the run's
 directory on the shared volume and submits it with ``sbatch`` on the login node; Slurm
-allocates the nodes, and the script starts one launcher (``python -m trainer.launch``, i.e.
+allocates the nodes, and the script starts one launcher (``python -m agent.launch``, i.e.
 torchrun) per node with ``srun``, the c10d rendezvous on the allocation's first node. Each
 task finds its own address and its peers' from Slurm (``NodeAddr``, never name resolution,
 as on the SSH fleet: ``--local-addr``, ``is_host=1`` on the first node, the NIC holding the
@@ -20,9 +20,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from trainer.entry import RUN_MODULE
-from trainer.heartbeat import DIAGNOSE, HEARTBEAT_DIR_ENV
-from trainer.output import LOG_DIR_ENV
+from agent.contract import HEARTBEAT_DIR_ENV, LAUNCH_MODULE, LOG_DIR_ENV, RUN_MODULE, program
 
 from ..inventory import Inventory
 from ..job.payload import payload
@@ -33,7 +31,7 @@ from ..job.scripts import BEGIN_STOP, PROGRESS, RECORD_STOP
 from ..programs import node_program
 from ..text import lines as text_lines
 
-# Where each node's ranks keep their heartbeats (trainer/heartbeat/), in the node's memory: the
+# Where each node's ranks keep their heartbeats (agent/heartbeat/), in the node's memory: the
 # Slurm job's and the node's own (the tasks and the steps ``status`` and ``doctor`` start in the
 # allocation both have these variables; a requeued job's tasks find it again, emptied).
 HEARTBEATS = "/dev/shm/ddp-heartbeat-slurm-$SLURM_JOB_ID@$SLURMD_NODENAME"
@@ -43,7 +41,7 @@ HEARTBEATS = "/dev/shm/ddp-heartbeat-slurm-$SLURM_JOB_ID@$SLURMD_NODENAME"
 # the nodes' working directories are ("": the task's own), then the launcher's other options, --,
 # the program's flags. Runs on each node (srun, one task per node): its address from the map
 # (Slurm's NodeAddr), the NIC holding it for gloo and NCCL unless train.env names one, its output
-# kept in the run's directory (trainer.launch tees it there).
+# kept in the run's directory (agent.launch tees it there).
 TASK = r"""addrs=$1; head=$2; port=$3; conf=$4; kept=$5; py=$6; work=$7; shift 7
 self=""; head_addr=""
 for kv in $addrs; do
@@ -62,7 +60,7 @@ DDP_NODE_NAME=$SLURMD_NODENAME; """ + LOG_DIR_ENV + r"""=$kept/$SLURMD_NODENAME;
 export DDP_NODE_NAME """ + LOG_DIR_ENV + " " + HEARTBEAT_DIR_ENV + r"""
 mkdir -p "$kept/$SLURMD_NODENAME" || exit 1
 if [ -n "$work" ]; then mkdir -p "$work/$SLURMD_NODENAME" && cd "$work/$SLURMD_NODENAME" || exit 1; fi
-exec "$py" -c """ + shlex.quote(RUN_MODULE) + r""" trainer.launch --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
+exec "$py" -c """ + shlex.quote(RUN_MODULE) + " " + LAUNCH_MODULE + r""" --rdzv-endpoint "$endpoint" --rdzv-conf "$conf" --local-addr "$self" --node-rank "$SLURM_NODEID" "$@"
 """
 
 # The batch script's body, after its #SBATCH lines and exports: the nodes' addresses from
@@ -164,7 +162,7 @@ def job_env(inv: Inventory, run: str, code: CodeDir | None = None) -> list[tuple
 
 
 def launcher_args(inv: Inventory) -> list[str]:
-    """trainer.launch's options that are the same on every node (TASK adds the rest), --, the program."""
+    """agent.launch's options that are the same on every node (TASK adds the rest), --, the program."""
     s = inv.slurm
     data, ckpt = runtime(inv).job_dirs()
     opts = ["--nnodes", str(s.nodes), "--nproc-per-node", torchrun_procs(inv, s.nprocs), "--rdzv-backend", "c10d",
@@ -203,7 +201,7 @@ def work_root(inv: Inventory, code: CodeDir | None) -> str:
     """Where each node's working directory is made and entered by the task: without a container and
     without train.code, ``$DDP_CKPT_DIR/work`` (the host runtime's, as on an SSH fleet), so that
     the job does not run where ``sbatch`` happened to; "" otherwise (train.code's launcher makes
-    the same directory itself, trainer/workdir.py; a container keeps the image's)."""
+    the same directory itself, agent/workdir.py; a container keeps the image's)."""
     if code is not None or inv.slurm.container is not None:
         return ""
     return f"{runtime(inv).job_dirs()[1]}/{WORK_SUBDIR}"
@@ -233,10 +231,10 @@ def batch_script(inv: Inventory, run: str = DRY_RUN, code: CodeDir | None = None
 # task's first line "node NAME". $1 = the run's directory: each node's PROGRESS (its heartbeats,
 # its log's age), as a fleet node's status script prints it.
 NODE_PROGRESS = PROGRESS + 'run=$1; echo "node $SLURMD_NODENAME"; progress "' + HEARTBEATS + '" "$run/$SLURMD_NODENAME/log"\nexit 0\n'
-# $1 = py-spy: each node's DIAGNOSE (the job's workers and their stacks, deploy/observe/doctor.py). srun
+# $1 = py-spy: each node's diagnose program (the job's workers and their stacks, deploy/observe/doctor.py). srun
 # cuts a long line (a stack's JSON) into pieces that it labels each: the task cuts them itself,
 # every piece after a line's first starting with "~ ", and :func:`by_node` joins them again.
-NODE_DIAGNOSE = ('echo "node $SLURMD_NODENAME"; set -- "' + HEARTBEATS + '" "$1"\n{\n' + DIAGNOSE + '} | awk '
+NODE_DIAGNOSE = ('echo "node $SLURMD_NODENAME"; set -- "' + HEARTBEATS + '" "$1"\n{\n' + program("diagnose") + '} | awk '
                  + "'{ print substr($0, 1, 400); for (i = 401; i <= length($0); i += 400) print \"~ \" substr($0, i, 400) }'\n")
 
 PROGRESS_EVERY_S = 10.0

@@ -9,9 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from trainer.holds import ENV as HOLD_ENV
-from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_RECORD_ENV, STALL_TIMEOUT_ENV
-from trainer.masking import SECRET_NAMES_ENV
+from agent.contract import HEARTBEAT_DIR_ENV, HOLD_ENV, ON_STALL_ENV, SECRET_NAMES_ENV, STALL_RECORD_ENV, STALL_TIMEOUT_ENV
 
 # Names end up in container names, file names and command lines: keep them boring.
 _SAFE = re.compile(r"[A-Za-z0-9_.-]+")

@@ -3,7 +3,12 @@ limits, the built-in trainer's flags): each as a field path and a message."""
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
 from collections import Counter
+
+from agent.contract import TRAINER_FLAGS_MODULE, module_argv
 
 
 class CrossFieldProblems(Exception):
@@ -88,12 +93,10 @@ def _slurm_problems(inv) -> list[tuple[tuple, str]]:
 
 def _train_problems(train, node_envs: list[dict[str, str]], stages: int) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
-    if train.builtin:
+    if train.builtin and train.args:
         # The trainer's own parser, here: a bad flag is exit 2 now, not exited(1) after restarts.
         # With the stages the tool gives it (job.stages), which --micro-batches needs.
-        from trainer.config import flag_problem
-
-        problem = flag_problem(["--stages", str(stages), *train.args])
+        problem = _trainer_refuses(("--stages", str(stages), *train.args))
         if problem:
             out.append((("train", "args"), f"the built-in trainer refuses these flags: {problem} "
                                            "(see python -m trainer --help)"))
@@ -103,6 +106,22 @@ def _train_problems(train, node_envs: list[dict[str, str]], stages: int) -> list
             out.append((("train", "secrets", name), f"{name} is also set in train.env or nodes[].env; "
                                                     "keep it in one place (secrets for values never shown)"))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _trainer_refuses(argv: tuple[str, ...]) -> str | None:
+    """What the built-in trainer refuses in ``argv``, asked of the trainer itself as a program (this
+    machine's interpreter, which installs it beside the tool): its flags are its own, and nothing of
+    the training side is imported here."""
+    try:
+        r = subprocess.run([sys.executable, *module_argv(TRAINER_FLAGS_MODULE), *argv], capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot ask {sys.executable} -m {TRAINER_FLAGS_MODULE} about them ({exc})"
+    if r.returncode == 0:
+        return None
+    said = (r.stdout.strip() or r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1]
+    return said if r.returncode == 2 else f"cannot ask {sys.executable} -m {TRAINER_FLAGS_MODULE} about them ({said})"
 
 
 def _times(stages: int) -> str:

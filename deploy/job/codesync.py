@@ -1,6 +1,6 @@
 """The user's code, synced without a rebuild: a local directory -> an immutable snapshot on the
 shared volume, named by its content, read-only: the job runs in its node's working directory,
-whose files of the code are links to it (trainer/workdir.py).
+whose files of the code are links to it (agent/workdir.py).
 
 ``scan`` reads the directory on the operator's machine (no connection): every file not ignored
 (the project's .gitignore files, hosts.yaml's ``train.code.ignore``, and .git/), its sha256 and

@@ -6,9 +6,9 @@ scripts.RECORD_STOP): ``status`` shows a node it stopped as ``stopped (graceful,
 step 40)``, as ``runs`` and ``status --run`` do, ``stopping`` while the stop is under way, and
 ``launch --wait`` ends as a stop, not a failure.
 
-A run trained when one of its ranks formed the process group (its heartbeat, trainer/heartbeat/,
+A run trained when one of its ranks formed the process group (its heartbeat, agent/heartbeat/,
 seen by the node's launcher, which keeps the finding in the node's directory of the run as
-:data:`trainer.formed.MARKER`) or a rank printed a METRICS line. A run whose every node exited 0
+:data:`agent.formed.MARKER`) or a rank printed a METRICS line. A run whose every node exited 0
 with neither is not called a success: nothing shows it trained.
 """
 
@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from trainer.formed import MARKER as FORMED_MARKER  # noqa: F401 (the node programs' name of the finding)
+from agent.contract import FORMED_MARKER  # noqa: F401 (the node programs' name of the finding)
 
 STOPPING = "stopping"
 """A node whose job a ``stop`` has begun to end: its processes may still write their checkpoint."""

@@ -1,12 +1,14 @@
 """What the job runs: the built-in trainer, or the user's own module or script. One class per kind.
 
 A payload says how the launcher names the program (``--entry MODULE`` / ``--script PATH``, see
-trainer.launch), which arguments it gets, and what the probe imports to prove it is there before
+agent.launch), which arguments it gets, and what the probe imports to prove it is there before
 anything starts. Everything else (torchrun, the environment of the contract, directories, GPUs)
 is the same for every payload (plan.py, runtime.py).
 """
 
 from __future__ import annotations
+
+from agent.contract import TRAINER_MODULE
 
 from ..inventory import Inventory
 
@@ -19,7 +21,7 @@ class Payload:
         raise NotImplementedError
 
     def launcher_options(self) -> tuple[str, ...]:
-        """trainer.launch options naming the program (before ``--``)."""
+        """agent.launch options naming the program (before ``--``)."""
         raise NotImplementedError
 
     def program_args(self, data_dir: str, ckpt_dir: str, tool: tuple[str, ...]) -> tuple[str, ...]:
@@ -27,7 +29,7 @@ class Payload:
         return self.inv.train.args
 
     def probe_options(self) -> tuple[str, ...]:
-        """trainer.probe options: import the program where it will run, and report the error."""
+        """agent.probe options: import the program where it will run, and report the error."""
         raise NotImplementedError
 
 
@@ -45,7 +47,7 @@ class BuiltinTrainer(Payload):
         return ("--data-dir", data_dir, "--ckpt-dir", ckpt_dir, *tool, *self.inv.train.args)
 
     def probe_options(self):
-        return ("--import", "trainer.__main__")
+        return ("--import", f"{TRAINER_MODULE}.__main__")
 
 
 class UserModule(Payload):

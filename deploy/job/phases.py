@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-from trainer.output import PREFIX
+from agent.contract import METRICS_PREFIX as PREFIX
 
 from ..text import safe
 
@@ -70,7 +70,7 @@ NO_FIRST_STEP = ("no first step seen: no node printed a METRICS line, and no ran
 class FirstStep:
     """The job's first step, as ``launch --wait`` sees the nodes' states at each poll
     (deploy/job/plan.py ``NodeState``): a node's first METRICS line (docs/own-code.md, Metrics),
-    or a rank's first heartbeat that shows a step (trainer/heartbeat/: the program's own, with its
+    or a rank's first heartbeat that shows a step (agent/heartbeat/: the program's own, with its
     step; or the progress hook's, which every rank of any program writes when its process group
     forms and after each collective, once a collective has returned), whichever a poll shows
     first. When: the
@@ -126,7 +126,7 @@ def first_evidence(states: dict) -> tuple[str, str, float] | None:
 
 def _beat_sign(beat) -> str:
     """What a heartbeat that shows a step says: the program's own beat names its step; the progress
-    hook's (trainer/progress_hook, no step) has an interval only once a collective returned after
+    hook's (agent/progress_hook, no step) has an interval only once a collective returned after
     its process group formed, its first beat."""
     rank = "?" if beat.rank is None else beat.rank
     return f"rank {rank}'s heartbeat at step {beat.step}" if beat.step is not None else f"rank {rank}'s collectives"

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from trainer.holds import ENV as HOLD_ENV
-from trainer.heartbeat import HEARTBEAT_DIR_ENV, ON_STALL_ENV, STALL_TIMEOUT_ENV, parse_beat
-from trainer.zygote import ENABLE_ENV as PREFORK_ENV
-from trainer.masking import SECRET_NAMES_ENV
-from trainer.output import RANK_PREFIXES, RUN_ID_ENV
+from agent.contract import (
+    HEARTBEAT_DIR_ENV, HOLD_ENV, NETCHECK_MODULE, ON_STALL_ENV, PREFORK_ENV, RANK_PREFIXES, RUN_ID_ENV, SECRET_NAMES_ENV,
+    STALL_TIMEOUT_ENV, parse_beat,
+)
 
 from ..inventory import Inventory, Node
 from ..programs import node_program
@@ -146,7 +145,7 @@ def node_env(inv: Inventory, node: Node, facts: NodeFacts = NodeFacts(),
     for gloo and NCCL (the inventory's, else the one detected on the node), then train.env and
     nodes[].env, which win (they cannot name the contract's variables: inventory.RESERVED_ENV)."""
     env = {"DDP_NODE_NAME": node.name, **contract_env(inv, *runtime(inv).job_dirs(), code, run)}
-    if run is not None:  # the launcher says it runs the job, and holds the node's GPUs (trainer/holds.py)
+    if run is not None:  # the launcher says it runs the job, and holds the node's GPUs (agent/holds.py)
         env[HOLD_ENV] = json.dumps({"job": inv.job.name, "run": run, "gpus": list(node.devices)})
     interface = node.interface or facts.interface
     if interface is not None:
@@ -171,7 +170,7 @@ def contract_env(inv: Inventory, data: str, ckpt: str, code: CodeDir | None = No
         env["DDP_CODE_SNAPSHOT"] = code.snapshot
     if inv.train.secrets:  # names only: the launcher masks their values in the job's output
         env[SECRET_NAMES_ENV] = ",".join(inv.train.secrets)
-    if not inv.gpu_job:  # forked workers, torch imported once (trainer/zygote.py); not yet where CUDA is
+    if not inv.gpu_job:  # forked workers, torch imported once (agent/zygote.py); not yet where CUDA is
         env[PREFORK_ENV] = "1"
     return env
 
@@ -198,7 +197,7 @@ def program_args(inv: Inventory) -> tuple[str, ...]:
 
 def stall_env(inv: Inventory) -> tuple[tuple[str, str], ...]:
     """job.on_stall and job.stall_timeout for each node's launcher, which keeps a stall with the run
-    and acts on it itself (trainer/heartbeat/, Watchdog): on the SSH fleet and under Slurm alike."""
+    and acts on it itself (agent/heartbeat/, Watchdog): on the SSH fleet and under Slurm alike."""
     return ((ON_STALL_ENV, inv.job.on_stall), (STALL_TIMEOUT_ENV, str(inv.job.stall_timeout)))
 
 
@@ -225,7 +224,6 @@ def launch_plan(inv: Inventory, facts: dict[str, NodeFacts] | None = None,
     return [launch_spec(inv, i, facts.get(n.name, NodeFacts()), code, run) for i, n in enumerate(inv.nodes)]
 
 
-NETCHECK_ENTRY = "trainer.netcheck"
 
 
 def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -238,14 +236,14 @@ def netcheck_plan(inv: Inventory, facts: dict[str, NodeFacts], flags: tuple[str,
     for i, node in enumerate(inv.nodes):
         opts = torchrun_options(inv, i, rdzv_id=f"{inv.rdzv_id}-netcheck", max_restarts=0)
         f = facts.get(node.name, NodeFacts())
-        launcher = [*opts, "--entry", NETCHECK_ENTRY, "--", *device, *flags]
+        launcher = [*opts, "--entry", NETCHECK_MODULE, "--", *device, *flags]
         out[node.name] = tuple(rt.run_argv(node, launcher, node_env(inv, node, f), f))
     return out
 
 
 def probe_argv(inv: Inventory, node: Node, code: CodeDir | None = None, *, reuse: bool | None = None
                ) -> tuple[str, ...]:
-    """trainer.probe where the job runs, with its code: torch, CUDA, and the program importing.
+    """agent.probe where the job runs, with its code: torch, CUDA, and the program importing.
     ``reuse``: None runs the probe alone; False keeps its good answer on the node where the
     runtime can (:meth:`Runtime.kept_probe_argv`); True also takes an answer kept before."""
     rt = runtime(inv, code)
@@ -302,7 +300,7 @@ class NodeState:
     stop: Stop | None = None
     """The operator's stop of the node's run, as ``stop`` kept it (deploy/job/outcome.py)."""
     formed: bool = False
-    """The node's launcher saw a rank's heartbeat in this run: a process group formed (trainer/formed.py)."""
+    """The node's launcher saw a rank's heartbeat in this run: a process group formed (agent/formed.py)."""
 
     @property
     def exists(self) -> bool:
@@ -369,7 +367,7 @@ def parse_status(stdout: str) -> NodeState:
             quiet = float(count(value)) if value.isdigit() else None
         elif word == "stop":  # the operator's stop of this run on the node (scripts.RECORD_STOP)
             stop = Stop.parse(value)
-        elif line.strip() == "formed":  # the node's launcher saw a heartbeat (trainer/formed.py)
+        elif line.strip() == "formed":  # the node's launcher saw a heartbeat (agent/formed.py)
             formed = True
         elif line.strip():
             metrics = line.strip()

@@ -9,11 +9,11 @@
     <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>/exits   ``TIME CODE`` at each end of its launcher
                                                                   (one line per restart)
     <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>/group-formed   its launcher saw a rank's heartbeat
-                                                                  (trainer/formed.py)
+                                                                  (agent/formed.py)
     <checkpoints.host>/.ddp-deploy/<job>/runs/<id>/<node>.stopped the operator's stop (outcome.Stop), in the
                                                                   run's directory, which only this tool writes
 
-The trainer's metrics records carry the id (``"run"``, trainer/output.py RUN_ID_ENV), and its
+The trainer's metrics records carry the id (``"run"``, agent/contract.py RUN_ID_ENV), and its
 TensorBoard files are in ``<checkpoints.host>/tensorboard/<id>``. A launch keeps the newest
 ``job.keep_runs`` runs and removes older ones with their TensorBoard files; the run it starts is
 the newest. Here: ids, paths and the shell that reads and writes them, as argv lists, and the
@@ -78,7 +78,7 @@ NODES_OF = r"""nodes_of() {
 """
 
 # $1 = a run's directory, then NODE/TIME for each kept stall wanted (runs.StallRecord): for each,
-# "@@node NAME", "@@stall TIME" and what the node's DIAGNOSE printed then (trainer/heartbeat/,
+# "@@node NAME", "@@stall TIME" and what the node's diagnose program printed then (agent/heartbeat/,
 # Watchdog.keep). Only the files the stall records name: the job can write this directory too.
 STALL_DIAGNOSES = node_program("stall_diagnoses.sh")
 
@@ -120,7 +120,7 @@ STALL_WINDOW_S = 120
 
 
 def parse_diagnoses(stdout: str) -> dict[tuple[str, int], str]:
-    """What STALL_DIAGNOSES printed: (node, time) -> the node's DIAGNOSE output for that stall."""
+    """What STALL_DIAGNOSES printed: (node, time) -> the node's diagnose program output for that stall."""
     found: dict[tuple[str, int], list[str]] = {}
     node, key = None, None
     for line in lines(stdout):
@@ -189,7 +189,7 @@ class NodeRun:
     stalls: tuple[StallRecord, ...] = ()
     """The stalls its launcher found, oldest first (kept in ``<node>/stalls``)."""
     formed: bool = False
-    """Its launcher saw a rank's heartbeat: a process group formed there (trainer/formed.py)."""
+    """Its launcher saw a rank's heartbeat: a process group formed there (agent/formed.py)."""
 
     @property
     def stop(self) -> Stop | None:

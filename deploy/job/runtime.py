@@ -1,7 +1,7 @@
 """How the job runs on a node: one class per runtime, owning every command of its kind.
 
 ``docker`` runs the launcher as the image's entrypoint in a container; ``host`` runs the same
-launcher (``python -m trainer.launch``) with the node's interpreter. Everything here returns
+launcher (``python -m agent.launch``) with the node's interpreter. Everything here returns
 argv lists (plan.py and preflight.py call these; remote.py quotes them once); nothing runs.
 
 What differs between the runtimes: where the job's directories are, how a process gets its
@@ -14,10 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from trainer.entry import module_argv
-from trainer.heartbeat import DIAGNOSE
-from trainer.output import LOG_DIR_ENV
-from trainer.workdir import SUBDIR as WORK_SUBDIR
+from agent.contract import LAUNCH_MODULE, LOG_DIR_ENV, PROBE_MODULE, WORK_SUBDIR, module_argv, program
 
 from ..inventory import Inventory, Node
 from .scripts import (AS_JOB, DOCKER_STATUS, DOCKER_STOP, HOST_PROBE_KEPT, HOST_START, HOST_STATUS, HOST_STOP, IN_DIR,
@@ -57,7 +54,7 @@ to finish their step and write the checkpoint of a planned stop (trainer/stoppin
 
 CODE_MOUNT = "/workspace"
 """Where a docker job sees its code snapshot (read-only; the launcher starts there and makes the
-node's working directory of links to it, trainer/workdir.py)."""
+node's working directory of links to it, agent/workdir.py)."""
 
 JOB_UID = "1000"
 """The image's user (Dockerfile): the docker runtime's job runs as it."""
@@ -80,7 +77,7 @@ def kept_dir(inv: Inventory, run: str, node: str, base: str | None = None) -> st
 
 
 def heartbeat_dir(inv: Inventory, node: Node) -> str:
-    """Where the job's ranks on ``node`` keep their heartbeats (trainer/heartbeat/): in the node's
+    """Where the job's ranks on ``node`` keep their heartbeats (agent/heartbeat/): in the node's
     memory, shared with a container by ``--ipc host``. It names the job by its name and by where it
     lives (its directory on the shared volume, hashed: two hosts.yaml may both call their job
     ``demo``, and both run on one machine), and the node; ``@`` is in neither a job's nor a node's
@@ -99,7 +96,7 @@ def job_key(inv: Inventory) -> str:
 
 
 def spy_beside(python: str) -> str:
-    """py-spy, installed beside the job's interpreter (else the one on PATH): DIAGNOSE's second argument."""
+    """py-spy, installed beside the job's interpreter (else the one on PATH): the diagnose program's second argument."""
     return f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy"
 
 
@@ -131,9 +128,9 @@ class CodeDir:
 
 
 def probe_args(node: Node, program: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """``python -m trainer.probe`` and what it checks: the node's GPUs and processes, and that the
+    """``python -m agent.probe`` and what it checks: the node's GPUs and processes, and that the
     program imports (``program``: the payload's probe options)."""
-    return (*module_argv("trainer.probe"), "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
+    return (*module_argv(PROBE_MODULE), "--gpus", str(len(node.devices)), "--procs", str(node.nprocs), *program)
 
 
 class Runtime:
@@ -212,7 +209,7 @@ class Runtime:
         raise NotImplementedError
 
     def probe_argv(self, node: Node, env: tuple[tuple[str, str], ...], program: tuple[str, ...] = ()) -> list[str]:
-        """trainer.probe with the job's torch, GPUs, environment and code: one line of versions,
+        """agent.probe with the job's torch, GPUs, environment and code: one line of versions,
         CUDA state and whether the program imports."""
         raise NotImplementedError
 
@@ -316,7 +313,7 @@ class DockerRuntime(Runtime):
         argv += ["--cap-add", "SYS_PTRACE"]  # `doctor` reads the workers' stacks (py-spy), in this container only
         for name in self.inv.train.secrets:  # the value comes from SECRETS_FROM_STDIN's environment
             argv += ["-e", name]
-        # The launcher keeps a copy of its output and its exit codes with the run (trainer.launch.run_teed).
+        # The launcher keeps a copy of its output and its exit codes with the run (agent.launch.run_teed).
         argv += ["-e", f"{LOG_DIR_ENV}={self.kept_dir(node, self.inv.storage.checkpoints.container)}"]
         return [*self.secrets_prefix(), "sh", "-c", IN_NEW_DIR, "sh", self.job_uid, self.inv.storage.checkpoints.host,
                 RUN_SUBDIR, self.inv.job.name, self.run, node.name,
@@ -351,7 +348,7 @@ class DockerRuntime(Runtime):
 
     def diagnose_argv(self, node):
         # as root in the container, which has CAP_SYS_PTRACE for this (start_argv): py-spy reads the workers
-        return ("docker", "exec", "-u", "0", self.container(node), "sh", "-c", DIAGNOSE, "sh",
+        return ("docker", "exec", "-u", "0", self.container(node), "sh", "-c", program("diagnose"), "sh",
                 heartbeat_dir(self.inv, node), "py-spy")
 
     def logs_argv(self, node, *, tail, follow):
@@ -405,10 +402,10 @@ class HostRuntime(Runtime):
 
     def start_argv(self, node, launcher, env, facts):
         return [*self.secrets_prefix(), "sh", "-c", HOST_START, "sh", self.run_dir(node), self.kept_dir(node),
-                str(self.inv.job.max_restarts), *self._command(node, env, [*module_argv("trainer.launch"), *launcher])]
+                str(self.inv.job.max_restarts), *self._command(node, env, [*module_argv(LAUNCH_MODULE), *launcher])]
 
     def run_argv(self, node, launcher, env, facts):
-        return self._command(node, env, [*module_argv("trainer.launch"), *launcher])
+        return self._command(node, env, [*module_argv(LAUNCH_MODULE), *launcher])
 
     def probe_argv(self, node, env, program=()):
         return self._command(node, env, probe_args(node, program))
@@ -416,7 +413,7 @@ class HostRuntime(Runtime):
     def kept_probe_argv(self, node, probe, reuse):
         """A CPU node's answer is a function of the probe's command (the interpreter, the code
         snapshot, the environment and the flags: hashed here) and of the interpreter's installation,
-        which the probe itself names on the node before it imports anything (trainer.probe's
+        which the probe itself names on the node before it imports anything (agent.probe's
         ``installation()``: a package installed, removed or upgraded is another answer); a GPU
         node's devices are probed every time."""
         if node.devices:
@@ -432,7 +429,7 @@ class HostRuntime(Runtime):
                 heartbeat_dir(self.inv, node))
 
     def diagnose_argv(self, node):
-        return ("sh", "-c", DIAGNOSE, "sh", heartbeat_dir(self.inv, node), spy_beside(self.inv.python_path()))
+        return ("sh", "-c", program("diagnose"), "sh", heartbeat_dir(self.inv, node), spy_beside(self.inv.python_path()))
 
     def logs_argv(self, node, *, tail, follow):
         return tail_argv(f"{self.run_dir(node)}/log", tail=tail, follow=follow)

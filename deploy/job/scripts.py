@@ -5,11 +5,7 @@ tests/test_node_programs.py). Nothing here runs."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from trainer import holds
-from trainer.formed import MARKER as FORMED_MARKER
-from trainer.heartbeat import STALL_RECORD_ENV
+from agent.contract import FORMED_MARKER, STALL_RECORD_ENV, program
 
 from ..programs import node_program
 
@@ -22,9 +18,9 @@ from ..programs import node_program
 # One grep reads every process's environment (one a process took seconds on a busy node), and it
 # returns once the killed are gone (at most 5 s): a stop that says stopped leaves none of them.
 # No single quote in it: the supervisor's script below is one quoted word.
-# The jobs' launchers on a node and the GPUs they hold (trainer/holds.py: standard library only, run
+# The jobs' launchers on a node and the GPUs they hold (agent/holds.py: standard library only, run
 # by the node's own python3): `list INDEX...`, `jobs`.
-HOLDS = Path(holds.__file__).read_text()
+HOLDS = program("holds")
 
 KILL_RUN = node_program("kill_run.sh")
 
@@ -37,11 +33,11 @@ TOOL_DIR = node_program("tool_dir.sh")
 # probe answer kept for the next launch in the same image with the same command.
 PROBE_KEPT = node_program("probe_kept.sh")
 # reuse|keep, the probe command's key, then the probe's argv: a host CPU node's good probe answer
-# kept by trainer.probe for the next launch with the same command and installation.
+# kept by agent.probe for the next launch with the same command and installation.
 HOST_PROBE_KEPT = node_program("probe_kept_host.sh")
 
 # Filters of a run's log (stdin). A worker's lines start with its rank, "[rank3]: " (put there by
-# the launcher, trainer/launch.py; twice on a traceback, whose lines torch prefixes too).
+# the launcher, agent/launch.py; twice on a traceback, whose lines torch prefixes too).
 # Rank 0's last METRICS line (no prefix, or "[rank0]: "), without its prefix:
 LAST_METRICS = node_program("last_metrics.sh")
 # What the program said on a planned stop (trainer/stopping.py), as ": <its line>", if anything:
@@ -84,7 +80,7 @@ BEGIN_STOP = r"""begin_stop() {
 """
 
 # A shell function: formed KEPT prints "formed" where the node's launcher kept, in its directory of
-# the run KEPT, that a rank's heartbeat was seen (trainer/formed.py). The directory is the job's: the
+# the run KEPT, that a rank's heartbeat was seen (agent/formed.py). The directory is the job's: the
 # file is looked at with its rights.
 FORMED = r"""formed() {
   [ -n "$1" ] && as_job test -e "$1/""" + FORMED_MARKER + r"""" 2>/dev/null && echo formed
@@ -121,7 +117,7 @@ mkdir -p "$run" "$kept" || exit 1
 rm -f "$run/exit" "$run/ending" "$run/restarts"
 ln -sfn "$kept/log" "$run/log" || exit 1
 DDP_DEPLOY_RUN=$run; export DDP_DEPLOY_RUN
-""" + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (trainer/heartbeat/)
+""" + STALL_RECORD_ENV + "=$kept; export " + STALL_RECORD_ENV + r"""  # where the launcher keeps a stall (agent/heartbeat/)
 # shellcheck disable=SC2016  # the supervisor's script expands its own arguments
 setsid sh -c '""" + KILL_RUN + r"""
 run=$0; kept=$1; max=$2; shift 2; echo $$ > "$run/pid.tmp" && mv "$run/pid.tmp" "$run/pid"; n=0
@@ -153,12 +149,12 @@ AS_JOB_LIB = node_program("as_job.sh")
 
 # A shell function: progress HEARTBEAT_DIR LOG. The evidence of progress of a running job on this
 # node, its ages in seconds as this node's clock has them: "beat LOCAL_RANK AGE LINE" for each
-# rank's heartbeat file (trainer/heartbeat/; LINE: its first line's digits and spaces, the file
+# rank's heartbeat file (agent/heartbeat/; LINE: its first line's digits and spaces, the file
 # being the job's), and "quiet AGE", the time since the run's log was last written.
 PROGRESS = AS_JOB_LIB + node_program("progress.sh")
 
 # A shell function: last_stall KEPT prints "stall LINE", the last stall the node's launcher kept
-# in the run's directory KEPT (trainer/heartbeat/, Watchdog; job.on_stall: stop ends a node so).
+# in the run's directory KEPT (agent/heartbeat/, Watchdog; job.on_stall: stop ends a node so).
 LAST_STALL = node_program("last_stall.sh")
 
 # $1 = run dir, $2 = the job's heartbeat dir. Line 1: absent | running | stopping | stopped |
@@ -308,7 +304,7 @@ MERGE_STDERR = 'exec "$@" 2>&1'
 SECRETS_FROM_STDIN = 'while IFS= read -r kv; do export "$kv"; done; exec "$@"'
 
 # $1 = directory, then the command: the host runtime's start in the code snapshot, from which the
-# launcher makes the node's working directory of links to it (trainer/workdir.py). File modes do
+# launcher makes the node's working directory of links to it (agent/workdir.py). File modes do
 # not stop root (the default ssh.user): for root the snapshot is made read-only by a bind mount in
 # a mount namespace of the command's own (util-linux unshare), so that a program writing through a
 # link to its code fails at once instead of changing the snapshot every run of that code shares. Mounts the node makes later still reach the command

@@ -5,7 +5,7 @@ a file), never the value. The values travel to the nodes as ``NAME=VALUE`` lines
 command's stdin (scripts.SECRETS_FROM_STDIN), so no command line, ``--dry-run`` output or debug
 log holds them; what the tool prints (logs, status, errors, the debug log) passes through
 :class:`Redactor`, which shows each value as ``***``. On the node the launcher masks the job's
-output the same way before it is written anywhere (trainer.masking, SECRET_NAMES_ENV).
+output the same way before it is written anywhere (agent.masking, SECRET_NAMES_ENV).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.masking import MASK, Mask
+from agent.contract import MASK, Mask
 
 from ..errors import InputError
 
@@ -74,7 +74,7 @@ def stdin_lines(values: dict[str, str]) -> bytes:
 
 class Redactor:
     """Shows every known secret value in a text as ``***``, in each spelling a program may print
-    it (trainer.masking.forms: as is, JSON / repr / ascii-escaped, percent-encoded, base64)."""
+    it (agent.contract.forms: as is, JSON / repr / ascii-escaped, percent-encoded, base64)."""
 
     def __init__(self, values: dict[str, str] | None = None) -> None:
         self._mask = Mask((values or {}).values())

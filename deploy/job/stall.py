@@ -2,7 +2,7 @@
 for longer than ``job.stall_timeout``. Nothing here connects anywhere.
 
 The evidence is what the node's status script read (deploy/job/runtime.py, PROGRESS): each rank's
-heartbeat (trainer/heartbeat/: its step and phase, and its age by the node's own clock, so that
+heartbeat (agent/heartbeat/: its step and phase, and its age by the node's own clock, so that
 no clock of two machines is compared; the launcher's progress hook writes one for any program, from
 its worker's start), or, where they tell nothing, the age of the run's log.
 
@@ -11,7 +11,7 @@ beats that any rank of the node has shown (a checkpoint or an evaluation include
 less than :data:`FLOOR_S`, so that a slow but healthy job is not called stalled. Before any rank
 has shown an interval (its start-up) and without heartbeats, output alone says less (a program may
 print once an epoch): the node is called stalled only after :data:`QUIET_S` of silence, unless the
-inventory sets a number, or a rank ended while the others wait on it (trainer/heartbeat/, verdict).
+inventory sets a number, or a rank ended while the others wait on it (agent/heartbeat/, verdict).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import astuple, dataclass
 
-from trainer.heartbeat import FLOOR_S, GAP_FACTOR, QUIET_S, stall_limit, verdict  # noqa: F401 (the node's watchdog judges alike)
+from agent.contract import FLOOR_S, GAP_FACTOR, QUIET_S, stall_limit, verdict  # noqa: F401 (the node's watchdog judges alike)
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Beat:
     age_s: float
     """Seconds since its last beat, by the node's clock."""
     phase: str | None = None
-    """Where its worker is, as the progress hook says (trainer/heartbeat/, PHASES); None: a line
+    """Where its worker is, as the progress hook says (agent/heartbeat/, PHASES); None: a line
     the program wrote itself."""
 
 
@@ -54,7 +54,7 @@ class Stall:
     """``heartbeats``, or ``output`` for a program that writes none."""
     left: str | None = None
     """``rank N``: the rank that ended while the node's others never formed the process group or
-    wait in their first collective (trainer/heartbeat/, verdict)."""
+    wait in their first collective (agent/heartbeat/, verdict)."""
 
 
 def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
@@ -65,7 +65,7 @@ def timeout(setting, beats: tuple[Beat, ...]) -> float | None:
 def judge(state: str, beats: tuple[Beat, ...], quiet_s: float | None, setting, now: float | None = None,
           started: bool = True) -> Stall | None:
     """A running node's stall, or None (it moves, it is not running, or nothing tells). Its
-    heartbeats judged as its launcher's watchdog judges them (trainer/heartbeat/, verdict: each
+    heartbeats judged as its launcher's watchdog judges them (agent/heartbeat/, verdict: each
     rank's clock starts with its worker); where they tell nothing (none, or with ``auto`` a start-up
     that has shown no interval yet), its output. ``started``: the program has shown progress (a
     METRICS line); before that its silence is its start (a container, imports, a dataset, the
@@ -97,7 +97,7 @@ _STALL = re.compile(r"([0-9]{1,11}) (-|[0-9]{1,18}) ([0-9]{1,9}) ([0-9]{1,9}) (r
 
 @dataclass(frozen=True)
 class StallRecord:
-    """A stall as the node's launcher kept it (trainer/heartbeat/, Watchdog): ``<node>/stalls``,
+    """A stall as the node's launcher kept it (agent/heartbeat/, Watchdog): ``<node>/stalls``,
     one line ``TIME STEP QUIET_S LIMIT_S ACTION`` each; its diagnosis in ``<node>/stall-TIME``. The
     job can write these files too: a line that is not exactly that is no record."""
 

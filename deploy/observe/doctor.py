@@ -1,7 +1,7 @@
 """Why a job does not move: every rank's Python stack on every node, grouped by where it waits,
 the odd ones named first. Nothing here connects anywhere.
 
-Each node's DIAGNOSE script (deploy/job/runtime.py) lists the job's workers by exact identity and
+Each node's diagnose program (deploy/job/runtime.py) lists the job's workers by exact identity and
 dumps each one's threads with py-spy (a well-kept sampling profiler that reads a process's memory
 without changing it: https://github.com/benfred/py-spy). A rank in a collective of
 ``torch.distributed`` waits for the others; a rank elsewhere (asleep, spinning, reading a file
@@ -20,7 +20,7 @@ from .view import LARGEST
 COLLECTIVES = "/torch/distributed/"
 """A frame in a file under this path is torch.distributed's: the rank waits in a collective there."""
 HOOK = "ddp_deploy_progress.py"
-"""The progress hook's wrappers of the collectives (trainer/progress_hook): not the program's line."""
+"""The progress hook's wrappers of the collectives (agent/progress_hook): not the program's line."""
 BACKWARD = "/torch/autograd/"
 """A frame in a file under this path is autograd's backward, where DDP's gradient all-reduce runs
 (from the autograd engine's hooks, below any Python frame): a rank of a stalled DDP job there waits
@@ -58,7 +58,7 @@ class Frame:
 
 @dataclass(frozen=True)
 class RankStack:
-    """One worker of the job on a node, as the node's DIAGNOSE script found it."""
+    """One worker of the job on a node, as the node's diagnose program found it."""
 
     node: str
     pid: int
@@ -126,7 +126,7 @@ def _whole(word: str) -> int | None:
 
 
 def parse(node: str, stdout: str) -> list[RankStack]:
-    """A node's DIAGNOSE output."""
+    """A node's diagnose program output."""
     found: dict[int, dict] = {}
     for line in stdout.splitlines():
         word, _, rest = line.partition(" ")

@@ -27,7 +27,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from trainer.snapshot_hint import is_hint
+from agent.contract import is_hint
 
 from ..text import lines as log_lines, safe
 from .view import split_rank
@@ -64,7 +64,7 @@ class Failure:
     """The program's first error line, if one was found."""
     explained: str | None = dataclasses.field(default=None, kw_only=True)
     """What the node's launcher said of that failure: a write through a file of the code, which
-    is a link to the read-only snapshot (trainer/snapshot_hint.py), the path where it is known."""
+    is a link to the read-only snapshot (agent/snapshot_hint.py), the path where it is known."""
 
     def describe(self) -> str:
         """One line for the operator's terminal: the node, rank and exit code, and what the
@@ -214,7 +214,7 @@ def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> 
 
 def _explained(log: str) -> str | None:
     """The node's launcher's first word on a write through a file of the code (a line of its own,
-    no rank's prefix: trainer/snapshot_hint.py), if it said one."""
+    no rank's prefix: agent/snapshot_hint.py), if it said one."""
     for raw in log_lines(log):
         rank, line = split_rank(raw)
         if rank is None and is_hint(line):

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from trainer.output import PREFIX
+from agent.contract import METRICS_PREFIX as PREFIX
 
 from ..errors import InputError, RuntimeFailure
 from ..inventory import Inventory

@@ -26,7 +26,7 @@ from ..text import safe
 METRICS_PREFIX = "METRICS "
 
 
-# torch's prefix of a worker's line (trainer/launch.py RANK_PREFIX), its space gone where the line
+# torch's prefix of a worker's line (agent/launch.py RANK_PREFIX), its space gone where the line
 # was empty and its end was stripped. ASCII digits only, and few: a prefix no worker has is text.
 _RANK_PREFIX = re.compile(r"\[rank([0-9]{1,9})\]:(?: |$)")
 

@@ -1,4 +1,4 @@
-# A host CPU node's probe, asked to keep its good answer for the next launch (trainer/probe.py
+# A host CPU node's probe, asked to keep its good answer for the next launch (agent/probe.py
 # --kept: under the operator's key of the command and the interpreter's installation).
 # $1 = reuse | keep, $2 = the probe command's key; the probe's argv follows. A trainer on the node
 # older than --kept says so (argparse: exit 2): probed as before, without keeping.

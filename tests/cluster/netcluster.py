@@ -364,7 +364,7 @@ class _Timings:
 
 # --------------------------------------------------------------------------- the trainer image's build context
 
-BUILD_CONTEXT = ("Dockerfile", ".dockerignore", "docker", "trainer")
+BUILD_CONTEXT = ("Dockerfile", ".dockerignore", "docker", "agent", "trainer")
 """What the repository's Dockerfile is built from: its .dockerignore lets nothing else in. A copy
 of the whole checkout instead takes its venvs along (11 GB in a clean clone after `make install`),
 which once filled the disk in the middle of `make test`."""

@@ -74,7 +74,7 @@ def trainer_processes_on(cluster, node: str) -> list[str]:
         except OSError:  # ended meanwhile
             continue
         line = " ".join(argv)
-        if "trainer.launch" in line or "-m trainer" in line:
+        if "agent.launch" in line or "-m trainer" in line:
             found.append(f"{proc.name} {line.strip()}")
     return found
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from procs import children_of
-from trainer import launch
+from agent import launch
 
 from .operator_cli import (complete_checkpoint_steps, container_of, containers_on, ddp, empty_nas, node_states, ok, start_ddp,
                            records, wait_until)
@@ -75,7 +75,7 @@ def lost_node_bound(max_restarts: int) -> int:
 
 LOST_NODE_BOUND = lost_node_bound(MAX_RESTARTS)
 # The rendezvous node lost: each start's launcher gives up once the store is silent for longer than
-# join_timeout + its slack, found by a probe every few seconds (trainer/launch.py, its rendezvous watch);
+# join_timeout + its slack, found by a probe every few seconds (agent/launch.py, its rendezvous watch);
 # the workers' dist timeout runs meanwhile.
 RDZV_LOST_BOUND = (1 + MAX_RESTARTS) * (JOIN_TIMEOUT + launch.WATCH_SLACK_S + launch.WATCH_EVERY_S
                                         + launch.PROBE_TIMEOUT_S + START_S)

@@ -4,7 +4,7 @@ nodes' kernel gives its launchers; a third job asking for GPUs that a running jo
 before anything starts, naming that job and its user.
 
 The nodes have no GPUs, so the GPU job here is what a GPU job's launcher does on its node (a
-``trainer/holds.py`` hold of GPU indices, by the other user) and the third job's hosts.yaml declares
+``agent/holds.py`` hold of GPU indices, by the other user) and the third job's hosts.yaml declares
 GPUs the nodes lack; the holds, how the nodes find them and the refusal are real. The other user
 also plants silent claims (listening sockets that never answer) beside them, which neither launch
 nor ``jobs`` waits on for more than one bounded read.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import holds
+from agent import holds
 from .netcluster import LIGHT_MODEL
 from .operator_cli import REPO, ddp, ok, records, start_ddp, trainer_processes_on, wait_until
 
@@ -96,7 +96,7 @@ def test_two_users_jobs_start_at_once_and_train_and_a_held_gpu_is_refused(cluste
         wait_until(both_train, 300, "both jobs' first steps")
 
         # what a GPU job's launcher holds on node2, the other user's
-        gpu_job = _as(tenant, node2, [sys.executable, str(REPO / "trainer" / "holds.py"), "hold", "their-gpus",
+        gpu_job = _as(tenant, node2, [sys.executable, str(REPO / "agent" / "holds.py"), "hold", "their-gpus",
                                       "0", "1"])
         assert gpu_job.first == "holding"
 

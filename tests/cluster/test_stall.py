@@ -18,7 +18,7 @@ import torch
 
 from hung_job import hanging_program
 from local_job import beats_dir
-from trainer import heartbeat
+from agent import heartbeat
 from trainer_helpers import final_weights
 
 from .operator_cli import complete_checkpoint_steps, ddp, empty_nas, ok, records, start_ddp, wait_until
@@ -377,7 +377,7 @@ def test_on_stall_restart_resumes_a_hung_job_and_it_ends_bit_identical(
     got = final_weights(fresh_nas / "ckpt")
     assert reference.keys() == got.keys() and all(torch.equal(reference[k], got[k]) for k in reference)
     log = ok(ddp(cluster, hosts, "logs", "--run", json.loads(ok(ddp(cluster, hosts, "runs", "--json")).stdout)[-1]["id"])).stdout
-    assert re.search(r"^node2 +\| trainer\.launch: stalled: no rank on this node moved for \d+ s \(last step \d+; "
+    assert re.search(r"^node2 +\| agent\.launch: stalled: no rank on this node moved for \d+ s \(last step \d+; "
                      rf"job\.stall_timeout {RESTART_STALL_TIMEOUT} s\): the stacks of its workers are kept with the run \(ddp-deploy status "
                      r"--run\); killing its 2 workers", log, re.M), log[-3000:]
     # kept with the run by each node's launcher, with the stacks it found before it acted

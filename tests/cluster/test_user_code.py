@@ -99,7 +99,7 @@ if __name__ == "__main__" and os.environ["LOCAL_RANK"] == "0":
 
 
 def _saved_where_they_stand(fresh_nas, nodes, launches):
-    """Each node's working directory on the NAS (trainer/workdir.py): its own model.pth, one line per
+    """Each node's working directory on the NAS (agent/workdir.py): its own model.pth, one line per
     launch, beside links to the code as the container sees it (the snapshot at /workspace)."""
     for node in nodes:
         work = fresh_nas / "ckpt/work" / node

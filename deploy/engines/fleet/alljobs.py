@@ -1,6 +1,6 @@
 """Every job running on the fleet's nodes, of any user, from what each node's kernel says.
 
-Each launcher of a job on a node answers on a listening abstract socket (trainer/holds.py) for as
+Each launcher of a job on a node answers on a listening abstract socket (agent/holds.py) for as
 long as it runs: the node's kernel gives its pid, uid and start; the job, run, user and GPUs are
 what it tells of itself, and so is its state (what its ranks' heartbeats say: starting, running,
 stalled, ending) and their newest step. No central record: a job is listed exactly while its
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from trainer.heartbeat.contract import STATES
+from agent.contract import STATES
 
 from ...inventory import Inventory
 from ...job.runtime import runtime

@@ -1,6 +1,6 @@
 """Whether a process group formed on this node in this run: the launcher's finding, kept with the run.
 
-A rank's heartbeat file (``$DDP_HEARTBEAT_DIR/$LOCAL_RANK``, trainer/heartbeat/) exists once the
+A rank's heartbeat file (``$DDP_HEARTBEAT_DIR/$LOCAL_RANK``, agent/heartbeat/) exists once the
 rank has formed the process group or made a step. The launcher looks for one each second while
 its workers run, and once more at its end (a rank may remove its file as it finishes, as the
 built-in trainer does), and keeps the first it sees as an empty file :data:`MARKER` in the node's
@@ -14,9 +14,8 @@ import os
 import threading
 
 from . import heartbeat
+from .contract import FORMED_MARKER as MARKER
 
-MARKER = "group-formed"
-"""In the node's directory of the run: a rank's heartbeat was seen there."""
 EVERY_S = 1.0
 
 

@@ -1,5 +1,5 @@
 """Run by Python's ``site`` at every start of an interpreter whose ``PYTHONPATH`` holds this
-directory (trainer/launch.py puts it there for the job's workers): installs the progress hook
+directory (agent/launch.py puts it there for the job's workers): installs the progress hook
 (ddp_deploy_progress), then runs the ``sitecustomize`` this one hides, if any, as Python would have."""
 
 import sys

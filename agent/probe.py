@@ -9,7 +9,7 @@ that a typo'd module name is a refusal in seconds, not a crash loop under torchr
 Only the standard library is imported before torch, so that a broken torch is reported rather
 than crashing the probe.
 
-    python -m trainer.probe --gpus 2 --procs 2 --import pkg.train
+    python -m agent.probe --gpus 2 --procs 2 --import pkg.train
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ import traceback
 import warnings
 
 from . import exits  # the standard library alone
+from .contract import PROBE_KEPT_PREFIX as KEPT_PREFIX, PROBE_PREFIX as PREFIX
 
 INFINIBAND = "/dev/infiniband"
-PREFIX = "PROBE "
-"""The answer's line: ``PROBE {json}``."""
-KEPT_PREFIX = "PROBE_KEPT"
-"""The line before a kept answer: ``PROBE_KEPT <when it was probed, epoch seconds>``."""
 KEEP_DAYS = 7
 """Kept answers older than this are removed (by the next probe that keeps one)."""
 
@@ -219,7 +216,7 @@ def _keep(path: str, line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m agent.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=0, help="GPUs this node's processes use (0: a CPU node)")
     parser.add_argument("--procs", type=int, default=1, help="processes this node runs")
     which = parser.add_mutually_exclusive_group()

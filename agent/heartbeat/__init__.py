@@ -16,35 +16,26 @@ and no import of this bundle (docs/failures.md, "When a job hangs")::
 ``job.stall_timeout`` is derived from, so that a slow but healthy job is never called stalled.
 
 Any other program beats with no change to it: the launcher installs a hook in each of its workers
-(trainer/progress_hook/ddp_deploy_progress.py) that writes the same line, ``-`` for a step or a gap
+(agent/progress_hook/ddp_deploy_progress.py) that writes the same line, ``-`` for a step or a gap
 it does not know, and a fourth word, the rank's :data:`PHASES`: ``start`` when the worker starts
 (the watch's clock for the rank starts there), ``init`` in ``init_process_group``, ``run`` after
 the group formed and after each collective and DDP step, ``done`` after
 ``destroy_process_group``, ``ended`` when the worker exited (``left``: before its group formed).
 
-Its parts: ``contract`` (the variables and file names deploy and the launcher share), ``writer``
-(a rank's file), ``directory`` (the directory's life), ``judge`` (when a node is stalled; a beat as
-``status`` reads it), ``diagnose`` (the node program ``doctor`` runs), ``procs`` (the job's workers
-found by kernel facts) and ``watchdog`` (the launcher's watch).
+Its parts: ``writer`` (a rank's file), ``directory`` (the directory's life), ``procs`` (the job's
+workers found by kernel facts), ``watchdog`` (the launcher's watch) and ``diagnose.sh`` (the node
+program ``doctor`` runs). The variables, the file names, a beat's format and when a node is stalled
+are the contract's (agent/contract.py): the deploy tool judges alike.
 """
 
 from __future__ import annotations
 
-from .contract import (
-    DIAGNOSE_S, DIAGNOSIS_BYTES, HEARTBEAT_DIR_ENV, LAUNCHER_FILE, LINE_BYTES, ON_STALL_ENV, SETTLE_S,
-    STALL_RECORD_ENV, STALL_TIMEOUT_ENV, STATES, WORKERS_DIR,
-)
 from .writer import Heartbeat
 from .directory import HOOK_DIR, empty, hooked_path, prepare, remove
-from .judge import Beat, ENDED, FLOOR_S, GAP_FACTOR, LARGEST, LEFT_S, PHASES, QUIET_S, parse_beat, stall_limit, state, verdict
-from .diagnose import DIAGNOSE
 from .procs import group_formed, proc_stat, ranked, read_beats, workers
 from .watchdog import Watchdog, main_thread_at, stall_setting
 
 __all__ = [
-    "Beat", "DIAGNOSE", "DIAGNOSE_S", "DIAGNOSIS_BYTES", "ENDED", "FLOOR_S", "GAP_FACTOR", "HEARTBEAT_DIR_ENV",
-    "HOOK_DIR", "Heartbeat", "LARGEST", "LAUNCHER_FILE", "LEFT_S", "LINE_BYTES", "ON_STALL_ENV", "PHASES",
-    "QUIET_S", "SETTLE_S", "STALL_RECORD_ENV", "STALL_TIMEOUT_ENV", "STATES", "WORKERS_DIR", "Watchdog", "empty",
-    "group_formed", "hooked_path", "main_thread_at", "parse_beat", "prepare", "proc_stat", "ranked",
-    "read_beats", "remove", "stall_limit", "stall_setting", "state", "verdict", "workers",
+    "HOOK_DIR", "Heartbeat", "Watchdog", "empty", "group_formed", "hooked_path", "main_thread_at", "prepare",
+    "proc_stat", "ranked", "read_beats", "remove", "stall_setting", "workers",
 ]

@@ -1,8 +1,8 @@
 """Progress beats for any program a job runs, with no change to it.
 
 Installed in each worker before its program runs (the ``sitecustomize`` beside this file for the
-workers torchrun starts; trainer/zygote.py for those the launcher's zygote forks), where the launcher
-set ``DDP_HEARTBEAT_DIR``. It writes the rank's heartbeat file (trainer/heartbeat/), ``STEP RANK
+workers torchrun starts; agent/zygote.py for those the launcher's zygote forks), where the launcher
+set ``DDP_HEARTBEAT_DIR``. It writes the rank's heartbeat file (agent/heartbeat/), ``STEP RANK
 GAP_MS PHASE`` in place, ``-`` for what it does not know:
 
 - ``start`` when the worker starts: the watch's clock for the rank starts there;
@@ -24,7 +24,7 @@ so that the worker that started it writes it no more, and it is named in ``worke
 zygote names the workers it forks (``PID RANK``), where the node's diagnosis finds it. Its output
 shares the worker's pipes to the launcher, which labels every line with the worker's rank; so each
 line it prints begins with :data:`LABEL` and its rank (``sed`` writes it), which the launcher puts
-in its place (trainer/launch.py).
+in its place (agent/launch.py).
 
 Standalone on purpose: the standard library only, and nothing of the ``trainer`` package, which
 the program may have one of its own of.

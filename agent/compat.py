@@ -1,8 +1,8 @@
 """The torch versions this project supports, and every use of torch internals that differs by version.
 
-Importing this module does not import torch: the deploy tool reads ``TORCH_SUPPORTED`` on the
-operator's machine to judge the versions its nodes report (deploy.checks.versions). What is here runs in
-the image too, so it needs nothing beyond torch and the standard library.
+Importing this module does not import torch. The supported range itself, ``TORCH_SUPPORTED``, is the
+contract's (agent/contract.py): the deploy tool judges the versions its nodes report by it. What is
+here runs in the image, so it needs nothing beyond torch and the standard library.
 
 The range is tested at its two ends and at the torch of the Dockerfile's default base image
 (pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime) between them (docs/testing.md); the newest is the
@@ -20,7 +20,7 @@ Torch internals used, and how they behave across the range:
   stores (the c10d rendezvous store, the workers' store) are left to torch and listen on every
   address: docs/security.md. Tried here: 2.5.1 as described, 2.8.0 and 2.14.1 bound.
 - The c10d rendezvous backend creates its store through the module attribute
-  ``c10d_rendezvous_backend.TCPStore`` on every supported version (trainer.launch replaces it).
+  ``c10d_rendezvous_backend.TCPStore`` on every supported version (agent.launch replaces it).
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` and ``RendezvousStoreInfo.build(..., local_addr)``
   (MASTER_ADDR is the node's --local-addr, not its hostname) exist from 2.4 on.
 - ``TORCHELASTIC_USE_AGENT_STORE`` is set by the agent on every supported version.
@@ -28,8 +28,7 @@ Torch internals used, and how they behave across the range:
 
 from __future__ import annotations
 
-TORCH_SUPPORTED = ">=2.5.1,<2.15"
-"""The torch versions the trainer runs on (pip specifier; the same string as in pyproject.toml)."""
+import socket
 
 BOUND_STORE_SINCE = (2, 8)
 """The first torch whose TCPStore can be hosted on a socket bound to one address (see above)."""
@@ -51,3 +50,10 @@ def _torch_version() -> str:
     import torch
 
     return torch.__version__
+
+
+def listening_fd(address: str, port: int) -> int:
+    """A socket listening on ``address`` alone, as a file descriptor for TCPStore's
+    ``master_listen_fd`` (TCPStore itself would listen on every address of the machine)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return socket.create_server((address, port), family=family, backlog=1024).detach()

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .contract import HEARTBEAT_DIR_ENV
+from ..contract import HEARTBEAT_DIR_ENV
 
 
 class Heartbeat:

@@ -5,7 +5,7 @@ torch gives no public way to do what the node's launcher and the flight recorder
 - **how torchrun's agent starts and closes a worker**
   (``torch.distributed.elastic.multiprocessing.subprocess_handler.SubprocessHandler``: its
   ``_popen(args, env)``, ``close(death_sig)`` and the ``_stdout``/``_stderr`` files it opened):
-  the relay pipes a worker's output (trainer.launch) and the zygote forks it (trainer.zygote);
+  the relay pipes a worker's output (agent.launch) and the zygote forks it (agent.zygote);
 - **the store of the c10d rendezvous** (``c10d_rendezvous_backend.TCPStore``, the name the
   backend makes it through): bound to the node's address (before torch 2.8);
 - **the rendezvous's shutdown** (``DynamicRendezvousHandler.shutdown``): an elastic job's

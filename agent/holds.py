@@ -17,7 +17,8 @@ let go and try again after a random pause, so one finds it free and keeps it; a 
 still finds the GPU held after a few tries refuses to start, naming the holder.
 
 Standard library only (Python 3.6+): deploy sends this file's text to a node's own ``python3``
-to list the holds before a launch (``python3 -c SOURCE list INDEX...``: one JSON line per hold),
+to list the holds before a launch (``python3 -c SOURCE list INDEX...``: one JSON line per hold,
+``told`` the sentence a launcher's refusal says of it),
 and the jobs running there for ``ddp-deploy jobs`` (``python3 -c SOURCE jobs``).
 """
 
@@ -32,7 +33,7 @@ import threading
 import time
 
 ENV = "DDP_HOLD"
-"""What the launcher tells of its job, and the GPUs it holds: ``{"job": NAME, "run": ID, "gpus": [INDEX...]}``."""
+"""agent.contract.HOLD_ENV, spelled here too: this file runs alone, from its text (a test holds them equal)."""
 
 PREFIX = "ddp-deploy/"
 JOB = "job"
@@ -226,7 +227,7 @@ class Hold:
 
     def tell(self, state, every=1.0):
         """Tell what the job is doing with each answer from now on: ``state()``, a dict (the
-        launcher's: its ranks' state and step, trainer.heartbeat.state), read every ``every``
+        launcher's: its ranks' state and step, agent.contract.state), read every ``every``
         seconds in a thread of its own, so that an answer never waits on it."""
         def refresh():
             while self.sockets:
@@ -257,7 +258,7 @@ def from_environ(environ=os.environ):
 def main(argv):
     if argv[:1] in (["list"], ["jobs"]):
         for h in holders([int(i) for i in argv[1:]]) if argv[0] == "list" else jobs():
-            print(json.dumps(h, sort_keys=True))
+            print(json.dumps(dict(h, told=describe(h)) if "gpu" in h else h, sort_keys=True))
         return 0
     if argv[:1] == ["hold"]:  # hold JOB INDEX...: until killed (what a launcher does, for a test)
         try:

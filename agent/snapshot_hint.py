@@ -1,6 +1,6 @@
 """Says why a program could not write a file of its code: each is a link to the read-only snapshot.
 
-With ``train.code`` the program runs in its node's own working directory (trainer/workdir.py),
+With ``train.code`` the program runs in its node's own working directory (agent/workdir.py),
 whose files of the code are links to the read-only snapshot of that code (deploy/job/codesync.py).
 A new file there is the program's own; a write through one of those links fails with a bare
 ``Permission denied`` (``Read-only file system`` for root on the host runtime, whose snapshot is a
@@ -23,8 +23,7 @@ import sys
 from collections.abc import Iterable
 from typing import NamedTuple
 
-SNAPSHOT_ENV = "DDP_CODE_SNAPSHOT"
-"""Set by ``ddp-deploy launch`` with train.code: the code is a read-only snapshot."""
+from .contract import HINT_MARK as MARK, HINT_PREFIX as PREFIX, SNAPSHOT_ENV
 
 DENIED = r"(?:Permission denied|Read-only file system)"
 # The path a failed write names, as each writer words its error.
@@ -39,9 +38,6 @@ DIRECTORY_ERRORS = (
 )
 TAIL_BYTES = 64 << 10
 MAX_LINES = 3
-MARK = "read-only code snapshot"
-"""In every line :func:`message` makes, and in no other line of the launcher's."""
-PREFIX = "trainer.launch: "
 
 
 class Write(NamedTuple):
@@ -116,10 +112,6 @@ def message(write: Write, ckpt_dir: str | None, snapshot: str | None = None, cwd
     return (f"{PREFIX}a write in {shown} failed on a file of your code, a link to the {MARK} (torch names no file; "
             f"the code's files there that are not Python: {which or 'none'}); {todo}")
 
-
-def is_hint(line: str) -> bool:
-    """Whether ``line`` (without a rank's prefix) is one :func:`message` made."""
-    return line.startswith(PREFIX) and MARK in line
 
 
 def tails(log_dir: str | None) -> Iterable[str]:

@@ -8,7 +8,7 @@ first, before it starts a thread; the zygote imports the rest (``torch._dynamo``
 the rendezvous runs, and forks each worker that torchrun's agent asks for.
 
 What torchrun's agent sees is unchanged: its worker start (``SubprocessHandler._popen``, through
-trainer.torch_private) returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``,
+agent.torch_private) returns a :class:`Forked` instead of a ``Popen``, with the same ``pid``,
 ``poll()``, ``wait()``, ``returncode`` and ``send_signal()``. The worker is a session leader, as torchrun's own are, so
 the agent's ``killpg`` reaches it and its children (and a worker the zygote has reaped already
 is closed without one: its group is gone). It gets the agent's standard input and the
@@ -18,17 +18,17 @@ its environment, working directory and arguments exactly;
 torchrun sets for the workers, and which the OpenMP runtime read when torch was loaded in the
 launcher) is applied with ``torch.set_num_threads``. It runs its module or script as ``python -u
 -m MODULE`` / ``python -u SCRIPT`` would: ``__main__``, its directory first on ``sys.path``, none
-of this bundle's ``trainer`` modules imported yet (the program's own ``trainer`` is found first,
-as with ``-m``); an uncaught exception prints its traceback and exits 1, ``SystemExit`` its code,
+of this bundle's ``agent`` or ``trainer`` modules imported yet (a program's own package of either
+name is found first, as with ``-m``); an uncaught exception prints its traceback and exits 1, ``SystemExit`` its code,
 an uncaught ``KeyboardInterrupt`` ends it by SIGINT, as Python does; threads that are not daemons
-are joined and ``atexit`` runs before it exits (trainer/exits.py: without the interpreter's teardown).
+are joined and ``atexit`` runs before it exits (agent/exits.py: without the interpreter's teardown).
 
 Lifetimes: the zygote ends when the launcher does (its end of a pipe closes) and kills any worker
 left; a worker dies with the zygote (``PR_SET_PDEATHSIG``); a worker whose agent drops its handle
 is killed. Identity: a forked worker's ``/proc/PID/environ`` shows the environment the launcher
 started with (the run's markers, ``DDP_HEARTBEAT_DIR``, but not the worker's own ``RANK``), so the
 zygote writes ``$DDP_HEARTBEAT_DIR/workers/LOCAL_RANK`` = ``PID RANK`` for each worker it forks
-(trainer/heartbeat/ reads it to find and diagnose the workers).
+(agent/heartbeat/ reads it to find and diagnose the workers).
 
 Only on Linux, and only where no GPU is in use: the zygote must never initialise CUDA before it
 forks, which no test here can check (deploy sets ``DDP_PREFORK`` for CPU nodes). Any program
@@ -58,32 +58,28 @@ import sys
 import threading
 
 from . import exits, torch_private
-from .heartbeat import HEARTBEAT_DIR_ENV, WORKERS_DIR
+from .contract import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV, PREFORK_ENV, WORKERS_DIR
 
-ENABLE_ENV = "DDP_PREFORK"
-"""``1``: the launcher forks its workers from a zygote (deploy sets it on CPU nodes); ``0``: torchrun
-starts them; unset: a zygote where no GPU can be opened (``GPU_DEVICES``)."""
 GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
 """The device nodes through which a process reaches a GPU (NVIDIA's, ROCm's, WSL's). Where none
 exists, nothing the zygote imports can initialise a GPU before it forks."""
 PRELOAD = (*torch_private.DDP_IMPORTS, "torchvision")
 """What the zygote imports before it forks (torch itself the launcher has): DDP's constructor
 imports ``torch._dynamo``; the trainer's models come from torchvision."""
-LAUNCHER_PID_ENV = "DDP_LAUNCHER_PID"
-"""In a forked worker's environment: the launcher's pid (its parent is the zygote), where
-trainer/startup.py starts its clock."""
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 HANDSHAKE_S = 30.0
 """How long a worker's fork may take once the zygote serves."""
 READY_S = 600.0
 """How long the zygote's imports (PRELOAD) may take before it serves: minutes on a loaded machine."""
 READY = b"ready"
+BUNDLE = ("agent", "trainer")
+"""This bundle's top-level packages, none of them left imported when a worker's program starts."""
 
 
 def wanted(environ=os.environ, gpu_devices=GPU_DEVICES) -> bool:
     """``DDP_PREFORK=1``, or unset on a machine without a GPU device node, on a Linux whose kernel
     (and seccomp profile) has pidfd_open."""
-    choice = environ.get(ENABLE_ENV, "")
+    choice = environ.get(PREFORK_ENV, "")
     if choice == "0" or (choice != "1" and any(glob.glob(pattern) for pattern in gpu_devices)):
         return False
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
@@ -280,7 +276,7 @@ def install(zygote: Zygote) -> None:
                 try:
                     return zygote.spawn(args, env, 0, _fd(out, 1), _fd(err, 2))
                 except (OSError, EOFError, ValueError) as exc:
-                    sys.stderr.write(f"trainer.launch: warning: workers start on their own (the zygote: {exc})\n")
+                    sys.stderr.write(f"agent.launch: warning: workers start on their own (the zygote: {exc})\n")
                     failed.append(exc)
             return popen(self, args, env)
         return forked
@@ -509,7 +505,7 @@ HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progress_hook",
 
 
 def _progress_hook() -> None:
-    """The progress hook (trainer/progress_hook) a started worker's ``sitecustomize`` installs, here
+    """The progress hook (agent/progress_hook) a started worker's ``sitecustomize`` installs, here
     before the program runs: by its own top-level name, nothing of it under ``trainer``."""
     import importlib.util
 
@@ -533,7 +529,7 @@ def _run(spec: dict) -> int:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    for name in [m for m in sys.modules if m == "trainer" or m.startswith("trainer.")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in BUNDLE]:
         del sys.modules[name]  # the program's own modules are found as `python -m` finds them
     _progress_hook()
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))

@@ -31,11 +31,8 @@ import socket
 import stat
 import sys
 
-SNAPSHOT_ENV = "DDP_CODE_SNAPSHOT"
-CKPT_ENV = "DDP_CKPT_DIR"
-NODE_ENV = "DDP_NODE_NAME"
-SUBDIR = "work"
-"""Under ``$DDP_CKPT_DIR``: a directory per node."""
+from .contract import CKPT_ENV, NODE_ENV, SNAPSHOT_ENV, WORK_SUBDIR as SUBDIR
+
 MANIFEST = ".ddp-manifest.json"
 """The snapshot's own record (deploy/programs/node_code.py): not part of the code."""
 RECORD_BYTES = 64 << 20
@@ -291,7 +288,7 @@ def _say_kept(shadowed: list[str], skipped: list[str], where: str, out) -> None:
     shown = ", ".join(json.dumps(n) for n in names[:SHOWN]) + (f" and {len(names) - SHOWN} more"
                                                                if len(names) > SHOWN else "")
     own = "is the program's own" if len(names) == 1 else "are the program's own"
-    out.write(f"trainer.launch: warning: {shown} in the working directory {where} {own}, where the code "
+    out.write(f"agent.launch: warning: {shown} in the working directory {where} {own}, where the code "
               "has a file or directory of that name: kept, and the code's is not there (remove it to get "
               "the code's)\n")
     out.flush()

@@ -7,8 +7,7 @@ import os
 import stat
 import time
 
-from .contract import HEARTBEAT_DIR_ENV, LAUNCHER_FILE, WORKERS_DIR
-from .judge import Beat, parse_beat
+from ..contract import HEARTBEAT_DIR_ENV, LAUNCHER_FILE, WORKERS_DIR, Beat, parse_beat
 
 
 def read_beats(directory: str, now: float | None = None) -> list[Beat]:
@@ -210,7 +209,7 @@ def _descends(pid: int, roots: set[int], parents: dict[int, int]) -> bool:
 
 
 def _named(directory: str, marked: list[_Marked]) -> list[tuple[int, int]]:
-    """(local rank, pid) of each worker the launcher's zygote named in ``workers/`` (trainer/zygote.py):
+    """(local rank, pid) of each worker the launcher's zygote named in ``workers/`` (agent/zygote.py):
     one of the job's marked processes (a forked worker's /proc environment is the launcher's), found
     by its pid in its own namespace, which is the one the zygote wrote (a container's, seen from its node)."""
     try:

@@ -8,12 +8,12 @@ import os
 import stat
 import sys
 
-from .contract import LAUNCHER_FILE, WORKERS_DIR
+from ..contract import LAUNCHER_FILE, WORKERS_DIR
 from .procs import proc_stat
 
 
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "progress_hook")
-"""The ``sitecustomize`` and the hook it installs (trainer/progress_hook): first on the workers' path."""
+"""The ``sitecustomize`` and the hook it installs (agent/progress_hook): first on the workers' path."""
 
 
 def hooked_path(python_path: str | None) -> str:
@@ -56,13 +56,13 @@ def _name_launcher(directory: str) -> None:
         except OSError as exc:
             why = exc.strerror or str(exc)
     if why is not None:
-        sys.stderr.write(f"trainer.launch: warning: the launcher is not named in {directory} ({why}): "
+        sys.stderr.write(f"agent.launch: warning: the launcher is not named in {directory} ({why}): "
                          "`ddp-deploy doctor` finds no worker of this node\n")
 
 
 def empty(directory: str, workers_too: bool = True, keep: tuple[str, ...] = ()) -> None:
     """Every file in ``directory`` but those named in ``keep`` removed, as far as it can be; and,
-    ``workers_too``, in its ``workers/`` (trainer/zygote.py: which worker the launcher's zygote forked
+    ``workers_too``, in its ``workers/`` (agent/zygote.py: which worker the launcher's zygote forked
     for each local rank)."""
     for name in os.listdir(directory):
         if name in keep:
@@ -89,6 +89,6 @@ def remove(directory: str | None) -> None:
 
 
 def _off(directory: str, why: str) -> None:
-    sys.stderr.write(f"trainer.launch: warning: heartbeats off ({directory}: {why}); `ddp-deploy status` reads "
+    sys.stderr.write(f"agent.launch: warning: heartbeats off ({directory}: {why}); `ddp-deploy status` reads "
                      "this node's output instead\n")
     return None

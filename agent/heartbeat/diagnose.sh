@@ -1,10 +1,4 @@
-"""The node program that finds the job's workers on a node and their stacks (``doctor``, the
-watch on a stall)."""
-
-from __future__ import annotations
-
-
-# A node program (doctor runs it through the job's runtime, the Watchdog here on a stall):
+# The job's workers on a node and their stacks (doctor runs it through the job's runtime, the launcher's watch on a stall):
 # $1 = the job's heartbeat dir, $2 = py-spy (a path, else the name on PATH). Every worker of the job
 # on this node, found by what the kernel says of it, as _marked does: it runs with the job's uid
 # alone (real, effective, saved and filesystem: this script's, or as root, `docker exec -u 0` in the
@@ -12,7 +6,7 @@ from __future__ import annotations
 # init, root), and it descends from the launcher named in $1/launcher ("PID START", while it is that
 # process) or from what runs this script (the launcher's own watchdog). Among those: its environment
 # holds DDP_HEARTBEAT_DIR=$1 and LOCAL_RANK (torchrun's workers; the launcher and torchrun have
-# none); or, forked by the launcher's zygote (trainer/zygote.py), whose environment is the
+# none); or, forked by the launcher's zygote (agent/zygote.py), whose environment is the
 # launcher's, it is named in $1/workers/LOCAL_RANK and its environment holds DDP_HEARTBEAT_DIR=$1.
 # Any process may set that environment: it narrows the search, it proves nothing.
 # Per worker: "rank PID RANK LOCAL_RANK STATE" (STATE: /proc's letter, T when stopped; read again
@@ -22,7 +16,7 @@ from __future__ import annotations
 # the workers keep torch's flight recorder (trainer/flight.py: a file fr-LOCAL_RANK in $1 says so), "fr PID SEQ OP" for each one that answered
 # this request, or one made in the second before it or since, within 2 s: the newest collective it is in or did. The job's own values are printed
 # only as digits, lowercase names or py-spy's JSON.
-DIAGNOSE = r"""marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""; since=0
+marker="DDP_HEARTBEAT_DIR=$1"; spy=$2; found=0; ask=""; fr=""; since=0
 [ -x "$spy" ] || spy=py-spy
 fresh() {  # TOKEN: a request made at most a second before this one, or later (its first word, digits of the same length)
   t=${1%%-*}
@@ -98,7 +92,7 @@ above() {  # PID: the processes between it and the first of $roots, each followe
 }
 # workers named in workers/LOCAL_RANK as "PID RANK": those the launcher's zygote forked (their /proc
 # environment is the launcher's: marker, no ranks), and a process a worker started that formed a
-# group of its own (train.spawn; trainer/progress_hook), whose environment holds its parent's ranks
+# group of its own (train.spawn; agent/progress_hook), whose environment holds its parent's ranks
 parents=" "
 if [ -d "$1/workers" ] && [ ! -L "$1/workers" ]; then
   for w in "$1"/workers/[0-9]*; do
@@ -144,4 +138,3 @@ ANSWER
   fresh "$tok" && [ -n "$seq" ] && [ "$seq" != none ] && echo "fr ${pl%%:*} $seq ${op:-?}"
 done
 exit 0
-"""

@@ -11,10 +11,11 @@ import threading
 import time
 import traceback
 
-from .contract import DIAGNOSE_S, DIAGNOSIS_BYTES, LAUNCHER_FILE, ON_STALL_ENV, SETTLE_S, STALL_RECORD_ENV, STALL_TIMEOUT_ENV
-from .diagnose import DIAGNOSE
+from ..contract import (
+    DIAGNOSE_S, DIAGNOSIS_BYTES, LAUNCHER_FILE, ON_STALL_ENV, SETTLE_S, STALL_RECORD_ENV, STALL_TIMEOUT_ENV, program,
+    verdict,
+)
 from .directory import empty, remove
-from .judge import verdict
 from .procs import read_beats, workers
 
 
@@ -45,7 +46,7 @@ class Watchdog:
 
     Kept (``record``: the node's directory of the run on the shared volume, runs.py): a line in
     ``stalls``, ``TIME STEP QUIET_S LIMIT_S ACTION`` (deploy/job/runs.py reads it), and in
-    ``stall-TIME`` what :data:`DIAGNOSE` found: each worker's state and Python stacks, the
+    ``stall-TIME`` what the node program ``diagnose`` found: each worker's state and Python stacks, the
     diagnosis ``status --run`` gives later, when the hung processes may be long gone.
 
     ``report``: that, and a line in the log, once per stall. ``restart``: then it kills its workers
@@ -104,7 +105,7 @@ class Watchdog:
         if not workers(self.directory):  # they ended, and nothing started them again: the agent hangs
             what += f"; no worker of it runs, and torchrun's agent is in {main_thread_at()}"
         if self.action == "report":
-            self.out.write(f"trainer.launch: stalled: {what}: {kept} (job.on_stall: report)\n")
+            self.out.write(f"agent.launch: stalled: {what}: {kept} (job.on_stall: report)\n")
             self.out.flush()
             self._reported = True
             self.actions += 1
@@ -115,7 +116,7 @@ class Watchdog:
         then = ("which torchrun starts again from the newest checkpoint (job.on_stall: restart)"
                 if self.action == "restart" else "and ending this node's part of the job, which nothing starts "
                 "again (job.on_stall: stop): launch again to resume from the newest checkpoint")
-        self.out.write(f"trainer.launch: stalled: {what}: {kept}; killing its {len(pids)} workers, {then}\n")
+        self.out.write(f"agent.launch: stalled: {what}: {kept}; killing its {len(pids)} workers, {then}\n")
         self.out.flush()
         for pid in pids:
             try:
@@ -140,7 +141,7 @@ class Watchdog:
         if not self.record:
             return "not kept (no run directory)"
         try:
-            found = subprocess.run(["sh", "-c", DIAGNOSE, "sh", self.directory, self.spy], stdin=subprocess.DEVNULL,
+            found = subprocess.run(["sh", "-c", program("diagnose"), "sh", self.directory, self.spy], stdin=subprocess.DEVNULL,
                                    capture_output=True, timeout=DIAGNOSE_S).stdout
         except (OSError, subprocess.TimeoutExpired) as exc:
             found = f"problem {exc}\n".encode()

@@ -5,7 +5,7 @@ runs that module or script instead of the trainer, through the same launcher: a 
 training code (hosts.yaml's train.module / train.script), and ``ddp-deploy check --network``,
 which runs ``trainer.netcheck`` with the job's image, interpreter and interfaces.
 
-``python -m trainer.launch --nnodes 3 ... -- --dataset mnist`` runs torchrun (in this process)
+``python -m agent.launch --nnodes 3 ... -- --dataset mnist`` runs torchrun (in this process)
 with ``--nnodes 3 ... -m trainer --dataset mnist``. Without ``--`` every argument is a trainer
 flag and torchrun runs standalone on this machine: one process per visible GPU, or one process
 on a CPU-only machine, or ``$NPROC_PER_NODE``. (``$DDP_DATA_DIR`` and ``$DDP_CKPT_DIR``, set in
@@ -33,11 +33,10 @@ import threading
 import time
 from string import Template
 
-from .compat import binds_stores
-from . import exits, formed, heartbeat, holds, snapshot_hint, torch_private, workdir, zygote
-from .entry import module_argv
-from .masking import SECRET_NAMES_ENV, Mask, StreamMask
-from .output import LOG_DIR_ENV
+from .compat import binds_stores, listening_fd
+from . import contract, exits, formed, heartbeat, holds, snapshot_hint, torch_private, workdir, zygote
+from .contract import LOG_DIR_ENV, SECRET_NAMES_ENV, Mask, module_argv
+from .masking import StreamMask
 
 
 def default_nproc() -> str:
@@ -46,7 +45,7 @@ def default_nproc() -> str:
     return str(torch.cuda.device_count() or 1)
 
 
-DEFAULT_ENTRY = "trainer"
+DEFAULT_ENTRY = contract.TRAINER_MODULE
 
 
 # Each worker's lines, printed by the launcher (Relay), start with its global rank: `logs` shows and
@@ -105,7 +104,7 @@ def _take_program(launcher: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _usage(message: str):
-    sys.exit(f"trainer.launch: error: {message}")
+    sys.exit(f"agent.launch: error: {message}")
 
 
 def option(args: list[str], name: str) -> str | None:
@@ -128,7 +127,6 @@ def bind_rendezvous_store(address: str) -> None:
     TCPStore has no bind address, but it accepts an already listening socket
     (``master_listen_fd``); the c10d backend's store is created through the name below.
     """
-    from .dist import listening_fd
 
     def bound(tcp_store):
         def bound_store(host, port, *args, is_master=False, **kwargs):
@@ -179,7 +177,7 @@ def _watch(host: str, port: int, bound: float, every: float) -> None:
         except OSError as exc:
             silent_since = silent_since or time.monotonic()
             if time.monotonic() - silent_since > bound:
-                sys.stderr.write(f"trainer.launch: error: the rendezvous store at {host}:{port} has not answered "
+                sys.stderr.write(f"agent.launch: error: the rendezvous store at {host}:{port} has not answered "
                                  f"for {bound:.0f} s ({exc.strerror or exc}): its node is lost, and no round of "
                                  "the job can form without it; giving up (ddp-deploy --without NODE launch runs "
                                  "the job on the other nodes)\n")
@@ -282,7 +280,7 @@ def _append(path: str):
 
 
 def _warn(message: str) -> None:
-    sys.stderr.write(f"trainer.launch: warning: {message}\n")
+    sys.stderr.write(f"agent.launch: warning: {message}\n")
     sys.stderr.flush()
 
 
@@ -290,7 +288,7 @@ PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 TORCH_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
 """torchrun's prefix of a teed worker's lines when neither its option nor PREFIX_TEMPLATE_ENV gives one."""
 CHILD_LABEL = b"\x1eddp-rank "
-"""Begins a line of a rank of its own that a worker started (trainer/progress_hook: its ``LABEL``)."""
+"""Begins a line of a rank of its own that a worker started (agent/progress_hook: its ``LABEL``)."""
 RELAY_LINE_BYTES = 1 << 16
 """A line longer than this is printed in parts, each with the worker's prefix."""
 RELAY_DRAIN_S = 10.0
@@ -310,7 +308,7 @@ class Relay:
     the worker has written the file. Through a pipe, the output is only ever in the kernel's pipe
     buffer and in this process, and :func:`run_teed` masks it before any log holds it. The pipes'
     write ends are the worker's stdout and stderr whether torchrun's ``Popen`` or the zygote
-    (trainer/zygote.py) starts it. ``tails``: with ``keep_tails``, the last bytes of each output, for
+    (agent/zygote.py) starts it. ``tails``: with ``keep_tails``, the last bytes of each output, for
     :func:`snapshot_hint.explain`.
     """
 
@@ -504,11 +502,11 @@ def main() -> None:
         # The job (torchrun) is this process's child: its output is masked and copied to the run's
         # log, and torch's log directory is made here (the child gets it named, and runs torchrun
         # itself), so that it goes even when the child is killed (the OOM killer, kill -9).
-        if directory:  # the child's watchdog keeps a stall with the run (trainer/heartbeat/)
-            os.environ[heartbeat.STALL_RECORD_ENV] = directory
+        if directory:  # the child's watchdog keeps a stall with the run (agent/heartbeat/)
+            os.environ[contract.STALL_RECORD_ENV] = directory
         with torch_log_dir(argv) if "--" in argv else contextlib.nullcontext(LogDirArgs()) as log_dir:
             keep = () if log_dir.held is None else (log_dir.held,)
-            sys.exit(run_teed(directory, [sys.executable, *module_argv("trainer.launch"), *log_dir, *argv], mask,
+            sys.exit(run_teed(directory, [sys.executable, *module_argv("agent.launch"), *log_dir, *argv], mask,
                               keep))
     # With the store shared between agents and workers (torch's default), an agent that joins a
     # later round as a new process (a node's container killed and started again) waits for
@@ -520,12 +518,12 @@ def main() -> None:
     try:  # train.code: the node's own working directory, before any process (the zygote) starts
         snapshot = workdir.enter()
     except workdir.WorkDirError as exc:
-        sys.exit(f"trainer.launch: error: {exc}")
+        sys.exit(f"agent.launch: error: {exc}")
     args = torchrun_args(sys.argv[1:], dict(os.environ))
     from torch.distributed.run import main as torchrun
 
     gc.freeze()  # torch's objects, alive as long as the agent, out of its collections (and its zygote's)
-    # The workers forked from a zygote of this process, which has torch (trainer/zygote.py): forked
+    # The workers forked from a zygote of this process, which has torch (agent/zygote.py): forked
     # here, before any thread starts and before torch is patched below for the agent alone.
     forks = zygote.Zygote.start() if zygote.wanted() else None
     if forks is not None:
@@ -533,26 +531,26 @@ def main() -> None:
     try:  # the node's GPUs, held for this job while this launcher lives (after the zygote's fork: a thread)
         hold = holds.from_environ(os.environ)  # kept: the hold ends with this process
     except holds.Held as exc:
-        sys.exit(f"trainer.launch: error: {exc}; stop that job, or give this job other GPUs (nodes[].gpu_ids)")
+        sys.exit(f"agent.launch: error: {exc}; stop that job, or give this job other GPUs (nodes[].gpu_ids)")
     address = option(args, "--local-addr")
-    if address and binds_stores():  # before torch 2.8 the store listens on every address (trainer.compat)
+    if address and binds_stores():  # before torch 2.8 the store listens on every address (agent.compat)
         bind_rendezvous_store(address)
     if elastic(args):
         keep_rendezvous_open_on_failure()
     watch_rendezvous(args)
 
-    # The workers' heartbeats (trainer/heartbeat/): this run's alone, gone with it.
-    beats = heartbeat.prepare(os.environ.get(heartbeat.HEARTBEAT_DIR_ENV))
+    # The workers' heartbeats (agent/heartbeat/): this run's alone, gone with it.
+    beats = heartbeat.prepare(os.environ.get(contract.HEARTBEAT_DIR_ENV))
     if beats is None:
-        os.environ.pop(heartbeat.HEARTBEAT_DIR_ENV, None)
-    else:  # every worker beats on its collectives, whatever its program (trainer/progress_hook)
+        os.environ.pop(contract.HEARTBEAT_DIR_ENV, None)
+    else:  # every worker beats on its collectives, whatever its program (agent/progress_hook)
         os.environ["PYTHONPATH"] = heartbeat.hooked_path(os.environ.get("PYTHONPATH"))
     watchdog = heartbeat.Watchdog.from_environ(beats)  # job.on_stall, job.stall_timeout
     if hold is not None and beats is not None:  # `ddp-deploy jobs` is told what the ranks are doing
         setting = heartbeat.stall_setting()
-        hold.tell(lambda: heartbeat.state(setting, heartbeat.read_beats(beats)))
-    record = os.environ.pop(heartbeat.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
-    group = formed.Watch(beats, record).start()  # a rank's heartbeat seen: kept with the run (trainer/formed.py)
+        hold.tell(lambda: contract.state(setting, heartbeat.read_beats(beats)))
+    record = os.environ.pop(contract.STALL_RECORD_ENV, None)  # the launcher's, not the workers'
+    group = formed.Watch(beats, record).start()  # a rank's heartbeat seen: kept with the run (agent/formed.py)
     if watchdog is not None:
         watchdog.start()
     relay = None
