@@ -217,7 +217,7 @@ class SpoolWatch:
 
 
 def ways_supported() -> list[str]:
-    from deploy.images.deliveries import WAYS
+    from deploy.images.ways import WAYS
 
     return list(WAYS)
 

@@ -69,7 +69,8 @@ def own_tmpdir(tmp_path_factory, monkeypatch) -> Path:
 
 @pytest.fixture
 def ddp(tmp_path, monkeypatch):
-    """The real CLI in this process: ``ddp(hosts, "status", "--json")``, its debug log in the test's directory."""
+    """The real CLI in this process, the one way the tests run it: ``ddp(hosts, "status", "--json")``,
+    ``env=`` for variables of that one command; its debug log in the test's directory."""
     from click.testing import CliRunner
 
     from deploy.cli import cli
@@ -77,7 +78,7 @@ def ddp(tmp_path, monkeypatch):
     runner = CliRunner()
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
 
-    def run(hosts: Path, *args: str):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args])
+    def run(hosts: Path, *args: str, env: dict[str, str] | None = None):
+        return runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
 
     return run

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from local_job import local_hosts
+
 REPO = Path(__file__).resolve().parents[1]
 SSH_STACK = {"paramiko", "fabric", "invoke"}
 NOT_AT_START = SSH_STACK | {"packaging", "pathspec"}
@@ -52,17 +54,8 @@ def _imported(tmp_path: Path, *args: str) -> set[str]:
 
 def _hosts(tmp_path: Path, connection: str) -> Path:
     """A one-node inventory (node ``here``, 127.0.0.1) reached by ``connection``, host runtime."""
-    hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps({  # JSON is YAML
-        "job": {"name": "imports", "runtime": "host"},
-        "rendezvous": {"node": "here", "port": 29400},
-        "nodes": [{"name": "here", "address": "127.0.0.1", "connection": connection}],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"}},
-        "train": {"python": sys.executable},
-        "ssh": {"config": None},
-    }))
-    return hosts
+    return local_hosts(tmp_path, job="imports", nodes=[{"name": "here", "address": "127.0.0.1", "connection": connection}],
+                       ssh={"config": None})
 
 
 @pytest.mark.parametrize("args", [["--help"], ["status", "--help"]], ids=["help", "verb-help"])

@@ -14,11 +14,11 @@ from rich.console import Console
 
 from deploy.cli import build_view
 from deploy.images import build, prepare
-from deploy.checks import judges, preflight
+from deploy.checks import node_checks, preflight
 from deploy.errors import RuntimeFailure
-from deploy.inventory import loads
 from deploy.nodes.remote import Result
 from fakes import install_command
+from local_job import on_paper
 
 LOGS = Path(__file__).resolve().parent / "build_logs"
 WIDGET = 'RUN echo "compiling widget"; for i in 1 2 3; do echo "line $i"; done; echo "fatal: widget.c missing" >&2; exit 3'
@@ -33,12 +33,9 @@ def read(name: str) -> build.BuildLog:
 
 
 def _inv(runtime="docker", nodes=("n1", "n2"), base_dir=Path("/repo")):
-    return loads(json.dumps({
-        "job": {"name": "img", "runtime": runtime}, "rendezvous": {"node": nodes[0]},
-        "nodes": [{"name": n, "address": f"198.18.0.{11 + i}"} for i, n in enumerate(nodes)],
-        "image": {"name": "t:1", "build_args": {"BASE_IMAGE": "local/cpu-base:1"}},
-        "storage": {"data": {"host": "/d", "container": "/data"}, "checkpoints": {"host": "/c", "container": "/ckpt"}},
-    }), base_dir=base_dir)
+    return on_paper([{"name": n, "address": f"198.18.0.{11 + i}"} for i, n in enumerate(nodes)], job="img",
+                    job_fields={"runtime": runtime}, image={"name": "t:1", "build_args": {"BASE_IMAGE": "local/cpu-base:1"}},
+                    base_dir=base_dir)
 
 
 # ------------------------------------------------------------------ reading both builders
@@ -195,7 +192,7 @@ def test_an_image_of_another_platform_is_refused_naming_nodes_platforms_and_the_
 def _platform_rows(runtime, said):
     inv = _inv(runtime, nodes=tuple(said))
     results = {n: {"platform": Result(n, 0 if text else 1, text, "" if text else "no docker")} for n, text in said.items()}
-    return {c.node: (c.ok, c.detail) for c in judges._platforms(inv, list(said), results)}
+    return {c.node: (c.ok, c.detail) for c in node_checks._platforms(inv, list(said), results)}
 
 
 def test_check_shows_each_node_s_platform_and_fails_a_docker_node_of_another_one():

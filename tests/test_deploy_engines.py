@@ -7,12 +7,11 @@ import inspect
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from deploy.cli import choose, cli
 from deploy.cli.engine import Engine
-from deploy.cli.engine_fleet import SshFleet
-from deploy.cli.engine_slurm import Slurm
+from deploy.cli.engine_fleet import FleetCommands
+from deploy.cli.engine_slurm import SlurmCommands
 from deploy.errors import InputError
 from deploy.inventory import loads
 
@@ -56,31 +55,31 @@ def test_the_cli_offers_exactly_the_engines_verbs():
 
 
 def test_the_inventory_picks_its_engine():
-    assert type(choose.for_invocation(Invocation(FLEET))) is SshFleet
-    assert type(choose.for_invocation(Invocation(SLURM))) is Slurm
+    assert type(choose.for_invocation(Invocation(FLEET))) is FleetCommands
+    assert type(choose.for_invocation(Invocation(SLURM))) is SlurmCommands
 
 
 def test_a_verb_an_engine_cannot_run_is_refused_with_the_engines_own_reason():
     with pytest.raises(InputError, match=r"^join: not on Slurm: Slurm allocates the nodes"):
-        Slurm(Invocation(SLURM)).join("node1", dry_run=True)
+        SlurmCommands(Invocation(SLURM)).join("node1", dry_run=True)
     with pytest.raises(InputError, match=r"^unlock: not on Slurm: there is no job lock"):
-        Slurm(Invocation(SLURM)).unlock(force=False)
+        SlurmCommands(Invocation(SLURM)).unlock(force=False)
     with pytest.raises(InputError, match="no slurm: section"):
-        SshFleet(Invocation(FLEET)).batch_script()
+        FleetCommands(Invocation(FLEET)).batch_script()
 
 
 def test_a_program_calls_an_engines_verb_without_the_cli(tmp_path, capsys):
-    SshFleet(Invocation(FLEET, hosts="fleet.yaml")).validate()
+    FleetCommands(Invocation(FLEET, hosts="fleet.yaml")).validate()
     assert capsys.readouterr().out == ("fleet.yaml: ok: job mnist, runtime host, 2 nodes, 2 processes, rendezvous "
                                        "10.0.0.1:29400\n")
-    Slurm(Invocation(SLURM, hosts="slurm.yaml")).export("slurm", "job", None, None, None, str(tmp_path / "job.sbatch"))
+    SlurmCommands(Invocation(SLURM, hosts="slurm.yaml")).export("slurm", "job", None, None, None, str(tmp_path / "job.sbatch"))
     script = (tmp_path / "job.sbatch").read_text()
     assert script.startswith("#!") and "#SBATCH --nodes=2" in script
 
 
-def test_the_cli_and_the_engine_print_the_same(tmp_path):
+def test_the_cli_and_the_engine_print_the_same(ddp, tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(yaml.safe_dump(SLURM))
-    got = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"])
+    got = ddp(hosts, "launch", "--dry-run")
     assert got.exit_code == 0, got.output
-    assert Slurm(Invocation(SLURM)).batch_script() in got.output
+    assert SlurmCommands(Invocation(SLURM)).batch_script() in got.output

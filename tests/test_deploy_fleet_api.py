@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from deploy.errors import InputError, JobStopped, LostContact, RuntimeFailure, StillRunning
 from deploy.engines.choose import api
 from deploy.engines.fleet import Fleet, LogLine, Started
@@ -33,7 +31,7 @@ TRAIN_ARGS = ["--dataset", "synthetic", "--epochs", "1", "--synthetic-size", "25
               "--log-every", "1"]
 
 
-def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path, monkeypatch):
+def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(ddp, tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     hosts = local_hosts(tmp_path, job="apitest", train={"args": TRAIN_ARGS}, procs=2, interface="lo")
     said, warned = [], []
@@ -44,7 +42,7 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(tmp_path,
     assert any(line.startswith("directories ready: ") for line in said), said
 
     planned = fleet.plan()  # what `launch --dry-run` prints, and what the launch below runs
-    dry = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"])
+    dry = ddp(hosts, "launch", "--dry-run")
     assert dry.exit_code == 0 and dry.output == f"{planned}\n", dry.output
     assert planned.commands()["here"][:2] == ("sh", "-c") and "[here] sh -c " in dry.output
 

@@ -18,10 +18,10 @@ import pytest
 
 from deploy.images import image, image_cache, oci
 from deploy.errors import RemoteFailure
-from deploy.inventory import loads
 from deploy.nodes.remote import Remote
 from fakes import FAKE_DOCKER_START, install_command
 from test_deploy_ship_layers import docker_save_tar
+from local_job import local_nodes, on_paper
 
 FAKE_DOCKER = (FAKE_DOCKER_START + r"""
 containerd = read("store", "classic").strip() == "containerd"
@@ -129,14 +129,8 @@ def _image(state: Path, layers: list[bytes], tag: str = NAME) -> tuple[str, list
 
 
 def _inv(compress=False, nodes=1):
-    return loads(json.dumps({
-        "job": {"name": "img", "runtime": "docker"},
-        "rendezvous": {"node": "n1"},
-        "nodes": [{"name": f"n{i}", "address": f"127.0.0.{i}", "connection": "local"} for i in range(1, nodes + 1)],
-        "image": {"name": NAME, "compress": compress},
-        "storage": {"data": {"host": "/nas/data", "container": "/data"},
-                    "checkpoints": {"host": "/nas/ckpt", "container": "/ckpt"}},
-    }))
+    return on_paper(local_nodes(*(f"n{i}" for i in range(1, nodes + 1))), job="img",
+                    image={"name": NAME, "compress": compress})
 
 
 def _members(data: bytes) -> list[str]:

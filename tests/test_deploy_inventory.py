@@ -9,9 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from deploy.inventory import load, loads
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,10 +65,10 @@ def _expectation(path: Path) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("case", BROKEN, ids=lambda p: p.stem)
-def test_broken_inventory_exits_2_naming_field_and_line_without_connecting(case, recorder, tmp_path):
+def test_broken_inventory_exits_2_naming_field_and_line_without_connecting(ddp, case, recorder, tmp_path):
     hosts = _materialize(case, recorder.port, tmp_path)
     field, line = _expectation(case)
-    result = CliRunner().invoke(cli, ["--hosts", str(hosts), "check"], env={"DDP_DEPLOY_LOG": str(tmp_path / "log")})
+    result = ddp(hosts, "check")
     assert result.exit_code == 2, result.output
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert errors, result.output
@@ -81,24 +79,24 @@ def test_broken_inventory_exits_2_naming_field_and_line_without_connecting(case,
     assert recorder.accepted == 0
 
 
-def test_valid_corpus_file_does_reach_the_listener(recorder, tmp_path):
+def test_valid_corpus_file_does_reach_the_listener(ddp, recorder, tmp_path):
     """Positive control: the recorder notices when the tool does connect."""
     hosts = _materialize(CORPUS / "valid.yaml", recorder.port, tmp_path)
-    result = CliRunner().invoke(cli, ["--hosts", str(hosts), "check"], env={"DDP_DEPLOY_LOG": str(tmp_path / "log")})
+    result = ddp(hosts, "check")
     assert result.exit_code == 1, result.output
     assert recorder.accepted >= 2
     assert "n1" in result.output and "n2" in result.output
 
 
-def test_validate_exits_2_on_missing_file(tmp_path):
-    result = CliRunner().invoke(cli, ["--hosts", str(tmp_path / "nope.yaml"), "validate"])
+def test_validate_exits_2_on_missing_file(ddp, tmp_path):
+    result = ddp(tmp_path / "nope.yaml", "validate")
     assert result.exit_code == 2
     assert "cannot read the file" in result.stderr
 
 
 @pytest.mark.parametrize("name", ["hosts.yaml", "hosts.example.yaml"])
-def test_shipped_inventories_validate(name):
-    result = CliRunner().invoke(cli, ["--hosts", str(REPO / name), "validate"])
+def test_shipped_inventories_validate(ddp, name):
+    result = ddp(REPO / name, "validate")
     assert result.exit_code == 0, result.output
 
 
@@ -215,7 +213,7 @@ DIGITS_4000 = "9" * 4000
     ("node", "procs", "9" * 5000, "nodes[0].procs", "more than the 4096 any number may have"),
 ])
 def test_a_count_or_duration_past_its_bound_is_refused_naming_the_field_and_limit(
-        tmp_path, part, key, value, field, limit):
+        ddp, tmp_path, part, key, value, field, limit):
     """A count or duration past its upper bound is refused, naming the field and the limit."""
     line = f"{key}: {value}" if value is not None else key
     if part == "slurm":
@@ -230,7 +228,7 @@ def test_a_count_or_duration_past_its_bound_is_refused_naming_the_field_and_limi
     hosts.write_text(text)
     at = LINE[part] + line.count("\n") - (1 if part == "slurm" and key == "nodes" else 0)
     for verb in (["validate"], ["launch", "--dry-run"]):
-        result = CliRunner().invoke(cli, ["--hosts", str(hosts), *verb], env={"DDP_DEPLOY_LOG": str(tmp_path / "log")})
+        result = ddp(hosts, *verb)
         assert result.exit_code == 2, (verb, result.output[:2000])
         errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
         assert any(ln.startswith(f"error: {hosts}:{at}: {field}: ") and limit in ln for ln in errors), errors

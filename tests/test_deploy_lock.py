@@ -28,6 +28,7 @@ from deploy.errors import RuntimeFailure
 from deploy.inventory import load, loads
 from deploy.nodes.remote import Remote
 from fakes import free_port
+from local_job import local_hosts
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,17 +62,11 @@ with Remote(inv) as remote:
 def _inventory(path: Path, nodes: list[tuple[str, str]], python: str = sys.executable, job: str = "locktest",
                runtime: str = "host") -> Path:
     """Local nodes (name, address) running the host runtime (or ``runtime``); storage beside the file."""
-    nas = path.parent / "nas"
-    path.write_text(json.dumps({  # JSON is YAML
-        "job": {"name": job, "runtime": runtime, "max_restarts": 0},
-        "rendezvous": {"node": nodes[0][0], "port": free_port(), "join_timeout": 60},
-        "nodes": [{"name": name, "address": address, "connection": "local", "procs": 1} for name, address in nodes],
-        "storage": {"data": {"host": str(nas / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(nas / "ckpt"), "container": "/ckpt"}, "min_free_gb": 0.01},
-        "train": {"python": python,
-                  "args": ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256", "--batch-size", "32"]},
-    }))
-    return path
+    return local_hosts(path.parent, name=path.name, job=job, nodes=[{"name": n, "address": a} for n, a in nodes],
+                       job_fields={"runtime": runtime}, train={
+                           "python": python,
+                           "args": ["--dataset", "synthetic", "--epochs", "1000", "--synthetic-size", "256",
+                                    "--batch-size", "32"]})
 
 
 ONE = [("here", "127.0.0.1")]
@@ -678,7 +673,7 @@ def test_a_launch_whose_lock_is_removed_starts_nothing_and_names_the_node(
 def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_path, monkeypatch):
     # The docker runtime's build and ship cannot run here: a deployer whose build is the forced
     # unlock, handing over to the engine's ship step, and a record of what reaches the shipping.
-    from deploy.images import deliveries, prepare
+    from deploy.images import prepare, ways
 
     hosts = _inventory(tmp_path / "hosts.yaml", ONE)
     shipped = []
@@ -694,7 +689,7 @@ def test_a_deploy_whose_lock_is_removed_while_it_builds_ships_nothing(ddp, tmp_p
             shipped.append(image_id)
             return {}
 
-    monkeypatch.setattr(deliveries, "for_inventory", lambda inv: Recorded())
+    monkeypatch.setattr(ways, "for_inventory", lambda inv: Recorded())
     r = ddp(hosts, "deploy")
     assert r.exit_code == 1, r.output
     assert r.stderr.startswith("error: the lock of job locktest on here was removed (`ddp-deploy unlock --force`, or a "

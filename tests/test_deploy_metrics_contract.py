@@ -64,28 +64,19 @@ def fleet(tmp_path):
     return hosts, kept / "log"
 
 
-def _cli(hosts, *args):
-    from click.testing import CliRunner
-
-    from deploy.cli import cli
-
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args],
-                              env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
-
-
-def test_plot_of_a_program_s_eval_lines_alone_draws_their_acc(fleet, tmp_path):
+def test_plot_of_a_program_s_eval_lines_alone_draws_their_acc(ddp, fleet, tmp_path):
     hosts, log = fleet
     log.write_text('[rank0]: METRICS {"kind": "eval", "step": 5, "acc": 0.5}\n'
                    '[rank0]: METRICS {"kind": "eval", "step": 9, "acc": 0.75}\n')
-    r = _cli(hosts, "plot", "-o", str(tmp_path / "out.png"))
+    r = ddp(hosts, "plot", "-o", str(tmp_path / "out.png"))
     assert r.exit_code == 0, r.output
     assert r.stdout == f"wrote {tmp_path / 'out.png'}: 1 run ({RUN} from its logs' METRICS lines)\n"
 
 
-def test_plot_of_a_finished_run_without_metrics_says_what_is_true_of_it(fleet, tmp_path):
+def test_plot_of_a_finished_run_without_metrics_says_what_is_true_of_it(ddp, fleet, tmp_path):
     hosts, log = fleet
     log.write_text("[rank0]: epoch 0 done\n[rank0]: saved checkpoint.pth\n")
-    r = _cli(hosts, "plot", "-o", str(tmp_path / "out.png"))
+    r = ddp(hosts, "plot", "-o", str(tmp_path / "out.png"))
     assert r.exit_code == 1, r.output
     assert "wait for the job's first logging interval" not in r.output
     assert "no run printed a `METRICS {...}` line" in r.output and "a run that has ended prints none more" in r.output
@@ -105,9 +96,9 @@ def test_doctor_shows_a_rank_s_stack_on_a_line_of_its_own_with_no_escaped_newlin
     assert out[head + 1] == "    sleep_forever (train.py:7) < <module> (train.py:30)"
 
 
-def test_logs_of_a_job_never_launched_says_why_once(tmp_path):
+def test_logs_of_a_job_never_launched_says_why_once(ddp, tmp_path):
     hosts = local_hosts(tmp_path, job="neverlaunched", train={"args": []})
-    r = _cli(hosts, "logs")
+    r = ddp(hosts, "logs")
     assert r.exit_code == 1
     said = r.output.count("cannot open")
     assert said == 1, r.output

@@ -329,23 +329,17 @@ def test_without_refuses_an_unknown_node_and_going_below_min_nodes():
         elastic.without(["a", "b"])
 
 
-def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_the_rest(tmp_path):
+def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_the_rest(ddp, tmp_path):
     """The CLI without a node says where the rendezvous moved, and plans only the others."""
-    from click.testing import CliRunner
-
-    from deploy.cli import cli
-
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(THREE_NODES)
-    r = CliRunner().invoke(cli, ["--hosts", str(hosts), "--without", "b", "launch", "--dry-run"],
-                           env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    r = ddp(hosts, "--without", "b", "launch", "--dry-run")
     assert r.exit_code == 0, r.output
     assert "note: without b: 2 nodes; the rendezvous moves from b to a (198.18.0.11:29500)" in r.stderr
     started = [line for line in r.stdout.splitlines() if line.startswith("[a] ") or line.startswith("[c] ")]
     assert started and not any(line.startswith("[b] ") for line in r.stdout.splitlines())
     assert all("198.18.0.11:29500" in line for line in started if "--rdzv-endpoint" in line)
-    bad = CliRunner().invoke(cli, ["--hosts", str(hosts), "--without", "z", "status"],
-                             env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    bad = ddp(hosts, "--without", "z", "status")
     assert bad.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in bad.stderr
 
 
@@ -368,28 +362,24 @@ def test_the_launch_record_says_where_the_rendezvous_is_and_how_many_nodes_may_j
     assert record.decode("not json") is None and record.decode("[1]") is None
 
 
-def _cli(tmp_path, text, *args):
-    from click.testing import CliRunner
-
-    from deploy.cli import cli
-
+def _cli(ddp, tmp_path, text, *args):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(text)
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args], env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+    return ddp(hosts, *args)
 
 
-def test_join_is_refused_for_a_fixed_size_job_and_an_unknown_node_before_connecting(tmp_path):
-    fixed = _cli(tmp_path, THREE_NODES, "join", "c")
+def test_join_is_refused_for_a_fixed_size_job_and_an_unknown_node_before_connecting(ddp, tmp_path):
+    fixed = _cli(ddp, tmp_path, THREE_NODES, "join", "c")
     assert fixed.exit_code == 2 and "job demo has a fixed size" in fixed.stderr and "ddp-deploy stop" in fixed.stderr
     elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
-    unknown = _cli(tmp_path, elastic, "join", "z")
+    unknown = _cli(ddp, tmp_path, elastic, "join", "z")
     assert unknown.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in unknown.stderr
 
 
-def test_join_dry_run_prints_the_node_s_start_command_and_its_rendezvous_source(tmp_path):
+def test_join_dry_run_prints_the_node_s_start_command_and_its_rendezvous_source(ddp, tmp_path):
     """join --dry-run prints the node's start command and where the rendezvous comes from."""
     elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
-    r = _cli(tmp_path, elastic, "join", "c", "--dry-run")
+    r = _cli(ddp, tmp_path, elastic, "join", "c", "--dry-run")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert all(line.startswith("[c] ") for line in lines)
@@ -397,16 +387,11 @@ def test_join_dry_run_prints_the_node_s_start_command_and_its_rendezvous_source(
     assert "--nnodes 2:3" in lines[-1] and "--rdzv-endpoint 198.18.0.12:29500" in lines[-1]
 
 
-def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(tmp_path):
-    from click.testing import CliRunner
-
-    from deploy.cli import cli
-
+def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(ddp, tmp_path):
     def kept(text: str) -> list[str]:
         hosts = tmp_path / "hosts.yaml"
         hosts.write_text(text)
-        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "launch", "--dry-run"],
-                               env={"DDP_DEPLOY_LOG": str(tmp_path / "debug.log")})
+        r = ddp(hosts, "launch", "--dry-run")
         assert r.exit_code == 0, r.output
         return [line for line in r.stdout.splitlines() if "probe's answer this node kept" in line]
 

@@ -248,25 +248,16 @@ def fleet(tmp_path):
     return hosts
 
 
-def _plot(hosts, *args):
-    from click.testing import CliRunner
-
-    from deploy.cli import cli
-
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), "plot", *args],
-                              env={"DDP_DEPLOY_LOG": str(hosts.parent / "debug.log")})
-
-
-def test_plot_draws_a_run_from_its_log_without_metrics_jsonl_and_says_so(fleet, tmp_path):
-    r = _plot(fleet, "-o", str(tmp_path / "out.png"))
+def test_plot_draws_a_run_from_its_log_without_metrics_jsonl_and_says_so(ddp, fleet, tmp_path):
+    r = ddp(fleet, "plot", "-o", str(tmp_path / "out.png"))
     assert r.exit_code == 0, r.output
     assert r.stdout == f"wrote {tmp_path / 'out.png'}: 1 run ({RUN} from its logs' METRICS lines)\n"
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plot_takes_a_run_from_metrics_jsonl_when_it_has_the_run_s_records(fleet, tmp_path, job):
+def test_plot_takes_a_run_from_metrics_jsonl_when_it_has_the_run_s_records(ddp, fleet, tmp_path, job):
     (tmp_path / "nas/ckpt/metrics.jsonl").write_text(job)
-    r = _plot(fleet, "-o", str(tmp_path / "out.png"), "--run", FIRST, "--run", RUN)
+    r = ddp(fleet, "plot", "-o", str(tmp_path / "out.png"), "--run", FIRST, "--run", RUN)
     assert r.exit_code == 0, r.output
     said, _, left_out = r.stdout.partition("; ")
     assert said == (f"wrote {tmp_path / 'out.png'}: 2 runs ({FIRST} from metrics.jsonl, "

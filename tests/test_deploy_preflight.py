@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.checks import judges, preflight
+from deploy.checks import meetings, node_checks, preflight
 from deploy.inventory import loads
 from deploy.nodes.remote import Remote, Result
 from fakes import free_port, install_command
+from local_job import local_nodes, on_paper
 
 # `docker run ... --entrypoint python IMAGE ARGS` runs ARGS with this machine's python: the real
 # probe, with the torch the tests run on, as if it were the image's.
@@ -36,15 +37,9 @@ def fake_docker(tmp_path, monkeypatch):
 
 
 def _inv(tmp_path: Path, nodes=3, rdzv="n2", port=None, extra_nodes=()):
-    return loads(json.dumps({
-        "job": {"name": "pf", "runtime": "docker"},
-        "rendezvous": {"node": rdzv, "port": port or free_port()},
-        "nodes": [*extra_nodes,
-                  *({"name": f"n{i}", "address": f"127.0.0.{i}", "connection": "local"} for i in range(1, nodes + 1))],
-        "storage": {"data": {"host": str(tmp_path / "nas/data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "nas/ckpt"), "container": "/ckpt"},
-                    "min_free_gb": 0.001},
-    }))
+    listed = [*extra_nodes, *local_nodes(*(f"n{i}" for i in range(1, nodes + 1)))]
+    return on_paper(listed, job="pf", nas=tmp_path / "nas", rendezvous={"node": rdzv, "port": port or free_port()},
+                    storage={"min_free_gb": 0.001})
 
 
 class CountingRemote(Remote):
@@ -158,7 +153,7 @@ def test_a_node_that_reads_another_token_is_not_on_the_same_storage(tmp_path):
     first = {n: Result(n, None, r.stdout) for n, r in final.items()}
     meeting = preflight.FleetMeeting(inv)
     meeting.tokens = tokens
-    shared = [c for c in judges.checks_from(inv, first, final, meeting) if c.name == "shared storage"]
+    shared = [c for c in preflight.checks_from(inv, first, final, meeting) if c.name == "shared storage"]
     assert [(c.node, c.ok) for c in shared] == [("n1", True), ("n2", True), ("n3", False)]
     assert shared[2].detail == f"does not see {path} written by n1: not the same storage"
 
@@ -167,10 +162,10 @@ def test_phase_two_readers_go_first_and_the_writer_ends_last(tmp_path):
     inv = _inv(tmp_path)
     first = {"n1": Result("n1", None, "token o /nas/.ddp-deploy-check-aaa\ntoken rc 0\n"),
              "n2": Result("n2", None, ""), "n3": Result("n3", None, "")}
-    assert preflight.token_waves(inv, first) == [
+    assert meetings.token_waves(inv, first) == [
         {"n2": "READ /nas/.ddp-deploy-check-aaa\n", "n3": "READ /nas/.ddp-deploy-check-aaa\n"}, {"n1": ""}]
     failed = {**first, "n1": Result("n1", None, "token e /nas is not a writable directory\ntoken rc 3\n")}
-    assert preflight.token_waves(inv, failed) == []
+    assert meetings.token_waves(inv, failed) == []
 
 
 def test_the_session_finds_each_node_s_nic_and_infiniband_devices_for_its_launch(tmp_path):
@@ -309,4 +304,4 @@ def test_a_failed_probe_answer_is_never_kept_and_is_probed_again(tmp_path, answe
 
 @pytest.mark.parametrize("line", ["PROBE_KEPT \x1b[31m1\x1b[0m", "PROBE_KEPT 99999999999999999999", "PROBE_KEPT"])
 def test_a_kept_answer_s_date_that_is_no_number_is_not_shown(line):
-    assert judges._kept(f"{line}\nPROBE {{}}\n") == ""
+    assert node_checks._kept(f"{line}\nPROBE {{}}\n") == ""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deploy.inventory import loads
-from deploy.checks.judges import _torch
+from deploy.checks.node_checks import _torch
 from deploy.nodes.remote import Result
 from deploy.checks.versions import torch_supported
 from agent.contract import TORCH_SUPPORTED

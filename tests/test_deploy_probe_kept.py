@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.checks import judges
+from deploy.checks import node_checks
 from deploy.inventory import load
 from deploy.job import plan
 from agent.contract import PROBE_KEPT_PREFIX
@@ -40,7 +40,7 @@ def test_launch_reuses_a_good_answer_until_a_package_lands_where_python_imports_
     again = _probe(tmp_path, plan.probe_argv(inv, node, reuse=True), extra)
     assert again.stdout.splitlines()[0].startswith(PROBE_KEPT_PREFIX + " ")
     assert again.stdout.splitlines()[1] == first.stdout.strip()
-    assert "kept for this interpreter's installation and probe command, probed " in judges._kept(again.stdout, "host")
+    assert "kept for this interpreter's installation and probe command, probed " in node_checks._kept(again.stdout, "host")
 
     checked = _probe(tmp_path, plan.probe_argv(inv, node, reuse=False), extra)  # `check`: always probed
     assert PROBE_KEPT_PREFIX not in checked.stdout and checked.stdout.startswith("PROBE {")

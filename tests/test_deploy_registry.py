@@ -9,16 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.images import deliveries, delivery, image, registry
-from deploy.cli import cli
+from deploy.images import delivery, image, registry, ways
 from deploy.errors import RemoteFailure, RuntimeFailure
 from deploy.images.image import NodeImages
-from deploy.inventory import loads
 from deploy.images.registry import Manifest, PullProgress, Registry
 from deploy.nodes.remote import Remote
 from fakes import FAKE_DOCKER_START, install_command
+from local_job import local_nodes, on_paper
 
 NAME = "registry.example.com:5000/team/ddp:v1"
 REPO = "registry.example.com:5000/team/ddp"
@@ -58,14 +56,8 @@ def _manifest() -> dict:
 
 
 def _inv(tmp_path: Path, name: str = NAME, nodes=("a", "b"), transfer: str = "auto"):
-    return loads(json.dumps({
-        "job": {"name": "reg", "runtime": "docker"},
-        "rendezvous": {"node": nodes[0]},
-        "nodes": [{"name": n, "address": f"127.0.0.{i + 1}", "connection": "local"} for i, n in enumerate(nodes)],
-        "image": {"name": name, "transfer": transfer},
-        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
-    }), base_dir=tmp_path)
+    return on_paper(local_nodes(*nodes), job="reg", nas=tmp_path, image={"name": name, "transfer": transfer},
+                    base_dir=tmp_path)
 
 
 # ------------------------------------------------------------------ the plan
@@ -83,9 +75,9 @@ def test_the_pull_names_the_repository_by_digest_never_by_tag(name, repo):
 
 
 def test_a_name_that_names_a_registry_picks_the_registry_way(tmp_path):
-    assert isinstance(deliveries.for_inventory(_inv(tmp_path)), Registry)
-    assert not isinstance(deliveries.for_inventory(_inv(tmp_path, "ddp-trainer:test")), Registry)
-    assert isinstance(deliveries.for_inventory(_inv(tmp_path, "localhost:5000/ddp:1", transfer="registry")), Registry)
+    assert isinstance(ways.for_inventory(_inv(tmp_path)), Registry)
+    assert not isinstance(ways.for_inventory(_inv(tmp_path, "ddp-trainer:test")), Registry)
+    assert isinstance(ways.for_inventory(_inv(tmp_path, "localhost:5000/ddp:1", transfer="registry")), Registry)
 
 
 def test_the_plan_pushes_once_reads_the_manifest_and_pulls_by_digest_on_each_node(tmp_path):
@@ -101,7 +93,7 @@ def test_the_plan_pushes_once_reads_the_manifest_and_pulls_by_digest_on_each_nod
     assert all(f"{REPO}@{registry.DIGEST_PLACEHOLDER} {NAME}" in line for line in lines[2:])
 
 
-def test_deploy_dry_run_prints_the_push_and_each_node_s_pull(tmp_path):
+def test_deploy_dry_run_prints_the_push_and_each_node_s_pull(ddp, tmp_path):
     hosts = tmp_path / "hosts.yaml"
     inv_yaml = {"job": {"name": "reg"}, "rendezvous": {"node": "a"},
                 "nodes": [{"name": "a", "address": "198.18.0.11"}, {"name": "b", "address": "198.18.0.12"}],
@@ -109,7 +101,7 @@ def test_deploy_dry_run_prints_the_push_and_each_node_s_pull(tmp_path):
                 "storage": {"data": {"host": "/nas/data", "container": "/data"},
                             "checkpoints": {"host": "/nas/ckpt", "container": "/ckpt"}}}
     hosts.write_text(json.dumps(inv_yaml))
-    r = CliRunner().invoke(cli, ["--hosts", str(hosts), "deploy", "--dry-run"])
+    r = ddp(hosts, "deploy", "--dry-run")
     assert r.exit_code == 0, r.output
     assert "by registry (image.transfer: auto)" in r.output
     assert f"[local] docker push {NAME}" in r.output

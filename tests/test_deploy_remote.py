@@ -3,7 +3,6 @@ node's result, and where ~/.ssh/config sends a node (aliases, ProxyJump chains, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -13,9 +12,9 @@ import paramiko
 import pytest
 
 from deploy.nodes.fanout import fan_out, outcome
-from deploy.inventory import loads
 from deploy.nodes.ssh import endpoint, read_config
 from deploy.nodes.transport import NodeError, Result, TimedOut
+from local_job import on_paper
 
 
 def test_every_kind_of_failure_becomes_that_nodes_result_naming_the_cause():
@@ -55,12 +54,9 @@ def test_ctrl_c_closes_what_the_waiting_threads_read_from_and_propagates_at_once
 
 def _inv(tmp_path, config: str, ssh: dict | None = None, node_ssh: dict | None = None):
     (tmp_path / "ssh_config").write_text(config)
-    return loads(json.dumps({
-        "job": {"name": "t", "runtime": "host"}, "rendezvous": {"node": "n1"},
-        "ssh": {"config": str(tmp_path / "ssh_config"), "connect_timeout": 6, **(ssh or {})},
-        "nodes": [{"name": "n1", "address": "10.0.0.1", **({"ssh": node_ssh} if node_ssh else {})}],
-        "storage": {"data": {"host": "/d", "container": "/data"}, "checkpoints": {"host": "/c", "container": "/ckpt"}},
-    }))
+    return on_paper([{"name": "n1", "address": "10.0.0.1", **({"ssh": node_ssh} if node_ssh else {})}],
+                    job_fields={"runtime": "host"},
+                    ssh={"config": str(tmp_path / "ssh_config"), "connect_timeout": 6, **(ssh or {})})
 
 
 def _endpoint(inv):

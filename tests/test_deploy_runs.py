@@ -14,7 +14,8 @@ import pytest
 
 from deploy.job import record, runs, secretenv
 from deploy.inventory import loads
-from test_deploy_local import TRAIN_ARGS, _inventory
+from local_job import local_hosts
+from test_deploy_local import TRAIN_ARGS
 
 def _inv(ckpt: Path, keep: int = 2):
     return loads(f"""
@@ -111,11 +112,7 @@ train: {secrets: {TOKEN: {env: MY_TOKEN}}}
 # ---------------------------------------------------------------- through the CLI, real launches
 
 def _hosts(tmp_path: Path, args: list[str], keep: int) -> Path:
-    hosts = _inventory(tmp_path, args, procs=1)
-    data = json.loads(hosts.read_text())
-    data["job"]["keep_runs"] = keep
-    hosts.write_text(json.dumps(data))
-    return hosts
+    return local_hosts(tmp_path, job="localtest", train={"args": args}, job_fields={"keep_runs": keep})
 
 
 def _launched(r) -> str:

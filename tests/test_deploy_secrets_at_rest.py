@@ -15,9 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from local_job import beats_dir, local_hosts
 from procs import alive, descendants_of, kill
 from test_deploy_local import LONG_ARGS, _records, _wait_for
@@ -53,9 +51,6 @@ def _job(tmp_path: Path, monkeypatch, train: dict) -> Path:
     return local_hosts(tmp_path, job="atrest", train={"secrets": {"API_TOKEN": {"env": "TEST_API_TOKEN"}}, **train})
 
 
-def _ddp(hosts: Path, *args: str):
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
-
 
 def _torch_folders(tmp_path: Path) -> list[str]:
     """torch's own (torchelastic_*) and the launcher's (launch.TORCH_LOG_PREFIX)."""
@@ -64,15 +59,15 @@ def _torch_folders(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_printed_secret_is_masked_in_every_file_the_run_leaves(tmp_path, monkeypatch):
+def test_a_printed_secret_is_masked_in_every_file_the_run_leaves(ddp, tmp_path, monkeypatch):
     project = tmp_path / "leaky"
     project.mkdir()
     (project / "leak.py").write_text(LEAK)
     hosts = _job(tmp_path, monkeypatch, {"script": "leak.py", "code": str(project)})
-    launched = _ddp(hosts, "launch", "--wait", "--timeout", "240")
+    launched = ddp(hosts, "launch", "--wait", "--timeout", "240")
     assert launched.exit_code == 0, launched.output
 
-    logs = _ddp(hosts, "logs").stdout
+    logs = ddp(hosts, "logs").stdout
     assert "plain: ***" in logs and "repr: {'token': '***'}" in logs and '"token": "***"' in logs, logs
     kept = list((tmp_path / "nas/ckpt/.ddp-deploy/atrest/runs").glob("*/here/log"))
     assert len(kept) == 1 and "plain: ***" in kept[0].read_text()
@@ -99,7 +94,7 @@ def _leaks(tmp_path: Path, *more: Path) -> dict[str, list[Path]]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("prefork", ["1", "0"], ids=["forked workers", "torchrun's own start"])
-def test_a_printed_secret_rests_in_no_file_while_running_nor_after_stop_now(
+def test_a_printed_secret_rests_in_no_file_while_running_nor_after_stop_now(ddp,
         tmp_path, monkeypatch, prefork):
     """Every file the launcher, torchrun and the workers write on the node (TMPDIR, the run's log,
     the heartbeats), while the job runs, and once ``stop --now`` has SIGKILLed it all, holds no spelling
@@ -108,14 +103,14 @@ def test_a_printed_secret_rests_in_no_file_while_running_nor_after_stop_now(
     project.mkdir()
     (project / "leak.py").write_text(PRINTS_AND_WAITS)
     hosts = _job(tmp_path, monkeypatch, {"script": "leak.py", "code": str(project), "env": {"DDP_PREFORK": prefork}})
-    assert _ddp(hosts, "launch").exit_code == 0
+    assert ddp(hosts, "launch").exit_code == 0
     beats = Path(beats_dir(hosts))
     try:
         _wait_for(lambda: (tmp_path / "nas/ckpt/printed").exists(), "the program to print the secret")
         _wait_for(lambda: "[rank0]: repr: {'token': '***'}" in _kept_log(tmp_path), "the lines in the run's log")
         assert not _leaks(tmp_path, beats)
     finally:
-        stopped = _ddp(hosts, "stop", "--now")
+        stopped = ddp(hosts, "stop", "--now")
     assert stopped.exit_code == 0, stopped.output
     assert "[rank0]: plain: ***" in _kept_log(tmp_path)
     assert not _leaks(tmp_path, beats)
@@ -187,12 +182,12 @@ def test_a_secret_in_a_recorded_error_rests_in_no_file_after_a_restart_or_a_kill
     assert not _leaks(tmp_path)
 
 @pytest.mark.e2e
-def test_a_job_with_secrets_checkpoints_when_stopped_and_leaves_no_torch_folder(tmp_path, monkeypatch):
+def test_a_job_with_secrets_checkpoints_when_stopped_and_leaves_no_torch_folder(ddp, tmp_path, monkeypatch):
     hosts = _job(tmp_path, monkeypatch, {"args": LONG_ARGS})
-    assert _ddp(hosts, "launch").exit_code == 0
+    assert ddp(hosts, "launch").exit_code == 0
     _wait_for(lambda: any(r["kind"] == "train" and r["step"] >= 3 for r in _records(tmp_path)), "step 3")
     assert not _torch_folders(tmp_path)  # while it runs: torch writes no file of a worker's
-    stopped = _ddp(hosts, "stop")
+    stopped = ddp(hosts, "stop")
     assert stopped.exit_code == 0 and "trainer: stopped by SIGTERM at step" in stopped.stdout, stopped.output
     assert _records(tmp_path)[-1]["kind"] == "stopped"
     assert not _torch_folders(tmp_path)

@@ -13,13 +13,11 @@ import textwrap
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from deploy.observe import doctor
 from deploy.job import plan
 from deploy.job.runtime import CodeDir
 from deploy.engines import slurm
-from deploy.cli import cli
 from deploy.errors import InventoryError
 from deploy.inventory import loads
 
@@ -272,24 +270,24 @@ def write(tmp_path, **sections):
     return str(path)
 
 
-def test_export_slurm_prints_the_script_launch_submits(tmp_path):
+def test_export_slurm_prints_the_script_launch_submits(ddp, tmp_path):
     hosts = write(tmp_path)
-    got = CliRunner().invoke(cli, ["--hosts", hosts, "export", "slurm"])
+    got = ddp(hosts, "export", "slurm")
     assert got.exit_code == 0, got.output
     assert got.output == slurm.batch_script(loads(open(hosts).read()), "RUN_ID")
-    dry = CliRunner().invoke(cli, ["--hosts", hosts, "launch", "--dry-run"])
+    dry = ddp(hosts, "launch", "--dry-run")
     assert dry.exit_code == 0 and got.output.strip() in dry.output
 
 
-def test_export_slurm_of_a_fleet_and_fleet_only_verbs_on_slurm_are_refused(tmp_path):
+def test_export_slurm_of_a_fleet_and_fleet_only_verbs_on_slurm_are_refused(ddp, tmp_path):
     hosts = write(tmp_path)
     for argv in (["join", "node1"], ["unlock"], ["check", "--network"]):  # doctor runs there: through srun
-        got = CliRunner().invoke(cli, ["--hosts", hosts, *argv])
+        got = ddp(hosts, *argv)
         assert got.exit_code == 2 and "not on Slurm" in got.output, got.output
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump({**{k: v for k, v in BASE.items() if k != "slurm"},
                                      "rendezvous": {"node": "a"}, "nodes": [{"name": "a", "address": "10.0.0.1"}]}))
-    got = CliRunner().invoke(cli, ["--hosts", str(fleet), "export", "slurm"])
+    got = ddp(fleet, "export", "slurm")
     assert got.exit_code == 2 and "no slurm: section" in got.output
 
 

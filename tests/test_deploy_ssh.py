@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from deploy.inventory import loads
 from deploy.nodes.remote import Remote
 from fakes import free_port
@@ -111,11 +109,11 @@ def test_closed_port_is_reported_as_unreachable(sshd, tmp_path):
     assert res.error and res.error.startswith("unreachable")
 
 
-def test_cli_stop_reports_a_refused_node_as_one_line(sshd, tmp_path):
+def test_cli_stop_reports_a_refused_node_as_one_line(ddp, sshd, tmp_path):
     inv, _ = _inv(sshd, tmp_path, key="other_key")
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(json.dumps(inv.model_dump()))
-    r = CliRunner().invoke(cli, ["--hosts", str(hosts), "stop"], env={"DDP_DEPLOY_LOG": str(tmp_path / "log")})
+    r = ddp(hosts, "stop")
     assert r.exit_code == 1
     errors = r.stderr.splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: n1: stop: auth refused")

@@ -17,12 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from agent import contract
 from deploy.observe import doctor, view
 from deploy.job import plan, runs, stall
-from deploy.cli import cli
 from deploy.job.scripts import HOST_STATUS
 from deploy.text import safe
 from hung_job import hanging_program
@@ -171,7 +169,6 @@ def test_a_job_that_is_not_running_reports_no_progress(tmp_path):
     assert s.state == "exited(0)" and s.beats == () and s.quiet_s is None
 
 
-
 def test_a_node_its_launcher_ended_on_a_stall_shows_stopped_stalled_and_only_then(tmp_path):
     run, kept = tmp_path / "run", tmp_path / "runs/20261126-120000-abcd/here"
     run.mkdir()
@@ -236,24 +233,21 @@ def test_a_plain_follower_prints_a_node_once_as_it_stalls_and_once_as_it_moves_a
     assert [line.split("  ")[1].split(" (")[0] for line in shown] == ["running", "stalled 11s", "running"]
 
 
-def test_stall_timeout_is_a_number_auto_or_null_and_anything_else_is_named(tmp_path):
+def test_stall_timeout_is_a_number_auto_or_null_and_anything_else_is_named(ddp, tmp_path):
     hosts = local_hosts(tmp_path, job="stalljob", train={"args": []})
     data = json.loads(hosts.read_text())
     for bad in ("soon", 0, -5, True):
         data["job"]["stall_timeout"] = bad
         hosts.write_text(json.dumps(data))
-        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "validate"])
+        r = ddp(hosts, "validate")
         assert r.exit_code == 2 and "job.stall_timeout" in r.stderr and "auto or null" in r.stderr, r.output
 
 
 # --- jobs on this machine, for real ------------------------------------------------------------------
 
-def _ddp(hosts: Path, *args: str):
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
 
-
-def _status(hosts: Path) -> dict:
-    r = _ddp(hosts, "status", "--json")
+def _status(ddp, hosts: Path) -> dict:
+    r = ddp(hosts, "status", "--json")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)[0]
 
@@ -276,7 +270,7 @@ def _follow_until(hosts: Path, wanted: str, timeout: float = 60) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(tmp_path, monkeypatch):
+def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(ddp, tmp_path, monkeypatch):
     """A rank that stops taking part shows its node stalled at its last step, in status and in its follow."""
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # torch's log folder of a launcher that stop --now kills stays here
@@ -289,8 +283,8 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(t
     hosts.write_text(json.dumps(data))
     beats = Path(beats_dir(hosts))
     try:
-        assert _ddp(hosts, "launch").exit_code == 0
-        moving = wait_until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(hosts)), 120,
+        assert ddp(hosts, "launch").exit_code == 0
+        moving = wait_until(lambda: (lambda s: s if len(s["heartbeats"]) == 2 else None)(_status(ddp, hosts)), 120,
                             "both ranks' beats", interval=0.2)
         assert moving["state"] == "running" and moving["stalled"] is None
         assert sorted(b["rank"] for b in moving["heartbeats"]) == [0, 1]
@@ -300,41 +294,41 @@ def test_a_rank_that_stops_taking_part_shows_its_node_stalled_at_its_last_step(t
         assert followed[-1].startswith("stalled: here rank 1 is in <module> (hangs.py:7); the 1 other rank waits "
                                        "in all_reduce (hangs.py:8)"), followed
 
-        stalled = _status(hosts)
+        stalled = _status(ddp, hosts)
         assert stalled["state"] == "running"  # the processes are there: stalled is what they do
         assert stalled["stalled"]["last_step"] == 4 and stalled["stalled"]["evidence"] == "heartbeats"
         assert stalled["stalled"]["timeout_s"] == 3 and stalled["stalled"]["for_s"] > 3
         assert sorted((b["rank"], b["step"]) for b in stalled["heartbeats"]) == [(0, 4), (1, 4)]
-        shown = _ddp(hosts, "status")
+        shown = ddp(hosts, "status")
         assert "stalled " in shown.stdout and "last step 4 since" in shown.stdout
 
         # why: rank 1 is in its sleep, outside any collective; rank 0 waits for it in the all-reduce
-        found = _ddp(hosts, "doctor")
+        found = ddp(hosts, "doctor")
         assert found.exit_code == 0, found.output
         first = found.stdout.splitlines()[0]
         assert first == "here rank 1 is in <module> (hangs.py:7); the 1 other rank waits in all_reduce (hangs.py:8)", found.stdout
-        data = json.loads(_ddp(hosts, "doctor", "--json").stdout)
+        data = json.loads(ddp(hosts, "doctor", "--json").stdout)
         assert data["culprits"] == ["here rank 1"] and data["gone"] == [] and data["silent"] == {}
         assert {r["rank"]: r["state"] for r in data["ranks"]} == {0: "S", 1: "S"}
 
         # kept with the run by the node's launcher, once, with the stacks it found: read after the fact
         kept = wait_until(lambda: (lambda r: r if r["nodes"]["here"]["stalls"] else None)(
-            json.loads(_ddp(hosts, "runs", "--json").stdout)[-1]), 60, "the stall kept with the run", interval=0.2)
+            json.loads(ddp(hosts, "runs", "--json").stdout)[-1]), 60, "the stall kept with the run", interval=0.2)
         assert [(st["step"], st["limit_s"], st["action"]) for st in kept["nodes"]["here"]["stalls"]] == [(4, 3, "report")]
-        assert "1 (reported)" in _ddp(hosts, "runs").stdout
-        shown = _ddp(hosts, "status", "--run", kept["id"]).stdout.splitlines()
+        assert "1 (reported)" in ddp(hosts, "runs").stdout
+        shown = ddp(hosts, "status", "--run", kept["id"]).stdout.splitlines()
         assert re.fullmatch(r"stalled at \d\d:\d\d:\d\d on here \(no step for \ds after step 4; job.stall_timeout 3s\): "
                             r"reported \(job.on_stall: report\)", shown[-2]), shown
         assert shown[-1] == ("  why: here rank 1 is in <module> (hangs.py:7); the 1 other rank waits in all_reduce "
                              "(hangs.py:8)"), shown
-        assert "agent.launch: stalled: no rank on this node moved for " in _ddp(hosts, "logs").stdout
+        assert "agent.launch: stalled: no rank on this node moved for " in ddp(hosts, "logs").stdout
     finally:
-        assert _ddp(hosts, "stop", "--now").exit_code == 0
+        assert ddp(hosts, "stop", "--now").exit_code == 0
     assert not beats.exists()  # the stop takes the run's heartbeats with it, a kill included
 
 
 @pytest.mark.e2e
-def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_again(tmp_path, monkeypatch):
+def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_again(ddp, tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     code = tmp_path / "code"
@@ -348,25 +342,25 @@ def test_on_stall_stop_ends_a_hung_job_names_the_culprit_and_nothing_starts_it_a
     hosts.write_text(json.dumps(data))
     run_dir = tmp_path / "nas/ckpt/.ddp-deploy/stallstop/here"
     try:
-        r = _ddp(hosts, "launch", "--wait", "--timeout", "120")
+        r = ddp(hosts, "launch", "--wait", "--timeout", "120")
         assert r.exit_code == 1, r.output
         assert ("the job stalled and was stopped on here (job.on_stall: stop): here rank 1 is in <module> (hangs.py:7); "
                 "the 1 other rank waits in all_reduce (hangs.py:8)") in r.stderr, r.output
-        ended = _status(hosts)
+        ended = _status(ddp, hosts)
         assert ended["state"] == "stopped (stalled)" and ended["restarts"] == 0, ended
         assert (run_dir / "exit").read_text().strip() == "0"  # so that nothing starts it again
         assert heartbeat.workers(beats_dir(hosts)) == []  # its workers are gone
         assert not Path(beats_dir(hosts)).exists()
-        assert "stopped (stalled)" in _ddp(hosts, "status").stdout
+        assert "stopped (stalled)" in ddp(hosts, "status").stdout
         assert "and ending this node's part of the job, which nothing starts again (job.on_stall: stop)" in \
-            _ddp(hosts, "logs").stdout
-        (kept,) = json.loads(_ddp(hosts, "runs", "--json").stdout)
+            ddp(hosts, "logs").stdout
+        (kept,) = json.loads(ddp(hosts, "runs", "--json").stdout)
         assert kept["outcome"] == "stalled, stopped on here (job.on_stall: stop)", kept
-        assert "1 (stopped)" in _ddp(hosts, "runs").stdout
-        shown = _ddp(hosts, "status", "--run", kept["id"]).stdout
+        assert "1 (stopped)" in ddp(hosts, "runs").stdout
+        shown = ddp(hosts, "status", "--run", kept["id"]).stdout
         assert "stopped (stalled)" in shown and "): stopped (job.on_stall: stop)" in shown, shown
     finally:
-        assert _ddp(hosts, "stop").exit_code == 0
+        assert ddp(hosts, "stop").exit_code == 0
 
 
 def _free_port() -> int:
@@ -654,7 +648,7 @@ def _records(hosts: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(tmp_path, monkeypatch):
+def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(ddp, tmp_path, monkeypatch):
     """on_stall: restart kills a hung node's workers, and the job resumes and ends bit-identical."""
     import signal
 
@@ -663,7 +657,7 @@ def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(t
     monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # torch's log folder of a launcher that stop --now kills stays here
     reference = _restart_job(tmp_path, "reference")
-    r = _ddp(reference, "launch", "--wait", "--timeout", "300")
+    r = ddp(reference, "launch", "--wait", "--timeout", "300")
     assert r.exit_code == 0, r.output
 
     # a healthy step, checkpoint or evaluation never takes 10 s, on a loaded machine either (a cluster
@@ -671,7 +665,7 @@ def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(t
     hosts = _restart_job(tmp_path, "stalled", stall_timeout=10, on_stall="restart")
     beats = beats_dir(hosts)
     try:
-        assert _ddp(hosts, "launch").exit_code == 0
+        assert ddp(hosts, "launch").exit_code == 0
         # past a complete checkpoint, inside the epoch: then one rank is stopped (SIGSTOP), the other
         # waits for it in a collective, and no process exits
         wait_until(lambda: max((rec["step"] for rec in _records(hosts) if rec["kind"] == "train"), default=0) >= 12,
@@ -680,15 +674,15 @@ def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(t
         os.kill(one[0], signal.SIGSTOP)
         stopped = time.time()
 
-        ended = wait_until(lambda: (lambda s: s if s["state"].startswith("exited") else None)(_status(hosts)), 240,
+        ended = wait_until(lambda: (lambda s: s if s["state"].startswith("exited") else None)(_status(ddp, hosts)), 240,
                            "the job's end", interval=0.2)
         assert ended["state"] == "exited(0)"
     finally:
-        _ddp(hosts, "stop", "--now")
-    log = _ddp(hosts, "logs").stdout
+        ddp(hosts, "stop", "--now")
+    log = ddp(hosts, "logs").stdout
     assert "agent.launch: stalled: no rank on this node moved for " in log
-    run = json.loads(_ddp(hosts, "runs", "--json").stdout)[-1]["id"]
-    (stall,) = json.loads(_ddp(hosts, "status", "--run", run, "--json").stdout)["stalls"]
+    run = json.loads(ddp(hosts, "runs", "--json").stdout)[-1]["id"]
+    (stall,) = json.loads(ddp(hosts, "status", "--run", run, "--json").stdout)["stalls"]
     assert stall["action"] == "restart" and stall["culprits"] == ["here rank 1"], stall
     assert stall["diagnosis"].startswith("here rank 1 is stopped (SIGSTOP: state T); the 1 other rank waits in "), stall
     if flight.dumper("gloo") is not None:  # this torch records gloo's collectives: the waiting rank's is named,
@@ -705,7 +699,7 @@ def test_on_stall_restart_kills_hung_workers_and_the_job_resumes_bit_identical(t
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
+def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(ddp, tmp_path):
     for job, said in (({"on_stall": "restart", "max_restarts": 0}, "which job.max_restarts 0 forbids"),
                       ({"on_stall": "restart", "max_restarts": 1, "stall_timeout": None}, "job.stall_timeout is null"),
                       ({"on_stall": "stop", "stall_timeout": None}, "job.on_stall: stop needs a stall to act on"),
@@ -714,7 +708,7 @@ def test_on_stall_restart_needs_restarts_left_and_a_stall_to_act_on(tmp_path):
         data = json.loads(hosts.read_text())
         data["job"].update(job)
         hosts.write_text(json.dumps(data))
-        r = CliRunner().invoke(cli, ["--hosts", str(hosts), "validate"])
+        r = ddp(hosts, "validate")
         assert r.exit_code == 2 and said in r.stderr, r.output
 
 

@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from deploy.observe import failure, view
 from deploy.job import runs
-from deploy.cli import cli
 from deploy.job.plan import NodeState
 from deploy.text import safe
 from test_deploy_local import _inventory
@@ -38,10 +36,9 @@ def _raw(text: str) -> set[str]:
 
 
 @pytest.fixture
-def ddp(tmp_path):
-    runner = CliRunner()
-    env = {"DDP_DEPLOY_LOG": str(tmp_path / "debug.log"), "COLUMNS": "80"}  # what rich assumes in a pipe
-    return lambda hosts, *args: runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
+def ddp(ddp):
+    """conftest's, at the width rich assumes in a pipe."""
+    return lambda hosts, *args: ddp(hosts, *args, env={"COLUMNS": "80"})
 
 
 @pytest.fixture
@@ -161,7 +158,7 @@ def test_a_check_s_detail_with_markup_and_escapes_is_printed_as_text(monkeypatch
     import io
 
     import deploy.cli.render
-    from deploy.checks.judges import Check
+    from deploy.checks.node_checks import Check
     from deploy.cli.table import Screen
 
     screen = io.StringIO()

@@ -11,9 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from deploy.cli import cli
 from local_job import local_hosts
 
 pytestmark = pytest.mark.e2e
@@ -24,17 +22,6 @@ SECRET = "s3cr3t-value-for-the-test"
 
 def _hosts(tmp_path: Path, train: dict) -> Path:
     return local_hosts(tmp_path, job="usercode", train=train, procs=2)
-
-
-@pytest.fixture
-def ddp(tmp_path, monkeypatch):
-    runner = CliRunner()
-    monkeypatch.setenv("DDP_DEPLOY_LOG", str(tmp_path / "debug.log"))
-
-    def run(hosts: Path, *args: str, env: dict | None = None):
-        return runner.invoke(cli, ["--hosts", str(hosts), *args], env=env)
-
-    return run
 
 
 def _ok(r):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.checks import judges
+from deploy.checks import node_checks
 from deploy.checks.preflight import check_argv
 from deploy.engines.fleet import alljobs as fleet_jobs
 from deploy.inventory import loads
@@ -122,20 +122,20 @@ def test_a_launch_holds_its_node_s_gpus_and_its_check_asks_who_holds_them():
 
 def test_the_check_names_each_holder_as_text_and_passes_free_gpus():
     inv = loads(json.dumps(GPU_NODE))
-    free = judges.gpu_holds(inv, Result("g", 0, ""))
+    free = node_checks.gpu_holds(inv, Result("g", 0, ""))
     assert free.ok and free.detail == "no other job holds GPUs 2,3"
     since = time.mktime((2026, 12, 6, 9, 30, 0, 0, 0, -1))
     lying = {"gpu": 3, "pid": 777, "uid": 1001, "since": since, "name": "x",
              "said": {"job": "\x1b[2Jwipe", "user": "bob"}}
     said = json.dumps(dict(lying, told=holds.describe(lying)))  # a line of the node's `holds.py list`
-    held = judges.gpu_holds(inv, Result("g", 0, said + "\nnot json\n"))
+    held = node_checks.gpu_holds(inv, Result("g", 0, said + "\nnot json\n"))
     assert not held.ok
     assert held.detail == ("GPU 3 is held by job '\\x1b[2Jwipe' of user 'bob' (uid 1001, pid 777) since "
                            "2026-12-06 09:30:00; an answer not understood: not json: stop that job first, or give "
                            "this job other GPUs (nodes[].gpu_ids)")
-    raw = judges.gpu_holds(inv, Result("g", 0, json.dumps({"told": "GPU 3 \x1b[2J"}) + "\n" + json.dumps(lying)))
+    raw = node_checks.gpu_holds(inv, Result("g", 0, json.dumps({"told": "GPU 3 \x1b[2J"}) + "\n" + json.dumps(lying)))
     assert raw.detail.startswith("GPU 3 \\x1b[2J; an answer not understood: {") and "\x1b" not in raw.detail, raw.detail
-    failed = judges.gpu_holds(inv, Result("g", 127, "", "python3: not found"))
+    failed = node_checks.gpu_holds(inv, Result("g", 127, "", "python3: not found"))
     assert not failed.ok and failed.detail.startswith("cannot tell who holds GPUs 2,3: ")
     assert failed.detail.endswith(f"(the node's {sys.executable} asks)")
 

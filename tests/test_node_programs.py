@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent import contract
-from deploy.checks import preflight
+from deploy.checks import meetings, preflight
 from deploy.job import runs, scripts
 from deploy.engines import slurm
 from deploy.images import image
@@ -61,5 +61,5 @@ def test_shellcheck_finds_a_planted_fault(shellcheck):
 
 def test_the_node_programs_are_read_from_their_files():
     assert scripts.KILL_RUN == node_program("kill_run.sh") == (HERE / "kill_run.sh").read_text()
-    assert preflight.LISTEN == node_program("listen.py") and preflight.LISTEN.startswith("import socket")
+    assert meetings.LISTEN == node_program("listen.py") and meetings.LISTEN.startswith("import socket")
     assert len(FILES) >= 20

@@ -17,10 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from agent import contract
-from deploy.cli import cli
 from deploy.job import stall
 from deploy.observe import doctor
 from fakes import free_port
@@ -133,12 +131,9 @@ def test_a_rank_that_leaves_before_the_group_forms_is_named_even_with_auto(tmp_p
         _end(proc, beats)
 
 
-def _ddp(hosts: Path, *args: str):
-    return CliRunner().invoke(cli, ["--hosts", str(hosts), *args])
-
 
 @pytest.mark.e2e
-def test_a_silent_program_s_start_up_hang_is_named_by_status_and_launch_wait(tmp_path, monkeypatch, torch_python):
+def test_a_silent_program_s_start_up_hang_is_named_by_status_and_launch_wait(ddp, tmp_path, monkeypatch, torch_python):
     """A start-up hang of a silent program is named by status and launch --wait after the stall timeout."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     code = tmp_path / "code"
@@ -161,16 +156,16 @@ def test_a_silent_program_s_start_up_hang_is_named_by_status_and_launch_wait(tmp
                 break
         assert said[-1] == f"stalled: {culprit} (`ddp-deploy doctor` shows each rank)", said
 
-        shown = json.loads(_ddp(hosts, "status", "--json").stdout)[0]
+        shown = json.loads(ddp(hosts, "status", "--json").stdout)[0]
         assert shown["state"] == "running" and shown["stalled"]["evidence"] == "heartbeats", shown
         assert shown["stall_diagnosis"] == culprit, shown
         assert {b["phase"] for b in shown["heartbeats"]} == {"run"}
-        table = _ddp(hosts, "status").stdout
+        table = ddp(hosts, "status").stdout
         assert "stalled " in table and f"stalled: {culprit} (`ddp-deploy doctor` shows each rank)" in table, table
     finally:
         waiting.kill()
         waiting.communicate()
-        assert _ddp(hosts, "stop", "--now").exit_code == 0
+        assert ddp(hosts, "stop", "--now").exit_code == 0
 
 
 # --- the judgment ----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from deploy.cli import cli
 
@@ -52,8 +51,8 @@ def test_every_flag_the_readme_shows_for_the_trainer_exists():
     assert shown - torchrun_only and all(flag in help_text for flag in shown - torchrun_only)
 
 
-def test_deploy_help_lists_every_verb():
-    result = CliRunner().invoke(cli, ["--help"])
+def test_deploy_help_lists_every_verb(ddp):
+    result = ddp(ROOT / "hosts.yaml", "--help")
     for verb in ("validate", "check", "deploy", "sync", "launch", "status", "logs", "stop"):
         assert verb in result.output
 

@@ -149,11 +149,10 @@ def _processes(beats: str) -> list[str]:
 
 def _inventory(tmp_path: Path, train: dict, procs=(2,)) -> Path:
     tmp_path.mkdir(exist_ok=True)
-    hosts = local_hosts(tmp_path, job="spawner", procs=procs[0], train=train)
-    data = json.loads(hosts.read_text())
-    data["nodes"] += [{"name": f"n{i}", "address": f"10.0.0.{i}", "procs": p} for i, p in enumerate(procs[1:], 2)]
-    hosts.write_text(json.dumps(data))
-    return hosts
+    nodes = [{"name": "here", "address": "127.0.0.1", "procs": procs[0]},
+             *({"name": f"n{i}", "address": f"10.0.0.{i}", "procs": p, "connection": "ssh"}
+               for i, p in enumerate(procs[1:], 2))]
+    return local_hosts(tmp_path, job="spawner", nodes=nodes, train=train)
 
 
 def test_torchrun_starts_one_process_per_node_which_is_told_how_many_to_start(tmp_path):

@@ -4,8 +4,9 @@ Every node runs ONE command (one SSH session: on fleets whose login shell runs c
 init, each command costs a fraction of a second before it does anything), built by
 :func:`check_argv`: a constant bash script that runs each check's argv list at the same time,
 every value a positional argument, and prints tagged lines (``TAG o LINE``, ``TAG e LINE``,
-``TAG rc CODE``) that ``judges.parse_tagged`` turns back into one :class:`Result` per check;
-deploy/checks/judges.py judges them into the rows shown (this module runs the session).
+``TAG rc CODE``) that ``parse_tagged`` turns back into one :class:`Result` per check. Each check
+is its argv beside its judge (deploy/checks/node_checks.py, the nodes' meeting in meetings.py);
+this module runs the session and collects the rows.
 
 Two checks need the nodes to meet, and the session has two phases for them
 (:func:`converse`):
@@ -31,32 +32,17 @@ judged against the supported range, and on GPU nodes whether CUDA works there at
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..images import build as builder
 from ..inventory import Inventory, Node
-from ..job import plan
-from ..job.scripts import HOLDS
-from ..job.runtime import CodeDir, NodeFacts, runtime
-from ..programs import node_program
+from ..job.runtime import CodeDir, NodeFacts
 from ..nodes.remote import Remote, Result
-from .judges import PROBE_SECONDS, Check, checks_from, parse_tagged, rendezvous, shared
+from .meetings import LISTEN_SECONDS, FleetMeeting, JoinMeeting
+from .node_checks import (
+    AFTER_MEETING, BEFORE_MEETING, PROBE_SECONDS, Asked, Check, FabricFact, NicsFact, parse_tagged,
+)
 
-
-# $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
-STORAGE = node_program("storage.sh")
-
-# $1 = directory, $2 = token. Writes the token into $1 (or its nearest existing ancestor, as
-# STORAGE does); prints the file's path before writing it; exit 3: no writable directory.
-TOKEN = node_program("token.sh")
-
-# argv: PORT N TIMEOUT. Binds the port (fails if in use), accepts N connections or times out.
-LISTEN = node_program("listen.py")
-
-# $1 = address, $2 = port, $3 = seconds. Retries while the listener starts.
-CONNECT = node_program("connect.bash")
 
 MARKER = "@phase2"
 
@@ -94,9 +80,6 @@ if IFS= read -r -t $((2 * limit)) line && [ "${line%% *}" = READ ]; then
 fi
 """
 
-LISTEN_SECONDS = 15
-
-
 @dataclass(frozen=True)
 class Preflight:
     """Every check's row, and what the sessions found on each reachable node."""
@@ -109,113 +92,61 @@ class Preflight:
         return [c for c in self.checks if not c.ok]
 
 
-# Lists /dev/infiniband's devices, if any (exit 0 either way).
-FABRIC = "ls /dev/infiniband 2>/dev/null; exit 0"
-
-
-def rendezvous_argv(inv: Inventory, node: Node) -> tuple[str, ...]:
-    """The endpoint listens for every other node; every other node connects to it."""
-    rdzv, port = inv.rdzv_node, str(inv.rendezvous.port)
-    if node.name == rdzv.name:
-        return (runtime(inv).listener_python(), "-c", LISTEN, port, str(len(inv.nodes) - 1), str(LISTEN_SECONDS))
-    return ("bash", "-c", CONNECT, "bash", rdzv.address, port, str(LISTEN_SECONDS))
-
-
 def check_argv(inv: Inventory, node: Node, token: str, code: CodeDir | None = None,
                meeting: Sequence[tuple[str, Sequence[str]]] | None = None, *, reuse_probe: bool = False
                ) -> tuple[str, ...]:
-    """The one command run on ``node``; ``token`` is empty for a one-node inventory; ``code``: the
-    code snapshot the probe imports the program from; ``meeting``: the checks by which the node
-    meets the others (default: the fleet's, :class:`FleetMeeting`); ``reuse_probe``: a probe
-    answer the node kept for the same command and image serves (a launch's checks; ``check``
-    itself always probes, and keeps a good answer)."""
-    s = inv.storage
-    engine = runtime(inv).engine_argv()
-    checks: list[tuple[str, Sequence[str]]] = [("engine", engine)] if engine else []
-    checks.append(("platform", builder.node_platform_argv(inv)))
-    checks.append(("probe", plan.probe_argv(inv, node, code, reuse=reuse_probe)))
-    if node.gpus > 0:
-        checks.append(("gpus", ("nvidia-smi", "-L")))
-    if node.devices:  # who holds the GPUs this job would use, from the node's kernel (agent/holds.py)
-        checks.append(("holds", (runtime(inv).listener_python(), "-c", HOLDS, "list", *map(str, node.devices))))
-    checks.append(("storage", ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)))
+    """The one command run on ``node``: every check's argv (deploy/checks/node_checks.py) in PHASES;
+    ``token`` is empty for a one-node inventory; ``code``: the code snapshot the probe imports the
+    program from; ``meeting``: the checks by which the node meets the others (default: the fleet's,
+    :class:`FleetMeeting`); ``reuse_probe``: a probe answer the node kept for the same command and
+    image serves (a launch's checks; ``check`` itself always probes, and keeps a good answer)."""
+    asked = Asked(code, reuse_probe)
     if meeting is None:
         meeting = FleetMeeting.meeting_checks(inv, node, token)
-    checks += [*meeting, ("status", plan.status_argv(inv, node)),
-               ("nics", plan.INTERFACES_ARGV), ("fabric", ("sh", "-c", FABRIC))]
+    checks = [(c.tag, c.argv(inv, node, asked)) for c in BEFORE_MEETING if c.applies(inv, node)]
+    checks += [*meeting, *((c.tag, c.argv(inv, node, asked)) for c in AFTER_MEETING if c.applies(inv, node))]
     argv = ["bash", "-c", PHASES, "bash", str(PROBE_SECONDS)]
     for tag, words in checks:
         argv += [tag, str(len(words)), *words]
     return tuple(argv)
 
 
-def token_waves(inv: Inventory, first: Mapping[str, Result]) -> list[dict[str, str]]:
-    """Phase 2: the other nodes read the reference's token, then the reference ends."""
-    up = [n.name for n in inv.nodes if first[n.name].connected]
-    if len(up) < 2:
-        return []
-    token = parse_tagged(up[0], first[up[0]].stdout).get("token")
-    path = token.stdout.strip() if token is not None and token.ok else ""
-    if not path:
-        return []
-    return [{n: f"READ {path}\n" for n in up[1:]}, {up[0]: ""}]
+def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
+                meeting, *, for_launch: bool = False, code: CodeDir | None = None,
+                nodes: Sequence[Node] | None = None) -> list[Check]:
+    """Every node's Check rows from its session's output (``first``: up to the barrier)."""
+    nodes = inv.nodes if nodes is None else nodes
+    checks: list[Check] = []
+    for n in nodes:
+        r = first[n.name]
+        how = "local" if n.connection == "local" else "ssh"
+        checks.append(Check(n.name, how, r.connected, "reachable" if r.connected else r.error))
+    up = [n.name for n in nodes if first[n.name].connected]
+    if not up:
+        return checks
+    results = {}
+    for node in up:
+        got = parse_tagged(node, final[node].stdout)
+        missing = Result(node, None, error=f"no result ({final[node].summary()})")
+        results[node] = _Tags(got, missing)
+
+    asked = Asked(code, for_launch)
+    for check in BEFORE_MEETING:
+        checks += check.judge(inv, up, results, asked)
+    checks += meeting.judge(up, results)
+    for check in AFTER_MEETING:
+        checks += check.judge(inv, up, results, asked)
+    return checks
 
 
-class FleetMeeting:
-    """How the nodes of a launch (or ``check``) meet: through shared storage (every node writes a
-    token in phase 1, the others read the first node's in phase 2) and at the rendezvous (the
-    endpoint listens on the port, free, while every other node connects)."""
+class _Tags(dict):
+    def __init__(self, got: dict[str, Result], missing: Result) -> None:
+        super().__init__(got)
+        self.missing = missing
 
-    def __init__(self, inv: Inventory) -> None:
-        self.inv = inv
-        self.tokens = {n.name: secrets.token_hex(16) for n in inv.nodes} if len(inv.nodes) > 1 else {}
+    def __missing__(self, tag: str) -> Result:
+        return self.missing
 
-    @staticmethod
-    def meeting_checks(inv: Inventory, node: Node, token: str) -> list[tuple[str, Sequence[str]]]:
-        out: list[tuple[str, Sequence[str]]] = []
-        if token:
-            out.append(("token", ("sh", "-c", TOKEN, "sh", inv.storage.checkpoints.host, token)))
-        return [*out, ("rdzv", rendezvous_argv(inv, node))]
-
-    def argv(self, node: Node, code: CodeDir | None, reuse_probe: bool) -> tuple[str, ...]:
-        return check_argv(self.inv, node, self.tokens.get(node.name, ""), code, reuse_probe=reuse_probe)
-
-    def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
-        return token_waves(self.inv, first)
-
-    def judge(self, up: list[str], results) -> list[Check]:
-        return shared(self.inv, up, results, self.tokens) + rendezvous(self.inv, up, results)
-
-
-class JoinMeeting:
-    """How a node meets a job that runs already (``ddp-deploy join``): in phase 2 it reads the
-    job's launch record on the shared storage, which must match what a running node read there,
-    and it reaches the job's rendezvous store, which listens."""
-
-    def __init__(self, inv: Inventory, record_path: str, record_text: str) -> None:
-        self.inv, self.path, self.text = inv, record_path, record_text
-
-    def argv(self, node: Node, code: CodeDir | None, reuse_probe: bool) -> tuple[str, ...]:
-        rdzv = self.inv.rdzv_node
-        reach = ("bash", "-c", CONNECT, "bash", rdzv.address, str(self.inv.rendezvous.port), str(LISTEN_SECONDS))
-        return check_argv(self.inv, node, "", code, meeting=[("rdzv", reach)], reuse_probe=reuse_probe)
-
-    def waves(self, first: Mapping[str, Result]) -> list[dict[str, str]]:
-        return [{n: f"READ {self.path}\n" for n, r in first.items() if r.connected}]
-
-    def judge(self, up: list[str], results) -> list[Check]:
-        rdzv, port = self.inv.rdzv_node, self.inv.rendezvous.port
-        out = []
-        for node in up:
-            seen = results[node]["seen"]
-            same = seen.ok and seen.stdout.strip() == self.text.strip()
-            out.append(Check(node, "shared storage", same, f"sees the running job's launch record {self.path}" if same
-                             else f"does not see the running job's launch record {self.path} "
-                                  f"({seen.summary() if not seen.ok else 'another content'}): not the same storage"))
-            reached = results[node]["rdzv"].ok
-            out.append(Check(node, "rendezvous", reached, f"reaches the running job's store at {rdzv.address}:{port}"
-                             if reached else f"cannot reach the running job's store at {rdzv.address}:{port}"))
-        return out
 
 
 def run_checks(inv: Inventory, remote: Remote, *, for_launch: bool = False, code: CodeDir | None = None) -> Preflight:
@@ -235,7 +166,7 @@ def join_checks(inv: Inventory, remote: Remote, node: str, record: tuple[str, st
 
 def _run(inv: Inventory, remote: Remote, nodes: Sequence[Node], meeting, *, for_launch: bool,
          code: CodeDir | None) -> Preflight:
-    commands = {n.name: meeting.argv(n, code, for_launch) for n in nodes}
+    commands = {n.name: check_argv(inv, n, "", code, meeting.checks(n), reuse_probe=for_launch) for n in nodes}
     first: dict[str, Result] = {}
 
     def reply(phase1: dict[str, Result]) -> list[dict[str, str]]:
@@ -306,8 +237,6 @@ def facts_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, 
         if not first[n.name].connected:
             continue
         got = parse_tagged(n.name, final[n.name].stdout)
-        nics, fabric = got.get("nics"), got.get("fabric")
-        facts[n.name] = NodeFacts(
-            interface=plan.interface_holding(n.address, nics.stdout) if nics is not None and nics.ok else None,
-            infiniband=bool(fabric is not None and fabric.stdout.strip()))
+        facts[n.name] = NodeFacts(interface=NicsFact.fact(n, got.get(NicsFact.tag)),
+                                  infiniband=FabricFact.fact(got.get(FabricFact.tag)))
     return facts

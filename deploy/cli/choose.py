@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from .engine import Engine, Invocation
-from .engine_fleet import SshFleet
-from .engine_slurm import Slurm
+from .engine_fleet import FleetCommands
+from .engine_slurm import SlurmCommands
 
-ENGINES: tuple[type[Engine], ...] = (Slurm, SshFleet)
+ENGINES: tuple[type[Engine], ...] = (SlurmCommands, FleetCommands)
 
 
 def for_invocation(st: Invocation) -> Engine:

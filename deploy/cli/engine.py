@@ -161,7 +161,7 @@ class Engine(ABC):
                                 "with the UTC start time)")
         for r in kept:
             outcome = cell("running", "green") if running and r is kept[-1] else r.outcome()
-            table.add_row(r.id, fleet.when(r)[1] or "-", str(len(r.nodes)), r.field("program") or "?",
+            table.add_row(r.id, fleet.when(r).took or "-", str(len(r.nodes)), r.field("program") or "?",
                           (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8],
                           outcome, good[r.id].text() if good.get(r.id) else "-", r.stall_text())
         render.out.print(table)

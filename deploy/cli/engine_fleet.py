@@ -23,7 +23,7 @@ from .build_view import TerminalView
 from .engine import Engine
 
 
-class SshFleet(Engine):
+class FleetCommands(Engine):
     name = "the SSH fleet"
 
     @classmethod
@@ -191,4 +191,4 @@ class SshFleet(Engine):
         return any(s.running for s in fleet.node_states(self.inv, remote, self.st.redact).values())
 
 
-__all__ = ["SshFleet"]
+__all__ = ["FleetCommands"]

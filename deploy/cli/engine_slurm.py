@@ -19,7 +19,7 @@ from . import render
 from .engine import Engine
 
 
-class Slurm(Engine):
+class SlurmCommands(Engine):
     """The verbs on a Slurm inventory: each talks to the login node only; Slurm starts, watches
     and ends the job."""
 
@@ -160,4 +160,4 @@ class Slurm(Engine):
         return job.dry_run_script(self.inv)
 
 
-__all__ = ["Slurm"]
+__all__ = ["SlurmCommands"]

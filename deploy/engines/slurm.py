@@ -177,7 +177,7 @@ def srun_argv(inv: Inventory, run: str, code: CodeDir | None = None) -> list[str
     s = inv.slurm
     argv = ["srun", f"--nodes={s.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
     python = inv.python_path()
-    kept = f"{job_dir(inv, runtime(inv).job_dirs()[1])}/runs/{run}"
+    kept = f"{job_dir(inv, runtime(inv).job_dirs().ckpt)}/runs/{run}"
     mounts = ",".join(f"{h}:{c}" for h, c in runtime(inv).mounts())
     if s.container is not None:
         python = "python"
@@ -204,7 +204,7 @@ def work_root(inv: Inventory, code: CodeDir | None) -> str:
     the same directory itself, agent/workdir.py; a container keeps the image's)."""
     if code is not None or inv.slurm.container is not None:
         return ""
-    return f"{runtime(inv).job_dirs()[1]}/{WORK_SUBDIR}"
+    return f"{runtime(inv).job_dirs().ckpt}/{WORK_SUBDIR}"
 
 
 _SCRIPT_VARS = ("$addrs", "$head")
@@ -254,7 +254,7 @@ def on_nodes_argv(inv: Inventory, job_id: str, script: str, *args: str) -> tuple
 
 
 def progress_argv(inv: Inventory, job_id: str, run: str) -> tuple[str, ...]:
-    return on_nodes_argv(inv, job_id, NODE_PROGRESS, f"{job_dir(inv, runtime(inv).job_dirs()[1])}/runs/{run}")
+    return on_nodes_argv(inv, job_id, NODE_PROGRESS, f"{job_dir(inv, runtime(inv).job_dirs().ckpt)}/runs/{run}")
 
 
 def diagnose_argv(inv: Inventory, job_id: str) -> tuple[str, ...]:

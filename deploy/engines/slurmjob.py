@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..checks.judges import Check
+from ..checks.node_checks import Check
 from ..errors import InputError, JobStopped, RemoteFailure, RuntimeFailure, StillRunning
 from ..inventory import load
 from ..job import codesync, outcome, phases, plan, record, runs, runtime, scripts, secretenv
@@ -401,7 +401,7 @@ class SlurmJob(JobApi):
     def metrics(self, runs: tuple[str, ...] = ()) -> dict[str, list[dict]]:
         """As :meth:`deploy.engines.fleet.Fleet.metrics`."""
         with self.connected() as remote:
-            by_run = fleet.metrics(self.inv, remote, runs, self.redact, self.warn)[0]
+            by_run = fleet.metrics(self.inv, remote, runs, self.redact, self.warn).by_run
         return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
 
     def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:

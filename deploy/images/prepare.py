@@ -14,7 +14,7 @@ from ..job import plan
 from ..job.runtime import DockerRuntime, HostRuntime
 from ..nodes.remote import Remote, command_line
 from . import build as builder
-from . import deliveries, image
+from . import image, ways
 
 Echo = Callable[[str], None]
 
@@ -50,7 +50,7 @@ class ImageDeployer(Deployer):
             lines.append(f"[local] {builder.dry_run_line(inv)}")
         lines.append(f"[local] {command_line(builder.inspect_argv(inv.image.name, builder.IMAGE_PLATFORM))}: "
                      f"must be {builder.NODES_PLATFORM}, else nothing is shipped")
-        way = deliveries.for_inventory(inv)
+        way = ways.for_inventory(inv)
         lines.append(f"[all] the nodes whose image ID differs get it by {way.name} (image.transfer: "
                      f"{inv.image.transfer}); with all of them:")
         return lines + way.describe([n.name for n in inv.nodes])

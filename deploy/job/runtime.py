@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from agent.contract import LAUNCH_MODULE, LOG_DIR_ENV, PROBE_MODULE, WORK_SUBDIR, module_argv, program
 
@@ -108,6 +109,13 @@ def tail_argv(path: str, *, tail: int | None, follow: bool) -> tuple[str, ...]:
     return ("sh", "-c", MERGE_STDERR, "sh", *argv, path)
 
 
+class JobDirs(NamedTuple):
+    """The data and checkpoint directories as the job sees them."""
+
+    data: str
+    ckpt: str
+
+
 @dataclass(frozen=True)
 class NodeFacts:
     """What the preflight session found on a node that shapes its commands."""
@@ -161,7 +169,7 @@ class Runtime:
         """Before a start command: read the secrets' NAME=VALUE lines from stdin (none: nothing)."""
         return ["sh", "-c", SECRETS_FROM_STDIN, "sh"] if self.inv.train.secrets else []
 
-    def job_dirs(self) -> tuple[str, str]:
+    def job_dirs(self) -> JobDirs:
         """The data and checkpoint directories as the job sees them."""
         raise NotImplementedError
 
@@ -236,9 +244,9 @@ class DockerRuntime(Runtime):
     name = "docker"
     job_uid = JOB_UID
 
-    def job_dirs(self) -> tuple[str, str]:
+    def job_dirs(self) -> JobDirs:
         s = self.inv.storage
-        return s.data.container, s.checkpoints.container
+        return JobDirs(s.data.container, s.checkpoints.container)
 
     def where(self) -> str:
         return f"image {self.inv.image.name}"
@@ -361,9 +369,9 @@ class DockerRuntime(Runtime):
 class HostRuntime(Runtime):
     name = "host"
 
-    def job_dirs(self) -> tuple[str, str]:
+    def job_dirs(self) -> JobDirs:
         s = self.inv.storage
-        return s.data.host, s.checkpoints.host
+        return JobDirs(s.data.host, s.checkpoints.host)
 
     def where(self) -> str:
         return self.inv.python_path()

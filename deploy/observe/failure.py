@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from agent.contract import is_hint
 
@@ -115,7 +116,14 @@ def _summary(log: str) -> tuple[dict[str, str] | None, list[dict[str, str]]]:
     return cause, blocks
 
 
-def program_error(log: str, only: int | None = None) -> tuple[str | None, int | None]:
+class Said(NamedTuple):
+    """A program's first error line in a log, and the rank whose prefix it carried, if any."""
+
+    text: str | None
+    rank: int | None
+
+
+def program_error(log: str, only: int | None = None) -> Said:
     """The program's first error line in ``log`` (before torchrun's failure summary), and the
     rank whose prefix it carried, if any; ``only``: of that rank's lines alone."""
     in_traceback, traceback_rank = False, None
@@ -141,14 +149,14 @@ def program_error(log: str, only: int | None = None) -> tuple[str | None, int | 
                     raised, in_traceback = (m[1], None), False  # the cause is the worker's traceback below
                     continue
                 if raised is not None:
-                    return f"{raised[0]}: process {raised[1] or '?'}: {line.strip()}", rank
-                return line.strip(), rank
+                    return Said(f"{raised[0]}: process {raised[1] or '?'}: {line.strip()}", rank)
+                return Said(line.strip(), rank)
             continue
         if _ERROR_LINE.search(line) and not _TORCHRUN_LINE.match(line):
-            return line.strip(), rank
+            return Said(line.strip(), rank)
     if raised is not None:  # its worker's traceback is not in the log
         return raised[0] + ":", traceback_rank
-    return None, None
+    return Said(None, None)
 
 
 def _barrier_start(line: str) -> str | None:
@@ -202,7 +210,7 @@ def _first_of(log: str, cause: dict[str, str], listed: list[dict[str, str]]) -> 
     failed before it."""
     def own(block: dict[str, str]) -> str | None:
         rank = _number(block.get("rank"))
-        return None if rank is None else program_error(log, rank)[0]
+        return None if rank is None else program_error(log, rank).text
 
     words = own(cause)
     if _lost(words):
@@ -237,7 +245,7 @@ def first_failure(logs: dict[str, str]) -> Failure | None:
         failed = _number(block.get("rank"))
         if failed is None:
             failed = prefixed
-            own = program_error(log, failed)[0] if failed is not None else None
+            own = program_error(log, failed).text if failed is not None else None
         if own or (prefixed is not None and failed is not None and prefixed != failed and _lost(says)):
             # its own words; without them, another rank's broken connection is what the failed
             # rank's end did to it, not its words

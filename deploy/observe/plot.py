@@ -18,6 +18,7 @@ import json
 import math
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from agent.contract import METRICS_PREFIX as PREFIX
 
@@ -64,10 +65,16 @@ def sources_argv(inv: Inventory) -> tuple[str, ...]:
     return as_job_argv(inv, ("sh", "-c", SOURCES, "sh", f"{inv.storage.checkpoints.host}/metrics.jsonl", runs_dir(inv)))
 
 
-def parse_sources(stdout: str) -> tuple[list[str], str]:
-    """What :data:`SOURCES` printed: (the kept runs' ids, the text of metrics.jsonl)."""
+class Sources(NamedTuple):
+    """What :data:`SOURCES` printed: the kept runs' ids, the text of metrics.jsonl."""
+
+    kept: list[str]
+    text: str
+
+
+def parse_sources(stdout: str) -> Sources:
     head, _, text = stdout.partition("@@jsonl\n")
-    return [line for line in lines(head) if RUN_ID.fullmatch(line)], text
+    return Sources([line for line in lines(head) if RUN_ID.fullmatch(line)], text)
 
 
 def log_metrics_argv(inv: Inventory, runs: Sequence[str]) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ...checks import preflight
 from ...errors import InputError, RemoteFailure, RuntimeFailure
-from ...images import deliveries, prepare
+from ...images import prepare, ways
 from ...images.build import QuietView
 from ...inventory import Inventory
 from ...job import codesync, launchplan, lock, phases, plan, record, runs, runtime, secretenv
@@ -143,7 +143,7 @@ def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, s
             # The build takes minutes: an `unlock --force` meanwhile may have let another operator in.
             fleet_lock.confirm("deploy", "no image was shipped")
             with shipping() as report:
-                return deliveries.for_inventory(inv).ship(remote, image_id, held, report)
+                return ways.for_inventory(inv).ship(remote, image_id, held, report)
 
         try:
             return steps.run(remote, say, build=build, ship=ship, view=build_view)

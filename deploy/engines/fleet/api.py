@@ -93,7 +93,7 @@ class Fleet(JobApi):
         """Each run's metrics records as the trainer (or the program's METRICS lines) wrote them, by
         run id (all runs, or those ``runs`` names: an id or its start)."""
         with self.connected() as remote:
-            by_run = metrics(self.inv, remote, runs, self.redact, self.warn)[0]
+            by_run = metrics(self.inv, remote, runs, self.redact, self.warn).by_run
         return {run: by_run[run] for run in plotting.wanted_runs(list(by_run), runs)}
 
     def plot(self, path: str | Path, runs: tuple[str, ...] = ()) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from ...errors import InputError, RuntimeFailure
@@ -16,10 +17,16 @@ from ...observe import plot as plotting
 from .common import FAILURE_TAIL, Say, on_any_node, quiet
 
 
-def when(run: runs.Run) -> tuple[str, str | None]:
+class When(NamedTuple):
     """When a run started (local time) and how long it took (None: not every node has ended)."""
+
+    started: str
+    took: str | None
+
+
+def when(run: runs.Run) -> When:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.start)) if run.start else "?"
-    return started, view.duration(run.end - run.start) if run.start and run.end else None
+    return When(started, view.duration(run.end - run.start) if run.start and run.end else None)
 
 
 @dataclass(frozen=True)
@@ -67,24 +74,32 @@ def goodputs(inv, remote, kept: list[runs.Run], running: bool = False, warn: Say
         return {}
     # unmasked: a secret equal to a word the reckoning reads ("train") must not change it; none of
     # the records' text is shown
-    by_run = plotting.records_by_run(plotting.parse_sources(got.stdout)[1])
+    by_run = plotting.records_by_run(plotting.parse_sources(got.stdout).text)
     now = time.time()
     return {r.id: goodput.of_run(by_run.get(r.id, []), r.start, r.end,
                                  now if running and r is kept[-1] else (goodput.last_time(by_run.get(r.id, [])) or now))
             for r in kept}
 
 
+@dataclass(frozen=True)
+class Metrics:
+    """Each run's metrics records, and where they came from for the runs read from logs."""
+
+    by_run: dict[str, list[dict]]
+    sources: dict[str, str]
+
+
 def metrics(inv, remote, run_ids: tuple[str, ...] = (), redact: Callable[[str], str] = str,
-            warn: Say = quiet) -> tuple[dict[str, list[dict]], dict[str, str]]:
+            warn: Say = quiet) -> Metrics:
     """The metrics records of each run (all, or those ``run_ids`` name: an id or its start), from
     metrics.jsonl on the shared volume, or from a run's kept logs (its program's METRICS lines)
     where the file knows nothing of it; secrets masked after parsing. And where each run's came
     from, for the runs read from logs."""
     answer = on_any_node(inv, remote, plotting.sources_argv(inv), f"the metrics in {inv.storage.checkpoints.host}")
     reader, got = answer.node, answer.result
-    kept, text = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
-    by_run = plotting.records_by_run(text)
-    missing = [r for r in plotting.wanted_runs(kept, run_ids) if r not in by_run]
+    sources = plotting.parse_sources(got.stdout)  # parsed first, masked after (below)
+    by_run = plotting.records_by_run(sources.text)
+    missing = [r for r in plotting.wanted_runs(sources.kept, run_ids) if r not in by_run]
     from_logs = {}
     if missing:  # runs metrics.jsonl knows nothing of: their programs' METRICS lines
         read = remote.run({reader: plotting.log_metrics_argv(inv, missing)}, check=False, timeout=120)[reader]
@@ -92,7 +107,7 @@ def metrics(inv, remote, run_ids: tuple[str, ...] = (), redact: Callable[[str], 
             from_logs = plotting.log_records(read.stdout)
         else:
             warn(f"{reader}: the logs of {', '.join(missing)} were not read: {read.summary()}")
-    return plotting.masked({**by_run, **from_logs}, redact), {run: plotting.FROM_LOGS for run in from_logs}
+    return Metrics(plotting.masked({**by_run, **from_logs}, redact), {run: plotting.FROM_LOGS for run in from_logs})
 
 
 def plot(inv, remote, path: str | Path, run_ids: tuple[str, ...] = (), redact: Callable[[str], str] = str,
@@ -100,9 +115,9 @@ def plot(inv, remote, path: str | Path, run_ids: tuple[str, ...] = (), redact: C
     """One PNG of the runs' metrics at ``path`` (deploy/observe/plot.py; needs matplotlib): what
     it drew, as a line."""
     plotting.require_matplotlib()
-    by_run, sources = metrics(inv, remote, run_ids, redact, warn)
-    plotting.render(by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run", from_logs=sources)
-    return plotting.wrote(path, plotting.select(by_run, run_ids), sources)
+    got = metrics(inv, remote, run_ids, redact, warn)
+    plotting.render(got.by_run, path, wanted=run_ids, title=f"{inv.job.name}: metrics by run", from_logs=got.sources)
+    return plotting.wrote(path, plotting.select(got.by_run, run_ids), got.sources)
 
 
 def kept_failure(inv, remote, reader: str, run: str, nodes, redact) -> failure.Failure | None:

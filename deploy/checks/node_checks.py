@@ -1,32 +1,58 @@
-"""What the preflight session's output says, judged per check (deploy/checks/preflight.py runs the
-session): one :class:`Check` row per node and check, from the tagged results ``parse_tagged`` gave
-back. Nothing here talks to a node; every judge is a function of recorded output, so each is
-tested with outputs recorded from real nodes.
+"""The checks a node runs in the preflight session, each its node-side command beside the judge of
+what that command printed (deploy/checks/preflight.py runs the session: one command per node that
+runs every check's argv at once). A judge talks to no node: it is a function of recorded output,
+and tests/check_outputs/ holds outputs recorded from real nodes for each.
+
+The checks, in the order the session runs them and ``check`` shows them: the runtime's engine,
+the platform, the probe (torch and CUDA where the job runs, and the program importing there), the
+GPUs, who holds them, the storage, then how the nodes meet (deploy/checks/meetings.py), the
+previous run; last, two facts that shape the launch command and show no row (the NIC holding the
+node's address, InfiniBand devices).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.contract import PROBE_KEPT_PREFIX, PROBE_MODULE, PROBE_PREFIX, TORCH_SUPPORTED
+from agent.contract import PROBE_KEPT_PREFIX, PROBE_MODULE, PROBE_PREFIX, TORCH_SUPPORTED, program
 
+from .. import text
 from ..images import build as builder
 from ..inventory import Inventory, Node
 from ..job import plan
 from ..job.payload import payload
 from ..job.runtime import CodeDir, runtime
-from .. import text
 from ..nodes.remote import Result
+from ..programs import node_program
 from . import gpu_arch
 from .versions import torch_supported
 
 PROBE_SECONDS = 60
-"""How long agent.probe may take on a node (the session's limit for it)."""
+"""How long agent.probe may take on a node (the session's limit for each check)."""
+HOLDS = program("holds")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of ``check``: a node, what was checked, whether it passed, and what was found."""
+
+    node: str
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a session asks beyond the inventory: ``code``, the synced snapshot the program must
+    import from; ``for_launch``: a launch's checks (the image must be on the node already, and a
+    probe answer the node kept for the same command and image serves)."""
+
+    code: CodeDir | None = None
+    for_launch: bool = False
 
 
 def parse_tagged(node: str, stdout: str) -> dict[str, Result]:
@@ -49,72 +75,95 @@ def parse_tagged(node: str, stdout: str) -> dict[str, Result]:
     return done
 
 
-@dataclass(frozen=True)
-class Check:
-    node: str
-    name: str
-    ok: bool
-    detail: str
+Results = Mapping[str, Mapping[str, Result]]
+"""Each reachable node's results, by check tag (a tag that printed nothing: a failed Result)."""
 
 
-def checks_from(inv: Inventory, first: Mapping[str, Result], final: Mapping[str, Result],
-                meeting, *, for_launch: bool = False, code: CodeDir | None = None,
-                nodes: Sequence[Node] | None = None) -> list[Check]:
-    """Every node's Check rows from its session's output (``first``: up to the barrier)."""
-    nodes = inv.nodes if nodes is None else nodes
-    checks: list[Check] = []
-    for n in nodes:
-        r = first[n.name]
-        how = "local" if n.connection == "local" else "ssh"
-        checks.append(Check(n.name, how, r.connected, "reachable" if r.connected else r.error))
-    up = [n.name for n in nodes if first[n.name].connected]
-    if not up:
-        return checks
-    results = {}
-    for node in up:
-        got = parse_tagged(node, final[node].stdout)
-        missing = Result(node, None, error=f"no result ({final[node].summary()})")
-        results[node] = _Tags(got, missing)
+class NodeCheck:
+    """One check: ``argv`` runs on a node, ``judge`` turns what every reachable node printed for
+    ``tag`` into rows. A check judged node by node says so in ``judge_one``."""
 
-    if runtime(inv).engine_argv():
-        checks += _judged(up, results, "engine", inv.job.runtime, lambda r: (True, f"engine {r.stdout.strip()}"),
-                          f"{inv.job.runtime} engine not usable")
-    checks += _platforms(inv, [n for n in up if not runtime(inv).engine_argv() or results[n]["engine"].ok], results)
-    checks += [_torch(inv, results[n]["probe"], for_launch) for n in up]
-    checks += [c for c in (_program(inv, results[n]["probe"], code) for n in up) if c is not None]
+    tag = ""
 
-    def gpus(r: Result):
-        want = inv.node(r.node).gpus
-        have = sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
-        return have >= want, f"{have} GPUs, need {want}"
+    def applies(self, inv: Inventory, node: Node) -> bool:
+        return True
 
-    checks += _judged([n for n in up if inv.node(n).gpus > 0], results, "gpus", "gpus", gpus, "nvidia-smi failed")
-    checks += [gpu_holds(inv, results[n]["holds"]) for n in up if inv.node(n).devices]
-    checks += [_storage(inv, results[n]["storage"]) for n in up]
-    checks += meeting.judge(up, results)
-    checks += [_previous_run(results[n]["status"]) for n in up]
-    return checks
+    def argv(self, inv: Inventory, node: Node, asked: Asked) -> Sequence[str]:
+        raise NotImplementedError
+
+    def judge(self, inv: Inventory, up: list[str], results: Results, asked: Asked) -> list[Check]:
+        rows = (self.judge_one(inv, results[n][self.tag], asked) for n in up if self.applies(inv, inv.node(n)))
+        return [row for row in rows if row is not None]
+
+    def judge_one(self, inv: Inventory, r: Result, asked: Asked) -> Check | None:
+        raise NotImplementedError
 
 
-class _Tags(dict):
-    def __init__(self, got: dict[str, Result], missing: Result) -> None:
-        super().__init__(got)
-        self.missing = missing
+class EngineCheck(NodeCheck):
+    """The runtime's engine answers (docker); the host runtime has none: its probe is that check."""
 
-    def __missing__(self, tag: str) -> Result:
-        return self.missing
+    tag = "engine"
+
+    def applies(self, inv, node):
+        return runtime(inv).engine_argv() is not None
+
+    def argv(self, inv, node, asked):
+        return runtime(inv).engine_argv()
+
+    def judge_one(self, inv, r, asked):
+        if not r.ok:
+            return Check(r.node, inv.job.runtime, False, f"{inv.job.runtime} engine not usable: {r.summary()}")
+        return Check(r.node, inv.job.runtime, True, f"engine {r.stdout.strip()}")
 
 
-def _judged(nodes, results, tag, name, judge, fail_text) -> list[Check]:
+class PlatformCheck(NodeCheck):
+    """Each node's platform (its engine's, or the kernel's on the host runtime); on the docker
+    runtime a node whose platform differs from the first node's fails: one image serves one."""
+
+    tag = "platform"
+
+    def argv(self, inv, node, asked):
+        return builder.node_platform_argv(inv)
+
+    def judge(self, inv, up, results, asked):
+        engine = EngineCheck()
+        usable = [n for n in up if not engine.applies(inv, inv.node(n)) or results[n][engine.tag].ok]
+        return _platforms(inv, usable, results)
+
+
+def _platforms(inv: Inventory, up: list[str], results) -> list[Check]:
+    """Each node's platform; on the docker runtime, a node whose platform differs from the first
+    node's fails (the image is built for one platform)."""
+    read = {n: builder.parse_platform(results[n][PlatformCheck.tag].stdout) for n in up if results[n][PlatformCheck.tag].ok}
+    first = next((n for n in up if read.get(n)), None)
     out = []
-    for node in nodes:
-        r = results[node][tag]
-        if r.ok:
-            ok, detail = judge(r)
+    for node in up:
+        r, platform = results[node][PlatformCheck.tag], read.get(node)
+        if platform is None:
+            said = r.summary() if not r.ok else repr(r.stdout.strip())
+            out.append(Check(node, "platform", False, f"cannot tell the platform from "
+                                                      f"`{' '.join(builder.node_platform_argv(inv))}`: {said}"))
+        elif inv.job.runtime == "docker" and platform != read[first]:
+            out.append(Check(node, "platform", False, f"{platform}, unlike {first}'s {read[first]}: one image serves "
+                                                      f"one platform (leave it out: --without {node})"))
         else:
-            ok, detail = False, f"{fail_text}: {r.summary()}"
-        out.append(Check(node, name, ok, detail))
+            out.append(Check(node, "platform", True, platform))
     return out
+
+
+
+class ProbeCheck(NodeCheck):
+    """agent.probe where the job runs: torch and CUDA judged (a row ``torch``), then the job's
+    program importing there (a row ``program``)."""
+
+    tag = "probe"
+
+    def argv(self, inv, node, asked):
+        return plan.probe_argv(inv, node, asked.code, reuse=asked.for_launch)
+
+    def judge(self, inv, up, results, asked):
+        rows = [_torch(inv, results[n][self.tag], asked.for_launch) for n in up]
+        return rows + [c for c in (_program(inv, results[n][self.tag], asked.code) for n in up) if c is not None]
 
 
 PROBE_KEYS = ("torch", "cuda_build", "cuda_available", "devices", "device_names", "nccl", "cuda_error")
@@ -227,24 +276,82 @@ def _program(inv: Inventory, r: Result, code: CodeDir | None) -> Check | None:
     return Check(r.node, "program", True, f"{what} imports in {where}")
 
 
-def _platforms(inv: Inventory, up: list[str], results) -> list[Check]:
-    """Each node's platform; on the docker runtime, a node whose platform differs from the first
-    node's fails (the image is built for one platform)."""
-    read = {n: builder.parse_platform(results[n]["platform"].stdout) for n in up if results[n]["platform"].ok}
-    first = next((n for n in up if read.get(n)), None)
-    out = []
-    for node in up:
-        r, platform = results[node]["platform"], read.get(node)
-        if platform is None:
-            said = r.summary() if not r.ok else repr(r.stdout.strip())
-            out.append(Check(node, "platform", False, f"cannot tell the platform from "
-                                                      f"`{' '.join(builder.node_platform_argv(inv))}`: {said}"))
-        elif inv.job.runtime == "docker" and platform != read[first]:
-            out.append(Check(node, "platform", False, f"{platform}, unlike {first}'s {read[first]}: one image serves "
-                                                      f"one platform (leave it out: --without {node})"))
-        else:
-            out.append(Check(node, "platform", True, platform))
-    return out
+
+class GpusCheck(NodeCheck):
+    """The node shows at least the GPUs it lists (``nvidia-smi -L``: a ``GPU N: ...`` line each)."""
+
+    tag = "gpus"
+
+    def applies(self, inv, node):
+        return node.gpus > 0
+
+    def argv(self, inv, node, asked):
+        return ("nvidia-smi", "-L")
+
+    def judge_one(self, inv, r, asked):
+        if not r.ok:
+            return Check(r.node, "gpus", False, f"nvidia-smi failed: {r.summary()}")
+        want = inv.node(r.node).gpus
+        have = sum(1 for line in r.stdout.splitlines() if line.startswith("GPU "))
+        return Check(r.node, "gpus", have >= want, f"{have} GPUs, need {want}")
+
+
+class HoldsCheck(NodeCheck):
+    """Who holds the GPUs this job would use, from the node's kernel (agent/holds.py)."""
+
+    tag = "holds"
+
+    def applies(self, inv, node):
+        return bool(node.devices)
+
+    def argv(self, inv, node, asked):
+        return (runtime(inv).listener_python(), "-c", HOLDS, "list", *map(str, node.devices))
+
+    def judge_one(self, inv, r, asked):
+        return gpu_holds(inv, r)
+
+
+def gpu_holds(inv: Inventory, r: Result) -> Check:
+    """The job's GPUs on a node are free, or the holders are named (agent/holds.py's ``list``:
+    one JSON line per holder, what the node's kernel says of it, ``told`` as a sentence)."""
+    devices = inv.node(r.node).devices
+    if not r.ok:
+        asker = runtime(inv).listener_python()
+        return Check(r.node, "gpus free", False,
+                     f"cannot tell who holds GPUs {_ids(devices)}: {r.summary()} (the node's {asker} asks)")
+    said = []
+    for line in [line for line in r.stdout.splitlines() if line.strip()][:64]:
+        try:
+            said.append(text.safe(str(json.loads(line)["told"]))[:600])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            said.append(f"an answer not understood: {text.safe(line)[:200]}")
+    if not said:
+        return Check(r.node, "gpus free", True, f"no other job holds GPUs {_ids(devices)}")
+    return Check(r.node, "gpus free", False, "; ".join(said) + ": stop that job first, or give this job other GPUs "
+                                                           "(nodes[].gpu_ids)")
+
+
+def _ids(devices) -> str:
+    return ",".join(map(str, devices))
+
+
+
+# $@ = paths. Per path: "OK PATH FREE_KB" | "MISSING PATH FREE_KB ANCESTOR" | "FAIL PATH why".
+STORAGE = node_program("storage.sh")
+
+
+class StorageCheck(NodeCheck):
+    """The data and checkpoint directories exist (or their nearest ancestor does), are writable,
+    and have ``storage.min_free_gb`` free."""
+
+    tag = "storage"
+
+    def argv(self, inv, node, asked):
+        s = inv.storage
+        return ("sh", "-c", STORAGE, "sh", s.data.host, s.checkpoints.host)
+
+    def judge_one(self, inv, r, asked):
+        return _storage(inv, r)
 
 
 def _storage(inv: Inventory, r: Result) -> Check:
@@ -267,79 +374,17 @@ def _storage(inv: Inventory, r: Result) -> Check:
     return Check(r.node, "storage", not problems, detail)
 
 
-def shared(inv: Inventory, up: list[str], results, tokens) -> list[Check]:
-    """The first reachable node's token, written in phase 1, must be read by every other node."""
-    if len(inv.nodes) < 2:
-        return [Check(n, "shared storage", True, "single node") for n in up]
-    if len(up) < 2:
-        return []
-    ref, ckpt = up[0], inv.storage.checkpoints.host
-    w = results[ref]["token"]
-    path = w.stdout.strip()
-    if not path:
-        return [Check(n, "shared storage", False, f"cannot write under {ckpt} on {ref}") for n in up]
-    if not w.ok:
-        return [Check(ref, "shared storage", False, f"cannot write {path}: {w.summary()}")]
-    out = [Check(ref, "shared storage", True, f"wrote token to {os.path.dirname(path)}")]
-    for n in up[1:]:
-        r = results[n]["seen"]
-        same = r.ok and r.stdout.strip() == tokens[ref]
-        out.append(Check(n, "shared storage", same,
-                         f"sees {ref}'s token" if same else f"does not see {path} written by {ref}: "
-                         "not the same storage"))
-    return out
 
+class PreviousRunCheck(NodeCheck):
+    """The job's previous run on the node has ended (a launch replaces it)."""
 
-_ACCEPTED = re.compile(r"accepted (\d+) of \d+")
+    tag = "status"
 
+    def argv(self, inv, node, asked):
+        return plan.status_argv(inv, node)
 
-def rendezvous(inv: Inventory, up: list[str], results) -> list[Check]:
-    rdzv = inv.rdzv_node
-    port = inv.rendezvous.port
-    if rdzv.name not in up:
-        return [Check(rdzv.name, "rendezvous", False, "endpoint node unreachable")]
-    others = [n for n in up if n != rdzv.name]
-    out = []
-    for node in up:
-        r = results[node]["rdzv"]
-        if node == rdzv.name:
-            got = _ACCEPTED.search(r.stdout)
-            ok = got is not None and r.exit_code in (0, 4) and int(got[1]) >= len(others)
-            if ok:
-                detail = f"port {port} free"
-            elif got is not None and r.exit_code in (0, 4):
-                detail = f"accepted {got[1]} of {len(others)}"
-            else:
-                detail = r.stdout.strip() or r.summary()
-        else:
-            ok = r.ok
-            detail = f"reaches {rdzv.address}:{port}" if ok else f"cannot reach {rdzv.address}:{port}"
-        out.append(Check(node, "rendezvous", ok, detail))
-    return out
-
-
-def gpu_holds(inv: Inventory, r: Result) -> Check:
-    """The job's GPUs on a node are free, or the holders are named (agent/holds.py's ``list``:
-    one JSON line per holder, what the node's kernel says of it, ``told`` as a sentence)."""
-    devices = inv.node(r.node).devices
-    if not r.ok:
-        asker = runtime(inv).listener_python()
-        return Check(r.node, "gpus free", False,
-                     f"cannot tell who holds GPUs {_ids(devices)}: {r.summary()} (the node's {asker} asks)")
-    said = []
-    for line in r.stdout.splitlines()[:64]:
-        try:
-            said.append(text.safe(str(json.loads(line)["told"]))[:600])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            said.append(f"an answer not understood: {text.safe(line)[:200]}")
-    if not said:
-        return Check(r.node, "gpus free", True, f"no other job holds GPUs {_ids(devices)}")
-    return Check(r.node, "gpus free", False, "; ".join(said) + ": stop that job first, or give this job other GPUs "
-                                                           "(nodes[].gpu_ids)")
-
-
-def _ids(devices) -> str:
-    return ",".join(map(str, devices))
+    def judge_one(self, inv, r, asked):
+        return _previous_run(r)
 
 
 def _previous_run(r: Result) -> Check:
@@ -353,3 +398,44 @@ def _previous_run(r: Result) -> Check:
     else:
         detail = "none"
     return Check(r.node, "previous run", not st.running, detail)
+
+
+# Lists /dev/infiniband's devices, if any (exit 0 either way).
+FABRIC = "ls /dev/infiniband 2>/dev/null; exit 0"
+
+
+class NicsFact(NodeCheck):
+    """The node's interfaces and addresses: the NIC holding its address goes into its launch."""
+
+    tag = "nics"
+
+    def argv(self, inv, node, asked):
+        return plan.INTERFACES_ARGV
+
+    def judge(self, inv, up, results, asked):
+        return []
+
+    @staticmethod
+    def fact(node: Node, r: Result | None) -> str | None:
+        return plan.interface_holding(node.address, r.stdout) if r is not None and r.ok else None
+
+
+class FabricFact(NodeCheck):
+    """InfiniBand devices on the node, if any."""
+
+    tag = "fabric"
+
+    def argv(self, inv, node, asked):
+        return ("sh", "-c", FABRIC)
+
+    def judge(self, inv, up, results, asked):
+        return []
+
+    @staticmethod
+    def fact(r: Result | None) -> bool:
+        return bool(r is not None and r.stdout.strip())
+
+
+BEFORE_MEETING: tuple[NodeCheck, ...] = (EngineCheck(), PlatformCheck(), ProbeCheck(), GpusCheck(), HoldsCheck(),
+                                         StorageCheck())
+AFTER_MEETING: tuple[NodeCheck, ...] = (PreviousRunCheck(), NicsFact(), FabricFact())
