@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from deploy.cli import build_view
-from deploy.images import build, prepare
+from deploy.images import build, build_log, platforms, prepare
 from deploy.checks import node_checks, preflight
 from deploy.errors import RuntimeFailure
 from deploy.nodes.remote import Result
@@ -25,10 +25,10 @@ WIDGET = 'RUN echo "compiling widget"; for i in 1 2 3; do echo "line $i"; done; 
 WIDGET_OUTPUT = {"compiling widget", "line 1", "line 2", "line 3", "fatal: widget.c missing"}
 
 
-def read(name: str) -> build.BuildLog:
-    log = build.BuildLog()
+def read(name: str) -> build_log.BuildLog:
+    log = build_log.BuildLog()
     for raw in (LOGS / name).read_bytes().splitlines(keepends=True):
-        log.feed(build.clean(raw))
+        log.feed(build_log.clean(raw))
     return log
 
 
@@ -97,8 +97,8 @@ def test_a_successful_build_counts_its_dockerfile_steps_and_those_from_the_cache
 
 
 def test_a_long_failing_step_shows_its_last_lines_and_counts_the_others():
-    log = build.BuildLog()
-    total = build.FAILED_STEP_LINES + 7
+    log = build_log.BuildLog()
+    total = build_log.FAILED_STEP_LINES + 7
     for text in ["Step 1/1 : RUN make", *(f"out {i}" for i in range(total)), "The command '/bin/sh -c make' "
                  "returned a non-zero code: 2"]:
         log.feed(text)
@@ -109,22 +109,22 @@ def test_a_long_failing_step_shows_its_last_lines_and_counts_the_others():
 
 def test_the_classic_builder_s_early_stderr_is_shown_before_the_step_s_last_lines():
     """The classic builder's stderr that came early is shown before the step's last lines."""
-    log = build.BuildLog()
-    total = build.FAILED_STEP_LINES + 7
+    log = build_log.BuildLog()
+    total = build_log.FAILED_STEP_LINES + 7
     # as the classic builder sends them (classic-fail.log): stderr in red, ahead of the stdout before it
     for raw in [b"Step 1/1 : RUN make\n", b"\x1b[91mfatal: widget.c missing\n", b"\x1b[0mout 0\n",
                 *(f"out {i}\n".encode() for i in range(1, total)), b"The command '/bin/sh -c make' returned a non-zero code: 2\n"]:
-        log.feed(build.clean(raw))
+        log.feed(build_log.clean(raw))
     failure = log.failure(2)
     assert failure.output[:2] == ("fatal: widget.c missing", "…")
-    assert failure.output[2:] == tuple(f"out {i}" for i in range(total - build.FAILED_STEP_LINES + 2, total))
-    assert len(failure.output) == build.FAILED_STEP_LINES
-    assert failure.omitted == total + 1 - (build.FAILED_STEP_LINES - 1)
+    assert failure.output[2:] == tuple(f"out {i}" for i in range(total - build_log.FAILED_STEP_LINES + 2, total))
+    assert len(failure.output) == build_log.FAILED_STEP_LINES
+    assert failure.omitted == total + 1 - (build_log.FAILED_STEP_LINES - 1)
 
 
 def test_carriage_return_redraws_and_colours_are_dropped_from_a_line():
-    assert build.clean(b"Sending 1kB\rSending 2kB\r\n") == "Sending 2kB"
-    assert build.plain(build.clean(b"\x1b[91mfatal: widget.c missing\n")) == "fatal: widget.c missing"
+    assert build_log.clean(b"Sending 1kB\rSending 2kB\r\n") == "Sending 2kB"
+    assert build_log.plain(build_log.clean(b"\x1b[91mfatal: widget.c missing\n")) == "fatal: widget.c missing"
 
 
 # ------------------------------------------------------------------ the command and the platform
@@ -155,13 +155,13 @@ def test_the_dry_run_shows_the_platform_read_then_the_build_then_the_image_s_che
     ("Linux armv7l", "linux/arm"), ("Cannot connect to the Docker daemon", None), ("", None),
 ])
 def test_a_node_s_platform_is_read_in_docker_s_names_from_docker_or_uname(said, platform):
-    assert build.parse_platform(said) == platform
+    assert platforms.parse_platform(said) == platform
 
 
 def test_nodes_of_two_platforms_are_refused_naming_each_node_s_platform():
-    assert build.one_platform({"n1": "linux/amd64", "n2": "linux/amd64"}) == "linux/amd64"
+    assert platforms.one_platform({"n1": "linux/amd64", "n2": "linux/amd64"}) == "linux/amd64"
     with pytest.raises(RuntimeFailure) as e:
-        build.one_platform({"n1": "linux/amd64", "n2": "linux/arm64", "n3": "linux/amd64"})
+        platforms.one_platform({"n1": "linux/amd64", "n2": "linux/arm64", "n3": "linux/amd64"})
     line = e.value.lines()[0]
     assert "n1, n3: linux/amd64; n2: linux/arm64" in line and "--without" in line
 
@@ -181,12 +181,12 @@ def test_an_image_of_another_platform_is_refused_naming_nodes_platforms_and_the_
     the fix."""
     install_command(tmp_path, monkeypatch, "docker", FAKE_INSPECT)
     with pytest.raises(RuntimeFailure) as e:
-        build.refuse_other_platform(_inv(), {"n1": "linux/amd64", "n2": "linux/amd64"}, built=built)
+        platforms.refuse_other_platform(_inv(), {"n1": "linux/amd64", "n2": "linux/amd64"}, built=built)
     [line] = e.value.lines()
     assert line.startswith("image t:1 is linux/arm64 but n1, n2 are linux/amd64: nothing shipped")
     assert "qemu" in line and "binfmt" in line
     assert ("this machine's docker is linux/amd64" in line) if built else ("drop --no-build" in line)
-    assert build.refuse_other_platform(_inv(), {"n1": "linux/arm64"}, built=built) == "linux/arm64"
+    assert platforms.refuse_other_platform(_inv(), {"n1": "linux/arm64"}, built=built) == "linux/arm64"
 
 
 def _platform_rows(runtime, said):
@@ -210,7 +210,7 @@ def test_check_reads_the_platform_in_the_node_s_one_session():
     inv = _inv()
     argv = preflight.check_argv(inv, inv.node("n1"), "tok")
     at = argv.index("platform")
-    assert argv[at + 2:at + 2 + int(argv[at + 1])] == build.NODE_PLATFORM_ARGV["docker"]
+    assert argv[at + 2:at + 2 + int(argv[at + 1])] == platforms.NODE_PLATFORM_ARGV["docker"]
 
 
 # ------------------------------------------------------------------ running it
@@ -303,7 +303,7 @@ def test_a_build_refused_for_another_platform_says_what_a_cross_build_needs(fake
 
 def test_on_a_terminal_the_running_step_is_shown_with_only_its_last_lines():
     view = build_view.TerminalView(Console(file=io.StringIO(), force_terminal=True, width=120))
-    step = build.Step("#6", "[3/4] RUN make")
+    step = build_log.Step("#6", "[3/4] RUN make")
     view.started(step)
     for i in range(build_view.TAIL_LINES + 3):
         view.line(step, f"out {i}")

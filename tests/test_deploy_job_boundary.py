@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.inventory import loads
+from local_job import on_paper
 from deploy.job import plan, runs
 from deploy.job.runtime import RUN_SUBDIR, runtime
 from deploy.job.scripts import RECORD_STOP
@@ -40,15 +40,7 @@ def volume():
 
 
 def _inv(top: Path, keep: int = 2):
-    return loads(f"""
-job: {{name: demo, keep_runs: {keep}}}
-rendezvous: {{node: a}}
-nodes:
-  - {{name: a, address: 198.18.0.11}}
-storage:
-  data: {{host: {top}/data, container: /data}}
-  checkpoints: {{host: {top}/ckpt, container: /ckpt}}
-""")
+    return on_paper([{"name": "a", "address": "198.18.0.11"}], job="demo", nas=top, job_fields={"keep_runs": keep})
 
 
 def _sh(argv, stdin: bytes = b"") -> subprocess.CompletedProcess:

@@ -14,20 +14,13 @@ import pytest
 
 from deploy.job import record, runs, secretenv
 from deploy.inventory import loads
-from local_job import local_hosts
+from local_job import local_hosts, on_paper
 from test_deploy_local import TRAIN_ARGS
 
 def _inv(ckpt: Path, keep: int = 2):
-    return loads(f"""
-job: {{name: demo, keep_runs: {keep}, runtime: host}}
-rendezvous: {{node: a}}
-nodes:
-  - {{name: a, address: 198.18.0.11}}
-  - {{name: b, address: 198.18.0.12}}
-storage:
-  data: {{host: /nas/data, container: /data}}
-  checkpoints: {{host: {ckpt}, container: /ckpt}}
-""")
+    return on_paper([{"name": "a", "address": "198.18.0.11"}, {"name": "b", "address": "198.18.0.12"}], job="demo",
+                    job_fields={"keep_runs": keep, "runtime": "host"},
+                    storage={"checkpoints": {"host": str(ckpt), "container": "/ckpt"}})
 
 
 def _sh(argv, stdin: bytes = b"") -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from agent.contract import PROBE_KEPT_PREFIX, PROBE_MODULE, PROBE_PREFIX, TORCH_SUPPORTED, program
 
 from .. import text
-from ..images import build as builder
+from ..images import platforms
 from ..inventory import Inventory, Node
 from ..job import plan
 from ..job.payload import payload
@@ -123,7 +123,7 @@ class PlatformCheck(NodeCheck):
     tag = "platform"
 
     def argv(self, inv, node, asked):
-        return builder.node_platform_argv(inv)
+        return platforms.node_platform_argv(inv)
 
     def judge(self, inv, up, results, asked):
         engine = EngineCheck()
@@ -134,7 +134,7 @@ class PlatformCheck(NodeCheck):
 def _platforms(inv: Inventory, up: list[str], results) -> list[Check]:
     """Each node's platform; on the docker runtime, a node whose platform differs from the first
     node's fails (the image is built for one platform)."""
-    read = {n: builder.parse_platform(results[n][PlatformCheck.tag].stdout) for n in up if results[n][PlatformCheck.tag].ok}
+    read = {n: platforms.parse_platform(results[n][PlatformCheck.tag].stdout) for n in up if results[n][PlatformCheck.tag].ok}
     first = next((n for n in up if read.get(n)), None)
     out = []
     for node in up:
@@ -142,7 +142,7 @@ def _platforms(inv: Inventory, up: list[str], results) -> list[Check]:
         if platform is None:
             said = r.summary() if not r.ok else repr(r.stdout.strip())
             out.append(Check(node, "platform", False, f"cannot tell the platform from "
-                                                      f"`{' '.join(builder.node_platform_argv(inv))}`: {said}"))
+                                                      f"`{' '.join(platforms.node_platform_argv(inv))}`: {said}"))
         elif inv.job.runtime == "docker" and platform != read[first]:
             out.append(Check(node, "platform", False, f"{platform}, unlike {first}'s {read[first]}: one image serves "
                                                       f"one platform (leave it out: --without {node})"))

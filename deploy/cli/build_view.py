@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console, Group
 from rich.text import Text
 
-from ..images.build import BuildFailure, BuildLog, QuietView, Step
+from ..images.build import QuietView
+from ..images.build_log import BuildFailure, BuildLog, Step
 
 if TYPE_CHECKING:
     from rich.live import Live

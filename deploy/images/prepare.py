@@ -14,7 +14,7 @@ from ..job import plan
 from ..job.runtime import DockerRuntime, HostRuntime
 from ..nodes.remote import Remote, command_line
 from . import build as builder
-from . import image, ways
+from . import image, platforms as platform_of, ways
 
 Echo = Callable[[str], None]
 
@@ -43,12 +43,12 @@ class Deployer:
 class ImageDeployer(Deployer):
     def dry_run(self, build):
         inv = self.inv
-        lines = [f"[{n.name}] {command_line(builder.node_platform_argv(inv))}" for n in inv.nodes]
+        lines = [f"[{n.name}] {command_line(platform_of.node_platform_argv(inv))}" for n in inv.nodes]
         lines.append(f"[all] the nodes must be of one platform, {builder.NODES_PLATFORM}")
         lines += [f"[{n.name}] {command_line(image.survey_argv(inv, self.make_dirs))}" for n in inv.nodes]
         if build:  # the directories and the image ID and layers each node holds, then the build
             lines.append(f"[local] {builder.dry_run_line(inv)}")
-        lines.append(f"[local] {command_line(builder.inspect_argv(inv.image.name, builder.IMAGE_PLATFORM))}: "
+        lines.append(f"[local] {command_line(platform_of.inspect_argv(inv.image.name, platform_of.IMAGE_PLATFORM))}: "
                      f"must be {builder.NODES_PLATFORM}, else nothing is shipped")
         way = ways.for_inventory(inv)
         lines.append(f"[all] the nodes whose image ID differs get it by {way.name} (image.transfer: "
@@ -57,13 +57,13 @@ class ImageDeployer(Deployer):
 
     def run(self, remote, echo, *, build, ship, view=None):
         inv = self.inv
-        platforms = builder.node_platforms(inv, remote)
-        platform = builder.one_platform(platforms)
+        platforms = platform_of.node_platforms(inv, remote)
+        platform = platform_of.one_platform(platforms)
         held = image.survey(inv, remote, self.make_dirs, **DIRS_FAILED)
         self._dirs_ready(echo)
         echo("image stores: " + ", ".join(f"{n} {h.store}" for n, h in held.items()))
         image_id = builder.build(inv, platform, view) if build else builder.local_id(inv)
-        builder.refuse_other_platform(inv, platforms, built=build)
+        platform_of.refuse_other_platform(inv, platforms, built=build)
         echo(f"image {inv.image.name} = {image_id} ({platform}, the nodes' platform)")
         done = {}
         for n, o in ship(image_id, held).items():
