@@ -37,7 +37,7 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(ddp, tmp_
     said, warned = [], []
     fleet = Fleet(hosts, say=said.append, warn=warned.append)
     readied = fleet.deploy()  # the shared directories made, the interpreter checked: each node's line
-    assert list(readied) == ["here"] and "has trainer and torch" in readied["here"], readied
+    assert list(readied) == ["here"] and "has the node agent and torch" in readied["here"], readied
     assert (tmp_path / "nas" / "ckpt").is_dir() and (tmp_path / "nas" / "data").is_dir()
     assert any(line.startswith("directories ready: ") for line in said), said
 

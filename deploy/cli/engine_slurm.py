@@ -56,7 +56,7 @@ class SlurmCommands(Engine):
         if dry_run:
             render.show(job.login(inv), plan.make_dirs_argv(inv))
             where = ("the site's runtime opens slurm.container.image " + inv.slurm.container.image
-                     if inv.slurm.container else f"{inv.python_path()} must import trainer and torch (shared venv)")
+                     if inv.slurm.container else f"{inv.python_path()} must import the node agent and torch (shared venv)")
             click.echo(f"[{job.login(inv)}] {where}")
             return
         with Remote(inv) as remote:

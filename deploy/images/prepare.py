@@ -87,7 +87,7 @@ class InterpreterDeployer(Deployer):
         self._dirs_ready(echo)
         res = remote.run_all(plan.python_check_argv(inv), what="python check",
                              hint=f"install this package for {inv.python_path()} on the node (train.python)")
-        done = {n: f"{inv.python_path()} has trainer and torch {r.stdout.strip()}" for n, r in res.items()}
+        done = {n: f"{inv.python_path()} has the node agent and torch {r.stdout.strip()}" for n, r in res.items()}
         for n, line in done.items():
             echo(f"{n}: {line}")
         return done

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field, replace
 
 from agent.contract import (
-    HEARTBEAT_DIR_ENV, HOLD_ENV, NETCHECK_MODULE, ON_STALL_ENV, PREFORK_ENV, RANK_PREFIXES, RUN_ID_ENV, SECRET_NAMES_ENV,
-    STALL_TIMEOUT_ENV, parse_beat,
+    HEARTBEAT_DIR_ENV, HOLD_ENV, LAUNCH_MODULE, NETCHECK_MODULE, ON_STALL_ENV, PREFORK_ENV, RANK_PREFIXES, RUN_ID_ENV,
+    SECRET_NAMES_ENV, STALL_TIMEOUT_ENV, parse_beat,
 )
 
 from ..inventory import Inventory, Node
@@ -276,8 +276,8 @@ def make_dirs_argv(inv: Inventory) -> tuple[str, ...]:
 
 
 def python_check_argv(inv: Inventory) -> tuple[str, ...]:
-    """Host runtime, deploy: the interpreter imports this package and torch."""
-    return (inv.python_path(), "-c", "import trainer, torch; print(torch.__version__)")
+    """Host runtime, deploy: the interpreter imports the node agent (this package's) and torch."""
+    return (inv.python_path(), "-c", f"import {LAUNCH_MODULE}, torch; print(torch.__version__)")
 
 
 @dataclass(frozen=True)
