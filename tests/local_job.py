@@ -25,7 +25,8 @@ def inventory(nodes: list[dict], *, job: str, nas: Path | str = "/nas", job_fiel
     """The one inventory the tests build, as data (JSON is YAML): ``nodes`` (the first hosts the
     rendezvous), job ``job`` on the docker runtime unless ``job_fields`` says, data and checkpoints
     under ``nas``; ``sections``: fields merged into their section (``image={"name": "t:1"}``,
-    ``ssh={"config": None}``, ``rendezvous={"port": 29400}``, ``train={...}``)."""
+    ``ssh={"config": None}``, ``rendezvous={"port": 29400}``, ``train={...}``), or a list that is
+    the section (``spares=[...]``)."""
     data = {
         "job": {"name": job, "runtime": "docker", **(job_fields or {})},
         "rendezvous": {"node": nodes[0]["name"]},
@@ -34,7 +35,7 @@ def inventory(nodes: list[dict], *, job: str, nas: Path | str = "/nas", job_fiel
                     "checkpoints": {"host": f"{nas}/ckpt", "container": "/ckpt"}},
     }
     for section, fields in sections.items():
-        data[section] = {**data.get(section, {}), **fields}
+        data[section] = {**data.get(section, {}), **fields} if isinstance(fields, dict) else fields
     return data
 
 
@@ -62,7 +63,7 @@ def local_hosts(tmp_path: Path, *, job: str, train: dict | None = None, procs: i
     runs_here = {"rendezvous": {"port": free_port(), "join_timeout": 60}, "storage": {"min_free_gb": 0.01},
                  "train": {"python": sys.executable, **(train or {})}}
     for section, fields in sections.items():
-        runs_here[section] = {**runs_here.get(section, {}), **fields}
+        runs_here[section] = {**runs_here.get(section, {}), **fields} if isinstance(fields, dict) else fields
     data = inventory([{"connection": "local", "procs": procs, **node} for node in listed], job=job,
                      nas=tmp_path / "nas", job_fields={"runtime": "host", "max_restarts": max_restarts,
                                                        **(job_fields or {})}, **runs_here)

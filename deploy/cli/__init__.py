@@ -75,9 +75,9 @@ class _Group(click.Group):
 
 
 class _State:
-    def __init__(self, hosts: str, without: tuple[str, ...] = ()) -> None:
+    def __init__(self, hosts: str, without: tuple[str, ...] = (), spares: tuple[str, ...] = ()) -> None:
         self.hosts = hosts
-        self.without = without
+        self.without, self.spares = without, spares
         self._inv: Inventory | None = None
         self._redactor = secretenv.Redactor()
 
@@ -89,6 +89,10 @@ class _State:
             inv = load(self.hosts)
             if self.without:
                 inv = self._without(inv)
+            if self.spares:
+                inv = inv.with_spares(self.spares)
+                click.echo(f"note: with {', '.join(self.spares)} in place of what is left out: {len(inv.nodes)} nodes",
+                           err=True)
             self._inv = inv
             self.use_redactor(secretenv.redactor_for(self._inv))
         return self._inv
@@ -136,12 +140,15 @@ wait_lock_option = click.option("--wait-lock", type=click.FloatRange(min=0), def
 @click.option("--without", metavar="NODE", multiple=True,
               help="Leave this node out (lost for good), repeatable: the job runs on the others, and if it "
                    "hosted the rendezvous, the first remaining node does. hosts.yaml is not changed.")
+@click.option("--with", "spares", metavar="SPARE", multiple=True,
+              help="Put this spare (hosts.yaml's spares:) in the job, repeatable: each in the place of a node "
+                   "left out with --without.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug output on stderr.")
 @click.pass_context
-def cli(ctx: click.Context, hosts: str, without: tuple[str, ...], verbose: bool) -> None:
+def cli(ctx: click.Context, hosts: str, without: tuple[str, ...], spares: tuple[str, ...], verbose: bool) -> None:
     """Deploy and run multi-node PyTorch DDP training described by hosts.yaml."""
     _setup_logging(verbose)
-    ctx.obj = _State(hosts, tuple(n for item in without for n in item.split(",") if n))
+    ctx.obj = _State(hosts, *(tuple(n for item in given for n in item.split(",") if n) for given in (without, spares)))
 
 
 @cli.command()

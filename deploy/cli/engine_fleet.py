@@ -33,7 +33,8 @@ class FleetCommands(Engine):
     def validate(self) -> None:
         inv = self.inv
         procs = sum(n.nprocs for n in inv.nodes)
-        click.echo(f"{self.st.hosts}: ok: job {inv.job.name}, runtime {inv.job.runtime}, {len(inv.nodes)} nodes, "
+        spares = f" and {len(inv.spares)} spare{'s' if len(inv.spares) > 1 else ''}" if inv.spares else ""
+        click.echo(f"{self.st.hosts}: ok: job {inv.job.name}, runtime {inv.job.runtime}, {len(inv.nodes)} nodes{spares}, "
                    f"{procs} processes, rendezvous {inv.rdzv_node.address}:{inv.rendezvous.port}")
 
     def check(self, network: bool, network_mb: float) -> None:
@@ -55,10 +56,10 @@ class FleetCommands(Engine):
 
     def deploy(self, dry_run: bool, build: bool, wait_lock: float = 0.0) -> None:
         inv = self.inv
-        steps = prepare.deployer(inv)
         if dry_run:
-            click.echo(f"[all] {lock.describe(inv, 'deploy')}, held while deploy runs")
-            for line in steps.dry_run(build):
+            every = inv.and_spares()  # the spares are made ready as the nodes are
+            click.echo(f"[all] {lock.describe(every, 'deploy')}, held while deploy runs")
+            for line in prepare.deployer(every).dry_run(build):
                 click.echo(line)
             return
         with Remote(inv) as remote:

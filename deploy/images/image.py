@@ -135,7 +135,7 @@ def survey(
     hint: str | None = None,
 ) -> dict[str, NodeImages]:
     """Run ``before`` on every node (one command per node), then learn what each node holds."""
-    results = remote.run_all(survey_argv(inv, before), check=False, timeout=120)
+    results = remote.run({n.name: survey_argv(inv, before) for n in inv.nodes}, check=False, timeout=120)
     unprepared = {n for n, r in results.items() if not r.stdout.startswith("PREPARED")}
     if unprepared and before:
         raise RemoteFailure(what, {n: r if n in unprepared else Result(n, 0) for n, r in results.items()}, hint=hint)

@@ -55,8 +55,8 @@ def parse_platform(text: str) -> str | None:
 def node_platforms(inv: Inventory, remote: Remote) -> dict[str, str]:
     """Every node's platform (one short command each)."""
     argv = node_platform_argv(inv)
-    results = remote.run_all(argv, what="reading the platform", timeout=60,
-                             hint=f"`{' '.join(argv)}` must work on the node")
+    results = remote.run({n.name: argv for n in inv.nodes}, what="reading the platform", timeout=60,
+                         hint=f"`{' '.join(argv)}` must work on the node")
     out, bad = {}, {}
     for node, r in results.items():
         platform = parse_platform(r.stdout)

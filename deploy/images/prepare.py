@@ -83,10 +83,10 @@ class InterpreterDeployer(Deployer):
 
     def run(self, remote, echo, *, build, ship, view=None):
         inv = self.inv
-        remote.run_all(self.make_dirs, **DIRS_FAILED)
+        remote.run({n.name: self.make_dirs for n in inv.nodes}, **DIRS_FAILED)
         self._dirs_ready(echo)
-        res = remote.run_all(plan.python_check_argv(inv), what="python check",
-                             hint=f"install this package for {inv.python_path()} on the node (train.python)")
+        res = remote.run({n.name: plan.python_check_argv(inv) for n in inv.nodes}, what="python check",
+                         hint=f"install this package for {inv.python_path()} on the node (train.python)")
         done = {n: f"{inv.python_path()} has the node agent and torch {r.stdout.strip()}" for n, r in res.items()}
         for n, line in done.items():
             echo(f"{n}: {line}")

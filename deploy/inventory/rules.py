@@ -23,27 +23,30 @@ def cross_field_problems(inv) -> list[tuple[tuple, str]]:
     """Rules that span several fields of ``inv`` (the schema's Inventory, as its validator sees it:
     this module imports nothing of the schema), as (field path, message) pairs."""
     out: list[tuple[tuple, str]] = []
-    names = Counter(n.name for n in inv.nodes)
-    pairs = Counter((n.address, n.connection) for n in inv.nodes)
+    machines = [*(("nodes", i, n) for i, n in enumerate(inv.nodes)),
+                *(("spares", i, n) for i, n in enumerate(inv.spares))]
+    names = Counter(n.name for *_, n in machines)
+    pairs = Counter((n.address, n.connection) for *_, n in machines)
     seen_names: set[str] = set()
     seen_pairs: set[tuple[str, str]] = set()
-    for i, n in enumerate(inv.nodes):
+    for section, i, n in machines:
         if names[n.name] > 1 and n.name in seen_names:
-            out.append((("nodes", i, "name"), f"duplicate node name {n.name!r}"))
+            out.append(((section, i, "name"), f"duplicate node name {n.name!r}"))
         seen_names.add(n.name)
         pair = (n.address, n.connection)
         if pairs[pair] > 1 and pair in seen_pairs:
-            out.append((("nodes", i, "address"),
+            out.append(((section, i, "address"),
                         f"duplicate address {n.address!r} (connection {n.connection}); each node needs its own host"))
         seen_pairs.add(pair)
-        out += _layout_problems(n, i, inv.job.stages)
-    gpu = [n.name for n in inv.nodes if n.gpus > 0]
-    cpu = [n.name for n in inv.nodes if n.gpus == 0]
+        out += _layout_problems(n, section, i, inv.job.stages)
+    gpu = [n.name for *_, n in machines if n.gpus > 0]
+    cpu = [n.name for *_, n in machines if n.gpus == 0]
     if gpu and cpu:
-        out.append((("nodes",), f"mixes GPU nodes ({', '.join(gpu)}) and CPU nodes ({', '.join(cpu)}): their "
-                                "ranks would pick different backends (nccl, gloo) and hang; give every node "
-                                "gpus > 0, or every node gpus: 0"))
-    out += _train_problems(inv.train, [n.env for n in inv.nodes], inv.job.stages)
+        where = ("nodes",) if len({n.gpus > 0 for n in inv.nodes}) > 1 or not inv.spares else ("spares",)
+        out.append((where, f"mixes GPU nodes ({', '.join(gpu)}) and CPU nodes ({', '.join(cpu)}): their "
+                    "ranks would pick different backends (nccl, gloo) and hang; give every node "
+                    "gpus > 0, or every node gpus: 0"))
+    out += _train_problems(inv.train, [n.env for *_, n in machines], inv.job.stages)
     if inv.slurm is not None:
         return out + _slurm_problems(inv)
     if not inv.nodes:
@@ -51,9 +54,9 @@ def cross_field_problems(inv) -> list[tuple[tuple, str]]:
         return out
     if inv.rendezvous.node is None:
         out.append((("rendezvous", "node"), "required: the name of the node that hosts the rendezvous"))
-    elif inv.rendezvous.node not in names:
+    elif inv.rendezvous.node not in (listed := [n.name for n in inv.nodes]):
         out.append((("rendezvous", "node"),
-                    f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(names)})"))
+                    f"{inv.rendezvous.node!r} is not one of nodes[].name ({', '.join(listed)})"))
     if inv.job.min_nodes is not None and inv.job.min_nodes > len(inv.nodes):
         out.append((("job", "min_nodes"), f"{inv.job.min_nodes} is more than the {len(inv.nodes)} nodes listed"))
     procs = {n.nprocs for n in inv.nodes}
@@ -72,6 +75,8 @@ def _slurm_problems(inv) -> list[tuple[tuple, str]]:
     s = inv.slurm
     if inv.nodes:
         out.append((("nodes",), "give nodes (an SSH fleet) or slurm (a Slurm cluster), not both"))
+    if inv.spares:
+        out.append((("spares",), "not on Slurm: Slurm allocates the nodes, and a requeued job gets others"))
     if inv.rendezvous.node is not None:
         out.append((("rendezvous", "node"), "not on Slurm: the allocation's first node hosts the rendezvous"))
     k = inv.job.stages
@@ -142,10 +147,10 @@ def _divisible(gpus: int, stages: int) -> list[str]:
     return []
 
 
-def _layout_problems(n, i: int, stages: int) -> list[tuple[tuple, str]]:
+def _layout_problems(n, section: str, i: int, stages: int) -> list[tuple[tuple, str]]:
     """A GPU node's processes, each with ``stages`` of its GPUs: a layout that fits the node,
-    or what does not fit, each message naming the node."""
-    return [(where, f"node {n.name}: {message}") for where, message in _layout(n, i, stages)]
+    or what does not fit, each message naming the node (``section``: nodes or spares)."""
+    return [((section, *where[1:]), f"node {n.name}: {message}") for where, message in _layout(n, i, stages)]
 
 
 def _layout(n, i: int, stages: int) -> list[tuple[tuple, str]]:

@@ -396,6 +396,9 @@ class Inventory(Model):
     ssh: Ssh = Field(default_factory=Ssh)
     nodes: Annotated[tuple[Node, ...], Field(max_length=MAX_NODES)] = ()
     """The SSH fleet; or slurm: instead."""
+    spares: Annotated[tuple[Node, ...], Field(max_length=MAX_NODES)] = ()
+    """Machines kept ready for the job: checked and deployed like the nodes, never started by
+    launch; ``--with NAME`` puts one in the place of a node left out with ``--without``."""
     slurm: Slurm | None = None
     image: Image = Field(default_factory=Image)
     storage: Storage
@@ -407,7 +410,7 @@ class Inventory(Model):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Inventory":
-        for part in (*self.nodes, *([self.slurm] if self.slurm else [])):
+        for part in (*self.nodes, *self.spares, *([self.slurm] if self.slurm else [])):
             part._stages = self.job.stages
         problems = cross_field_problems(self)
         if problems:
@@ -427,10 +430,10 @@ class Inventory(Model):
         return next(n for n in self.nodes if n.name == self.rendezvous.node)
 
     def node(self, name: str) -> Node:
-        """A node by name; on Slurm, the login node is the one the tool talks to."""
+        """A node (or a spare) by name; on Slurm, the login node is the one the tool talks to."""
         if self.slurm is not None and name == self.slurm.login.name:
             return self.slurm.login  # type: ignore[return-value]  (the fields a transport reads)
-        return next(n for n in self.nodes if n.name == name)
+        return next(n for n in (*self.nodes, *self.spares) if n.name == name)
 
     @property
     def gpu_job(self) -> bool:
@@ -470,6 +473,33 @@ class Inventory(Model):
                                                                f"job.min_nodes ({floor})")])
         node = self.rendezvous.node if self.rendezvous.node not in names else kept[0].name
         return self._reshaped(kept, node)
+
+    def with_spares(self, names: Iterable[str]) -> "Inventory":
+        """This inventory with the spares ``names`` among its nodes, each in the place of a node
+        left out (--without): no more nodes than hosts.yaml lists."""
+        names = list(dict.fromkeys(names))
+        unknown = sorted(set(names) - {s.name for s in self.spares})
+        if unknown:
+            raise InventoryError([Issue("--with", "", None, f"{', '.join(unknown)}: not in spares[].name "
+                                                            f"({', '.join(s.name for s in self.spares) or 'none'})")])
+        if len(self.nodes) + len(names) > self.listed:
+            raise InventoryError([Issue("--with", "", None, f"{len(names)} spare(s) for {self.listed - len(self.nodes)} "
+                                                            "node(s) left out: a spare takes the place of a node "
+                                                            "left out with --without")])
+        joining = tuple(s for s in self.spares if s.name in names)
+        other = self._reshaped((*self.nodes, *joining), self.rendezvous.node)
+        other = other.model_copy(update={"spares": tuple(s for s in self.spares if s.name not in names)})
+        other._base_dir, other._listed = self._base_dir, self.listed
+        return other
+
+    def and_spares(self) -> "Inventory":
+        """Every machine of the job, its spares among the nodes: what ``check`` and ``deploy``
+        reach (a spare is checked and made ready as a node is, and never started)."""
+        if not self.spares:
+            return self
+        other = self.model_copy(update={"nodes": (*self.nodes, *self.spares), "spares": ()})
+        other._base_dir, other._listed = self._base_dir, self.listed
+        return other
 
     def hosting_rendezvous_on(self, name: str) -> "Inventory":
         """This inventory with the rendezvous on ``name`` (where a running job has it)."""

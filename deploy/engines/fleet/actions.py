@@ -136,7 +136,8 @@ def deploy(inv: Inventory, remote: Remote, *, hosts: str, build: bool = False, s
     (built here with ``build``, shipped where a node's ID differs, each shipment's bytes reported to
     the function ``shipping()`` yields) or, on the host runtime, the interpreter checked. What each
     node has now, as a line. ``interrupted`` is called on a Ctrl-C while the lock is still held;
-    ``build_view`` shows the build (none by default)."""
+    ``build_view`` shows the build (none by default). The spares are made ready as the nodes are."""
+    inv = inv.and_spares()
     steps = prepare.deployer(inv)
     with lock.held(inv, remote, "deploy", hosts, warn=warn, wait_s=wait_lock) as fleet_lock:
         def ship(image_id, held):

@@ -45,6 +45,7 @@ def check(inv, remote, say: Say = quiet, *, for_launch: bool = False) -> preflig
     code synced, so that the program's import is checked where it will run, and the preflight on
     every node (``for_launch``: the image must be there already, as ``check --network`` needs)."""
     secretenv.resolve(inv)
+    inv = inv.and_spares()  # a spare is checked as a node is
     code = sync_code(inv, remote, codesync.snapshot_of(inv), say)
     return preflight.run_checks(inv, remote, for_launch=for_launch, code=code)
 
