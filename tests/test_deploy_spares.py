@@ -9,6 +9,7 @@ import pytest
 
 from deploy.errors import InventoryError
 from local_job import local_hosts, local_nodes, on_paper
+from waiting import wait_until
 
 
 def _fleet(**fields):
@@ -86,3 +87,24 @@ def test_a_job_trains_to_its_end_with_a_spare_in_a_lost_node_s_place(ddp, tmp_pa
     shown = json.loads(ddp(hosts, "--without", "a", "--with", "s", "status", "--json").stdout)
     assert sorted(n["node"] for n in shown) == ["b", "s"], shown
     assert ddp(hosts, "--without", "a", "--with", "s", "stop").exit_code == 0
+
+
+@pytest.mark.e2e
+def test_status_and_stop_without_with_still_see_and_stop_the_job_on_a_spare(ddp, tmp_path):
+    """An operator who leaves out --with after the launch that used it still sees the job on the
+    spare, and stops it there."""
+    spare = {"name": "s", "address": "127.0.0.3", "connection": "local", "procs": 1}
+    hosts = local_hosts(tmp_path, job="spared", nodes=local_nodes("a", "b"), spares=[spare],
+                        train={"args": ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-size", "8",
+                                        "--epochs", "1000"]})
+    assert ddp(hosts, "--without", "a", "--with", "s", "launch").exit_code == 0
+    try:
+        shown = wait_until(lambda: (lambda s: s if s.get("s", {}).get("state") == "running" else None)(
+            {n["node"]: n for n in json.loads(ddp(hosts, "status", "--json").stdout)}), 120, "the spare running")
+        assert shown["a"]["state"] == "absent" and shown["b"]["state"] == "running"
+    finally:
+        stopped = ddp(hosts, "stop")
+    assert stopped.exit_code == 0, stopped.output
+    assert any(line.startswith("s: ") for line in stopped.stdout.splitlines()), stopped.stdout
+    after = {n["node"]: n["state"] for n in json.loads(ddp(hosts, "status", "--json").stdout)}
+    assert not any(state in ("running", "restarting") for state in after.values()), after

@@ -155,9 +155,9 @@ class FleetCommands(Engine):
     def stop(self, dry_run: bool, now: bool) -> None:
         inv = self.inv
         if dry_run:
-            grace = 0 if now else runtime.STOP_GRACE_S
-            for n in inv.nodes:
-                render.show(n.name, plan.stop_argv(inv, n, grace))
+            grace, every = 0 if now else runtime.STOP_GRACE_S, inv.and_spares()
+            for n in every.nodes:
+                render.show(n.name, plan.stop_argv(every, n, grace))
             return
         with Remote(inv) as remote:
             results = fleet.stop(inv, remote, now=now)

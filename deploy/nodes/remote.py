@@ -110,8 +110,9 @@ class Remote:
 
 
 def _connections(inv: Inventory) -> set[str]:
-    """How the nodes a Remote can reach are reached: the nodes', and on Slurm the login node's."""
-    kinds = {n.connection for n in inv.nodes}
+    """How the nodes a Remote can reach are reached: the nodes' and spares', and on Slurm the login
+    node's."""
+    kinds = {n.connection for n in (*inv.nodes, *inv.spares)}
     if inv.slurm is not None:
         kinds.add(inv.slurm.login.connection)
     return kinds

@@ -114,9 +114,13 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
 
 def stop(inv: Inventory, remote: Remote, *, now: bool = False) -> dict:
     """Ends the job on every reachable node (idempotent): SIGTERM and up to runtime.STOP_GRACE_S
-    for its step and checkpoint, or ``now``: killed at once. Each node's Result."""
+    for its step and checkpoint, or ``now``: killed at once. Each node's Result, and each reachable
+    spare's (one a ``--with`` put in the job, which this command may not have been given)."""
     grace = 0 if now else runtime.STOP_GRACE_S
-    return remote.run({n.name: plan.stop_argv(inv, n, grace) for n in inv.nodes}, check=False, timeout=grace + 120)
+    every = inv.and_spares()
+    got = remote.run({n.name: plan.stop_argv(every, n, grace) for n in every.nodes}, check=False, timeout=grace + 120)
+    spares = {s.name for s in inv.spares}
+    return {n: r for n, r in got.items() if n not in spares or r.connected}
 
 
 Shipping = Callable[[str, str, int, int | None], None]  # node, stage, bytes done, bytes in all (None: unknown)

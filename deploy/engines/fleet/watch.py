@@ -92,7 +92,7 @@ def wait(inv, remote, timeout, redact, show: Callable[[dict], None] = lambda sta
             say(f"stalled: {diagnose(inv, remote, redact).summary} (`ddp-deploy doctor` shows each rank)")
         diagnosed = stalled
         for n, s in states.items():
-            silent[n] = silent[n] + 1 if s.state in ("unreachable", "unknown") else 0
+            silent[n] = silent.get(n, 0) + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
         if len(inv.nodes) - len(lost) >= floor and all(
                 s.ended or s.state == "absent" or n in lost for n, s in states.items()):
@@ -127,11 +127,16 @@ def first_failure(inv, remote, nodes, redact) -> failure.Failure | None:
 
 def node_states(inv, remote, redact) -> dict[str, plan.NodeState]:
     """Every node's state; ``redact`` hides secret values in the metrics (a program may print them),
-    once parsed: what a node's state is never depends on them."""
-    res = remote.run({n.name: plan.status_argv(inv, n) for n in inv.nodes}, check=False, timeout=60)
-    return {n: plan.with_stall(secretenv.masked(plan.parse_status(r.stdout) if r.ok else plan.NodeState(
-                "unknown" if r.connected else "unreachable", r.summary()), redact), inv.job.stall_timeout)
-            for n, r in res.items()}
+    once parsed: what a node's state is never depends on them. A spare is asked too, and shown
+    where the job (or a run of it) is there: one put in the job by a ``--with`` that this command
+    was not given."""
+    every = inv.and_spares()
+    res = remote.run({n.name: plan.status_argv(every, n) for n in every.nodes}, check=False, timeout=60)
+    states = {n: plan.with_stall(secretenv.masked(plan.parse_status(r.stdout) if r.ok else plan.NodeState(
+                  "unknown" if r.connected else "unreachable", r.summary()), redact), inv.job.stall_timeout)
+              for n, r in res.items()}
+    spares = {s.name for s in inv.spares}
+    return {n: s for n, s in states.items() if n not in spares or s.exists}
 
 
 def diagnose(inv, remote, redact) -> doctor.Diagnosis:
