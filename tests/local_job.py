@@ -23,14 +23,13 @@ def beats_dir(hosts: Path, node: str = "here") -> str:
 def inventory(nodes: list[dict], *, job: str, nas: Path | str = "/nas", job_fields: dict | None = None,
               **sections: dict) -> dict:
     """The one inventory the tests build, as data (JSON is YAML): ``nodes`` (the first hosts the
-    rendezvous), job ``job`` on the docker runtime unless ``job_fields`` says, data and checkpoints
+    rendezvous; none on Slurm, ``slurm={...}``), job ``job`` on the docker runtime unless ``job_fields`` says, data and checkpoints
     under ``nas``; ``sections``: fields merged into their section (``image={"name": "t:1"}``,
     ``ssh={"config": None}``, ``rendezvous={"port": 29400}``, ``train={...}``), or a list that is
     the section (``spares=[...]``)."""
     data = {
         "job": {"name": job, "runtime": "docker", **(job_fields or {})},
-        "rendezvous": {"node": nodes[0]["name"]},
-        "nodes": nodes,
+        **({"rendezvous": {"node": nodes[0]["name"]}, "nodes": nodes} if nodes else {}),
         "storage": {"data": {"host": f"{nas}/data", "container": "/data"},
                     "checkpoints": {"host": f"{nas}/ckpt", "container": "/ckpt"}},
     }

@@ -21,24 +21,13 @@ from pathlib import Path
 import pytest
 
 from deploy.images import chain, image, oci
-from deploy.inventory import loads
 from deploy.nodes.remote import Remote
+from local_job import local_nodes, on_paper
 
-INVENTORY = """
-job: {{name: chain}}
-rendezvous: {{node: a}}
-nodes:
-{nodes}
-storage:
-  data: {{host: {tmp}/data, container: /data}}
-  checkpoints: {{host: {tmp}/ckpt, container: /ckpt}}
-image: {{stall_seconds: 2}}
-"""
 
 
 def _inv(tmp_path: Path, names=("a", "b", "c", "d")):
-    nodes = "\n".join(f"  - {{name: {n}, address: 127.0.0.{i + 1}, connection: local}}" for i, n in enumerate(names))
-    return loads(INVENTORY.format(nodes=nodes, tmp=tmp_path), base_dir=tmp_path)
+    return on_paper(local_nodes(*names), job="chain", nas=tmp_path, image={"stall_seconds": 2}, base_dir=tmp_path)
 
 
 def _saved(tmp_path: Path, layer_mb: int = 24) -> image.SavedImage:

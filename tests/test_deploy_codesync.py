@@ -13,20 +13,9 @@ from pathlib import Path
 import pytest
 
 from deploy.job import codesync
-from deploy.inventory import loads
 from deploy.nodes.remote import Remote
+from local_job import local_nodes, on_paper
 
-INVENTORY = """
-job: {{name: codejob, runtime: host}}
-rendezvous: {{node: a}}
-nodes:
-  - {{name: a, address: 127.0.0.1, connection: local}}
-  - {{name: b, address: 127.0.0.2, connection: local}}
-storage:
-  data: {{host: {nas}/data, container: /data}}
-  checkpoints: {{host: {nas}/ckpt, container: /ckpt}}
-train: {{python: {python}, module: pkg.train, code: {{path: {code}, ignore: ["*.log"]}}}}
-"""
 
 
 def _project(root: Path) -> Path:
@@ -44,8 +33,9 @@ def _project(root: Path) -> Path:
 
 
 def _inv(tmp_path: Path):
-    return loads(INVENTORY.format(nas=tmp_path / "nas", python=sys.executable, code=tmp_path / "proj"),
-                 base_dir=tmp_path)
+    return on_paper(local_nodes("a", "b"), job="codejob", nas=tmp_path / "nas", job_fields={"runtime": "host"},
+                    train={"python": sys.executable, "module": "pkg.train",
+                           "code": {"path": str(tmp_path / "proj"), "ignore": ["*.log"]}}, base_dir=tmp_path)
 
 
 def test_a_snapshot_holds_what_git_would_track_and_is_named_by_its_content(tmp_path):

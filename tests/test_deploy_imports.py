@@ -175,3 +175,10 @@ def test_the_holds_program_spells_the_contract_s_variable():
 
     assert holds.ENV == contract.HOLD_ENV
     assert contract.program("holds") == Path(holds.__file__).read_text()
+
+
+def test_no_module_of_the_tool_the_agent_or_the_trainer_is_over_600_lines():
+    """A module past that holds two concerns: split it by concern instead."""
+    long = {str(p.relative_to(REPO)): n for package in ("deploy", "agent", "trainer") for p in _sources(package)
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long

@@ -17,51 +17,36 @@ from deploy.engines import k8s
 from deploy.errors import InputError
 from deploy.inventory import loads
 from fakes import install_command
+from local_job import inventory
 from agent.contract import module_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FLEET = """
-job: {name: demo, max_restarts: 2}
-rendezvous: {node: b, port: 29500, join_timeout: 120}
-nodes:
-  - {name: a, address: 198.18.0.11, gpus: 2, interface: eth1, env: {NCCL_IB_HCA: mlx5_0}}
-  - {name: b, address: 198.18.0.12, gpus: 2}
-  - {name: c, address: 198.18.0.13, gpus: 2}
-storage:
-  data: {host: /nas/data, container: /data}
-  checkpoints: {host: /nas/ckpt, container: /ckpt}
-train:
-  args: [--dataset, synthetic, --config, "it's $(rm -rf /); $$HOME $(DDP_DATA_DIR) `id` $"]
-  env: {NCCL_DEBUG: INFO, NOTE: "cost $(POD_IP) $$"}
-  secrets: {WANDB_API_KEY: {env: OPERATOR_WANDB}}
-"""
-
-SLURM = """
-job: {name: big, runtime: host}
-slurm: {login: {address: 10.0.0.5}, nodes: 4, gpus_per_node: 8}
-storage:
-  data: {host: /shared/data, container: /data}
-  checkpoints: {host: /shared/ckpt, container: /ckpt}
-train: {python: /shared/venv/bin/python}
-"""
-
-CPU = """
-job: {name: small}
-rendezvous: {node: a}
-nodes:
-  - {name: a, address: 10.0.0.1, procs: 2}
-  - {name: b, address: 10.0.0.2, procs: 2}
-storage:
-  data: {host: /nas/data, container: /data}
-  checkpoints: {host: /nas/ckpt, container: /ckpt}
-"""
+HOSTILE_ARGS = ["--dataset", "synthetic", "--config", "it's $(rm -rf /); $$HOME $(DDP_DATA_DIR) `id` $"]
+ENV = {"NCCL_DEBUG": "INFO", "NOTE": "cost $(POD_IP) $$"}
 
 
-def _inv(text=FLEET, **replace):
-    for old, new in replace.items():
-        text = text.replace(old, new)
-    return loads(text)
+def fleet(*, changed: dict | None = None, job: str = "demo", train: dict | None = None) -> dict:
+    """The 3-node GPU fleet these manifests are made for (tests/local_job.py): ``changed``, a
+    node's fields changed; ``train``, its fields replaced."""
+    nodes = [{"name": "a", "address": "198.18.0.11", "gpus": 2, "interface": "eth1", "env": {"NCCL_IB_HCA": "mlx5_0"}},
+             {"name": "b", "address": "198.18.0.12", "gpus": 2}, {"name": "c", "address": "198.18.0.13", "gpus": 2}]
+    return inventory([{**n, **(changed or {}).get(n["name"], {})} for n in nodes], job=job,
+                     job_fields={"max_restarts": 2}, rendezvous={"node": "b", "port": 29500, "join_timeout": 120},
+                     train={"args": HOSTILE_ARGS, "env": ENV, "secrets": {"WANDB_API_KEY": {"env": "OPERATOR_WANDB"}},
+                            **(train or {})})
+
+
+FLEET = json.dumps(fleet())
+SLURM = json.dumps(inventory([], job="big", job_fields={"runtime": "host"}, nas="/shared",
+                             slurm={"login": {"address": "10.0.0.5"}, "nodes": 4, "gpus_per_node": 8},
+                             train={"python": "/shared/venv/bin/python"}))
+CPU_NODES = [{"name": "a", "address": "10.0.0.1", "procs": 2}, {"name": "b", "address": "10.0.0.2", "procs": 2}]
+CPU = json.dumps(inventory(CPU_NODES, job="small"))
+
+
+def _inv(text=FLEET, **changes):
+    return loads(json.dumps(fleet(**changes)) if changes else text)
 
 
 class _Response:
@@ -167,7 +152,7 @@ def test_pytorchjob_is_master_and_workers_with_valid_pod_templates():
 
 
 def test_a_single_node_pytorchjob_has_no_workers():
-    job = k8s.manifests(_inv(CPU.replace("  - {name: b, address: 10.0.0.2, procs: 2}\n", "")), kind="pytorchjob")[0]
+    job = k8s.manifests(_inv(json.dumps(inventory(CPU_NODES[:1], job="small"))), kind="pytorchjob")[0]
     assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
 
 
@@ -218,7 +203,7 @@ def test_the_program_gets_its_arguments_as_hosts_yaml_gives_them(tmp_path, monke
 
 
 def test_a_user_module_is_named_before_the_separator(tmp_path, monkeypatch):
-    inv = _inv(**{"train:\n": "train:\n  module: pkg.train\n", "--dataset, synthetic, ": ""})
+    inv = _inv(train={"module": "pkg.train", "args": HOSTILE_ARGS[2:]})
     (box,) = _pod(k8s.manifests(inv))["containers"]
     argv = _run_pod(box, {"JOB_COMPLETION_INDEX": "0", "POD_IP": "10.244.0.5"}, tmp_path, monkeypatch)
     assert argv[argv.index("--entry"):argv.index("--entry") + 3] == ["--entry", "pkg.train", "--"]
@@ -239,7 +224,7 @@ def test_the_secret_is_a_reference_and_its_value_is_nowhere(monkeypatch):
 
 
 def test_a_secret_file_is_read_by_the_operators_shell_when_the_secret_is_made(tmp_path):
-    inv = loads(FLEET.replace("{env: OPERATOR_WANDB}", "{file: keys/wandb}"), base_dir=tmp_path)
+    inv = loads(json.dumps(fleet(train={"secrets": {"WANDB_API_KEY": {"file": "keys/wandb"}}})), base_dir=tmp_path)
     text = k8s.render(inv, k8s.manifests(inv))
     assert f"--from-literal=WANDB_API_KEY=\"$(cat {tmp_path}/keys/wandb)\"" in text
 
@@ -260,7 +245,7 @@ def test_the_pod_environment_is_the_contract_then_train_env():
 
 
 def test_gloo_uses_the_pods_interface_unless_train_env_names_one():
-    (box,) = _pod(k8s.manifests(_inv(**{"NCCL_DEBUG: INFO": "GLOO_SOCKET_IFNAME: net1"})))["containers"]
+    (box,) = _pod(k8s.manifests(_inv(train={"env": {"GLOO_SOCKET_IFNAME": "net1", "NOTE": ENV["NOTE"]}})))["containers"]
     assert [e.get("value") for e in box["env"] if e["name"] == "GLOO_SOCKET_IFNAME"] == ["net1"]
 
 
@@ -338,28 +323,28 @@ def test_a_slurm_inventory_gives_the_node_count_and_processes():
 
 def test_train_code_is_refused_naming_it():
     with pytest.raises(InputError) as e:
-        k8s.manifests(_inv(**{"train:\n": "train:\n  code: .\n"}))
+        k8s.manifests(_inv(train={"code": "."}))
     assert e.value.exit_code == 2
     assert str(e.value).startswith("train.code: ") and "bake the code into the image" in str(e.value)
 
 
 def test_nodes_of_different_shapes_are_refused():
     with pytest.raises(InputError, match="nodes: nodes differ in processes or GPUs"):
-        k8s.manifests(_inv(**{"address: 198.18.0.13, gpus: 2": "address: 198.18.0.13, gpus: 1"}))
+        k8s.manifests(_inv(changed={"c": {"gpus": 1}}))
 
 
 @pytest.mark.parametrize("name", ["my_job", "v1.2", "9lives", "x" * 62])
 def test_a_job_name_kubernetes_cannot_use_is_refused(name):
     with pytest.raises(InputError, match="job.name: .* not a name Kubernetes accepts"):
-        k8s.manifests(_inv(**{"name: demo,": f"name: {name},"}))
+        k8s.manifests(_inv(job=name))
 
 
 def test_a_variable_the_launcher_uses_cannot_be_shadowed_by_train_env():
     with pytest.raises(InputError, match=r"train.env.POD_IP: POD_IP is set in each pod"):
-        k8s.manifests(_inv(**{"NCCL_DEBUG: INFO": "POD_IP: 1.2.3.4"}))
-    k8s.manifests(_inv(**{"NCCL_DEBUG: INFO": "RANK: '0'"}), kind="job")
+        k8s.manifests(_inv(train={"env": {"POD_IP": "1.2.3.4", "NOTE": ENV["NOTE"]}}))
+    k8s.manifests(_inv(train={"env": {"RANK": "0", "NOTE": ENV["NOTE"]}}), kind="job")
     with pytest.raises(InputError, match=r"train.env.RANK"):
-        k8s.manifests(_inv(**{"NCCL_DEBUG: INFO": "RANK: '0'"}), kind="pytorchjob")
+        k8s.manifests(_inv(train={"env": {"RANK": "0", "NOTE": ENV["NOTE"]}}), kind="pytorchjob")
 
 
 def test_namespace_and_labels_are_on_every_object():

@@ -20,6 +20,7 @@ from deploy.nodes.remote import Remote
 from deploy.nodes.transport import MAX_LINE
 from fakes import free_port
 from sshd import SSHD, start_sshd
+from local_job import inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB, NODE = "streamtest", "n1"
@@ -52,11 +53,7 @@ def hosts(request, tmp_path) -> Path:
         ssh = {"ssh": {"user": "root", "port": d["port"], "key": str(d["dir"] / "client_key"),
                        "known_hosts": str(known), "connect_timeout": 3}}
     path = tmp_path / "hosts.yaml"
-    path.write_text(json.dumps({
-        "job": {"name": JOB, "runtime": "host"}, "rendezvous": {"node": NODE}, **ssh, "nodes": [node],
-        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
-    }))
+    path.write_text(json.dumps(inventory([node], job=JOB, nas=tmp_path, job_fields={"runtime": "host"}, **ssh)))
     return path
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shlex
 import subprocess
 
@@ -14,21 +15,27 @@ from deploy.nodes.remote import command_line
 from deploy.job.runtime import STOP_GRACE_S, heartbeat_dir
 from deploy.job.scripts import HOST_START
 from fakes import install_command
+from local_job import inventory
 from agent.contract import module_argv
 
-THREE_NODES = """
-job: {name: demo, runtime: docker, max_restarts: 2}
-rendezvous: {node: b, port: 29500, join_timeout: 120}
-nodes:
-  - {name: a, address: 198.18.0.11, gpus: 2, interface: eth0}
-  - {name: b, address: 198.18.0.12, gpus: 2}
-  - {name: c, address: 198.18.0.13, gpus: 1}
-storage:
-  data: {host: /nas/data, container: /data}
-  checkpoints: {host: /nas/ckpt, container: /ckpt}
-train:
-  args: [--dataset, synthetic, --config, "it's $(rm -rf /); `id` > x"]
-"""
+NODES = ({"name": "a", "address": "198.18.0.11", "gpus": 2, "interface": "eth0"},
+         {"name": "b", "address": "198.18.0.12", "gpus": 2},
+         {"name": "c", "address": "198.18.0.13", "gpus": 1})
+CPU_NODES = tuple({k: v for k, v in n.items() if k != "gpus"} for n in NODES)
+HOSTILE_ARGS = ["--dataset", "synthetic", "--config", "it's $(rm -rf /); `id` > x"]
+
+
+def three_nodes(*, nodes=NODES, changed: dict | None = None, nas="/nas", job: dict | None = None,
+                train: dict | None = None, **sections) -> dict:
+    """The 3-node fleet these tests plan for, as data (tests/local_job.py): ``changed``, a node's
+    fields changed (``{"c": {"gpus": 2}}``); ``job`` and ``train``, their fields added."""
+    listed = [{**n, **(changed or {}).get(n["name"], {})} for n in nodes]
+    return inventory(listed, job="demo", nas=nas, job_fields={"max_restarts": 2, **(job or {})},
+                     rendezvous={"node": "b", "port": 29500, "join_timeout": 120},
+                     train={"args": HOSTILE_ARGS, **(train or {})}, **sections)
+
+
+THREE_NODES = json.dumps(three_nodes())
 
 
 def contract(node, data="/data", ckpt="/ckpt", device="cuda", backend="nccl"):
@@ -65,10 +72,8 @@ def _docker(argv):
     return argv[10:]
 
 
-def _inv(text=THREE_NODES, **replace):
-    for old, new in replace.items():
-        text = text.replace(old, new)
-    return loads(text)
+def _inv(**changes):
+    return loads(json.dumps(three_nodes(**changes)))
 
 
 def _opt(argv, flag):
@@ -95,7 +100,7 @@ def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():
     specs = plan.launch_plan(_inv())
     assert [_opt(s.torchrun, "--nproc-per-node") for s in specs] == ["2", "2", "1"]
     assert _opt(specs[0].torchrun, "--nnodes") == "3:3"
-    same = plan.launch_plan(_inv(**{"address: 198.18.0.13, gpus: 1}": "address: 198.18.0.13, gpus: 2}"}))
+    same = plan.launch_plan(_inv(changed={"c": {"gpus": 2}}))
     assert _opt(same[0].torchrun, "--nnodes") == "3"
 
 
@@ -121,15 +126,14 @@ def test_docker_command_for_a_gpu_node():
 def test_a_killed_container_is_started_again_as_often_as_torchrun_restarts_workers():
     argv = plan.launch_plan(_inv())[0].argv
     assert _opt(argv, "--restart") == "on-failure:2"
-    never = plan.launch_plan(_inv(**{"max_restarts: 2": "max_restarts: 0"}))[0].argv
+    never = plan.launch_plan(_inv(job={"max_restarts": 0}))[0].argv
     assert "--restart" not in never
 
 
-CPU_NODES = {"gpus: 2, ": "", "gpus: 2}": "}", ", gpus: 1}": "}"}
 
 
 def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
-    argv = list(plan.launch_plan(_inv(**CPU_NODES))[2].argv)
+    argv = list(plan.launch_plan(_inv(nodes=CPU_NODES))[2].argv)
     assert "--gpus" not in argv and "--device" not in argv[:argv.index("ddp-trainer:latest")]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == [kept_log("c"), *contract("c", device="cpu",
                                                                                               backend="gloo"), *beats("c")]
@@ -137,17 +141,17 @@ def test_cpu_node_gets_no_gpus_flag_no_interface_env_and_gloo_on_the_cpu():
 
 
 def test_gpu_ids_pick_the_gpus_of_a_node_in_docker_and_on_the_host():
-    inv = _inv(**{"gpus: 2, interface: eth0}": "gpus: 8, gpu_ids: [4, 6], interface: eth0}"})
+    inv = _inv(changed={"a": {"gpus": 8, "gpu_ids": [4, 6]}})
     assert inv.node("a").nprocs == 2
     assert _opt(plan.launch_plan(inv)[0].argv, "--gpus") == '"device=4,6"'
-    host = plan.launch_plan(_inv(**{"gpus: 2, interface: eth0}": "gpus: 8, gpu_ids: [4, 6], interface: eth0}",
-                                    "runtime: docker": "runtime: host"}))[0].argv
+    host = plan.launch_plan(_inv(changed={"a": {"gpus": 8, "gpu_ids": [4, 6]}},
+                                    job={"runtime": "host"}))[0].argv
     assert "CUDA_VISIBLE_DEVICES=4,6" in host and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in host
 
 
 def test_environment_from_train_and_node_reaches_the_processes_node_values_winning():
-    inv = _inv(**{"train:\n": "train:\n  env: {NCCL_IB_HCA: mlx5_0, NCCL_DEBUG: WARN}\n",
-                  "gpus: 2}": "gpus: 2, env: {NCCL_IB_HCA: mlx5_1, NCCL_SOCKET_IFNAME: ib0}}"})
+    inv = _inv(train={"env": {"NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "WARN"}},
+               changed={"b": {"env": {"NCCL_IB_HCA": "mlx5_1", "NCCL_SOCKET_IFNAME": "ib0"}}})
     a, b = plan.launch_plan(inv)[:2]
     assert dict(a.env)["NCCL_IB_HCA"] == "mlx5_0" and dict(a.env)["NCCL_DEBUG"] == "WARN"
     assert dict(b.env)["NCCL_IB_HCA"] == "mlx5_1" and dict(b.env)["NCCL_SOCKET_IFNAME"] == "ib0"
@@ -160,7 +164,7 @@ def test_infiniband_devices_reach_a_gpu_container_only_where_the_node_has_them()
     assert _opt(a, "--device") == "/dev/infiniband" and "IPC_LOCK" in [a[i + 1] for i, x in enumerate(a) if x == "--cap-add"]
     assert _opt(a, "--ulimit") == "memlock=-1:-1"
     assert "/dev/infiniband" not in specs[1].argv
-    cpu = plan.launch_plan(_inv(**CPU_NODES), {"a": plan.NodeFacts(infiniband=True)})[0].argv
+    cpu = plan.launch_plan(_inv(nodes=CPU_NODES), {"a": plan.NodeFacts(infiniband=True)})[0].argv
     assert "/dev/infiniband" not in cpu  # gloo does not use verbs
 
 
@@ -175,7 +179,7 @@ def test_network_check_runs_the_launcher_in_the_foreground_with_its_own_rendezvo
     assert _opt(a, "--rdzv-id") == "demo-netcheck" and _opt(a, "--max-restarts") == "0"
     assert _opt(a, "--entry") == "trainer.netcheck"
     assert a[a.index("--", a.index("--entry")):] == ["--", "--device", "cuda", "--backend", "nccl", "--size-mb", "4"]
-    host = list(plan.netcheck_plan(_inv(**{"runtime: docker": "runtime: host"}), {}, ())["b"])
+    host = list(plan.netcheck_plan(_inv(job={"runtime": "host"}), {}, ())["b"])
     assert host[4] == "/nas/ckpt/work/b" and host[5] == "env" and host[host.index("python3"):][:4] == ["python3", *module_argv("agent.launch")]
 
 
@@ -186,13 +190,13 @@ def test_the_probe_runs_with_the_job_s_torch_and_gpus():
     assert _opt(a, "--gpus") == '"device=0,1"' and _opt(a, "--network") == "none"
     assert a[a.index("ddp-trainer:latest") + 1:] == (*module_argv("agent.probe"), "--gpus", "2", "--procs", "2",
                                                      "--import", "trainer.__main__")
-    host = _inv(**{"runtime: docker": "runtime: host"})
+    host = _inv(job={"runtime": "host"})
     c = plan.probe_argv(host, host.node("c"))
     assert "CUDA_VISIBLE_DEVICES=0" in c and c[-9:-2] == (*module_argv("agent.probe"), "--gpus", "1", "--procs", "1")
 
 
 def test_host_runtime_runs_torchrun_with_host_paths_detached():
-    inv = _inv(**{"runtime: docker": "runtime: host"})
+    inv = _inv(job={"runtime": "host"})
     spec = plan.launch_plan(inv)[0]
     argv = list(spec.argv)
     assert argv[:2] == ["sh", "-c"] and argv[2] == HOST_START
@@ -237,7 +241,7 @@ def test_stop_status_logs_target_the_job_container():
 def test_another_user_s_job_of_the_same_name_has_containers_of_its_own_names():
     """Two hosts.yaml calling their job ``demo`` on one Docker engine (two users', each with its
     own storage): neither's start, stop, status, logs or doctor names the other's container."""
-    ours, theirs = _inv(), _inv(**{"/nas/": "/home/other/nas/"})
+    ours, theirs = _inv(), _inv(nas="/home/other/nas")
     a, their_a = ours.node("a"), theirs.node("a")
     mine = {plan.stop_argv(ours, a)[4], plan.status_argv(ours, a)[4], plan.logs_argv(ours, a, tail=5, follow=False)[-1],
             plan.diagnose_argv(ours, a)[4], _opt(_docker(plan.launch_plan(ours)[0].argv), "--name")}
@@ -293,12 +297,12 @@ def test_docker_status_is_absent_for_a_missing_container_never_for_a_failing_eng
 
 
 def test_min_nodes_makes_the_job_elastic_from_min_to_every_node():
-    inv = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    inv = _inv(job={"min_nodes": 2})
     assert inv.elastic
     assert {_opt(s.torchrun, "--nnodes") for s in plan.launch_plan(inv)} == {"2:3"}
     # the round of fewer nodes ends before join_timeout (120): a third of it, at most 30 s
     assert {_opt(s.torchrun, "--rdzv-conf").split(",")[-1] for s in plan.launch_plan(inv)} == {"last_call_timeout=30"}
-    every = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 3}"})
+    every = _inv(job={"min_nodes": 3})
     assert not every.elastic and _opt(plan.launch_plan(every)[0].torchrun, "--nnodes") == "3:3"
 
 
@@ -306,7 +310,7 @@ def test_min_nodes_above_the_node_count_is_refused_naming_the_field():
     from deploy.errors import InventoryError
 
     with pytest.raises(InventoryError, match=r"job\.min_nodes.*4 is more than the 3 nodes"):
-        _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 4}"})
+        _inv(job={"min_nodes": 4})
 
 
 def test_without_the_rendezvous_node_the_first_remaining_node_hosts_it():
@@ -324,7 +328,7 @@ def test_without_refuses_an_unknown_node_and_going_below_min_nodes():
 
     with pytest.raises(InventoryError, match="z: not in nodes"):
         _inv().without(["z"])
-    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    elastic = _inv(job={"min_nodes": 2})
     with pytest.raises(InventoryError, match=r"leaves 1 node\(s\), fewer than job.min_nodes \(2\)"):
         elastic.without(["a", "b"])
 
@@ -344,7 +348,7 @@ def test_the_cli_without_a_node_says_where_the_rendezvous_moved_and_plans_the_re
 
 
 def test_an_elastic_job_without_a_node_keeps_room_for_it_to_join_later():
-    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"})
+    elastic = _inv(job={"min_nodes": 2})
     smaller = elastic.without(["c"])
     assert [n.name for n in smaller.nodes] == ["a", "b"] and smaller.listed == 3 and smaller.elastic
     assert {_opt(s.torchrun, "--nnodes") for s in plan.launch_plan(smaller)} == {"2:3"}
@@ -355,7 +359,7 @@ def test_an_elastic_job_without_a_node_keeps_room_for_it_to_join_later():
 def test_the_launch_record_says_where_the_rendezvous_is_and_how_many_nodes_may_join():
     from deploy.job import record
 
-    elastic = _inv(**{"max_restarts: 2}": "max_restarts: 2, min_nodes: 2}"}).without(["b"])
+    elastic = _inv(job={"min_nodes": 2}).without(["b"])
     kept = record.decode(record.encode(record.launch_record(elastic, None)).decode())
     assert kept["rendezvous"] == {"node": "a", "endpoint": "198.18.0.11:29500", "id": "demo"}
     assert kept["nnodes"] == "2:3" and [n["name"] for n in kept["nodes"]] == ["a", "c"]
@@ -371,14 +375,14 @@ def _cli(ddp, tmp_path, text, *args):
 def test_join_is_refused_for_a_fixed_size_job_and_an_unknown_node_before_connecting(ddp, tmp_path):
     fixed = _cli(ddp, tmp_path, THREE_NODES, "join", "c")
     assert fixed.exit_code == 2 and "job demo has a fixed size" in fixed.stderr and "ddp-deploy stop" in fixed.stderr
-    elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
+    elastic = json.dumps(three_nodes(job={"min_nodes": 2}))
     unknown = _cli(ddp, tmp_path, elastic, "join", "z")
     assert unknown.exit_code == 2 and "z: not in nodes[].name (a, b, c)" in unknown.stderr
 
 
 def test_join_dry_run_prints_the_node_s_start_command_and_its_rendezvous_source(ddp, tmp_path):
     """join --dry-run prints the node's start command and where the rendezvous comes from."""
-    elastic = THREE_NODES.replace("max_restarts: 2}", "max_restarts: 2, min_nodes: 2}")
+    elastic = json.dumps(three_nodes(job={"min_nodes": 2}))
     r = _cli(ddp, tmp_path, elastic, "join", "c", "--dry-run")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
@@ -396,7 +400,7 @@ def test_a_launch_dry_run_says_which_nodes_may_take_the_probe_answer_they_kept(d
         return [line for line in r.stdout.splitlines() if "probe's answer this node kept" in line]
 
     assert kept(THREE_NODES) == []  # GPU nodes: probed every time (their devices can change)
-    cpu = THREE_NODES.replace("gpus: 2", "gpus: 0").replace("gpus: 1", "gpus: 0")
+    cpu = json.dumps(three_nodes(nodes=CPU_NODES))
     assert kept(cpu) == [f"[{n}] the torch probe's answer this node kept for the same image and probe command "
                          "serves, if it has one (`ddp-deploy check` probes afresh and keeps it)" for n in "abc"]
 
@@ -405,7 +409,7 @@ def test_same_named_jobs_of_other_checkpoint_roots_never_share_a_heartbeat_direc
     """Two jobs of one name from other checkpoint roots never share a heartbeat directory."""
     # the launcher empties its directory and its watchdog takes every process naming it for its own:
     # two hosts.yaml that both call their job demo, run on one machine, must not meet there
-    one, other = loads(THREE_NODES), loads(THREE_NODES.replace("/nas/ckpt", "/nas/other-ckpt"))
+    one, other = loads(THREE_NODES), _inv(storage={"checkpoints": {"host": "/nas/other-ckpt", "container": "/ckpt"}})
     assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(other, other.node("a"))
     assert heartbeat_dir(one, one.node("a")) == heartbeat_dir(loads(THREE_NODES), one.node("a"))  # launch after launch
     assert heartbeat_dir(one, one.node("a")) != heartbeat_dir(one, one.node("b"))
@@ -413,8 +417,8 @@ def test_same_named_jobs_of_other_checkpoint_roots_never_share_a_heartbeat_direc
 
 def test_cpu_workers_are_forked_from_a_zygote_unless_refused_and_gpu_ones_never():
     """A CPU job's workers are forked from a zygote unless train.env says 0, and a GPU job's never are."""
-    cpu = plan.launch_plan(_inv(**CPU_NODES))
+    cpu = plan.launch_plan(_inv(nodes=CPU_NODES))
     assert all(dict(s.env)["DDP_PREFORK"] == "1" for s in cpu)
-    off = plan.launch_plan(_inv(**{**CPU_NODES, "train:\n": "train:\n  env: {DDP_PREFORK: '0'}\n"}))
+    off = plan.launch_plan(_inv(nodes=CPU_NODES, train={"env": {"DDP_PREFORK": "0"}}))
     assert all(dict(s.env)["DDP_PREFORK"] == "0" for s in off)
     assert all("DDP_PREFORK" not in dict(s.env) for s in plan.launch_plan(_inv()))  # CUDA: not until tried on a GPU

@@ -12,22 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.inventory import loads
 from deploy.checks.node_checks import _torch
 from deploy.nodes.remote import Result
 from deploy.checks.versions import torch_supported
 from agent.contract import TORCH_SUPPORTED
+from local_job import on_paper
 
-INVENTORY = """
-job: {name: demo, runtime: RUNTIME}
-rendezvous: {node: a}
-nodes:
-  - {name: a, address: 198.18.0.11, gpus: GPUS}
-storage:
-  data: {host: /nas/data, container: /data}
-  checkpoints: {host: /nas/ckpt, container: /ckpt}
-train: {python: /opt/venv/bin/python}
-"""
 
 H100 = {"python": "3.11.7", "torch": "2.5.1+cu124", "cuda_build": "12.4", "cuda_available": True, "devices": 8,
         "device_names": ["NVIDIA H100 80GB HBM3"] * 8, "nccl": "2.21.5", "cuda_error": None, "infiniband": [],
@@ -35,7 +25,8 @@ H100 = {"python": "3.11.7", "torch": "2.5.1+cu124", "cuda_build": "12.4", "cuda_
 
 
 def _inv(runtime="docker", gpus=8):
-    return loads(INVENTORY.replace("RUNTIME", runtime).replace("GPUS", str(gpus)))
+    return on_paper([{"name": "a", "address": "198.18.0.11", "gpus": gpus}], job="demo", job_fields={"runtime": runtime},
+                    train={"python": "/opt/venv/bin/python"})
 
 
 def _judge(report=None, *, runtime="docker", gpus=8, exit_code=0, stderr="", for_launch=False):
@@ -74,8 +65,8 @@ def test_fewer_visible_devices_than_processes_is_refused():
 
 
 def test_fewer_visible_devices_than_the_processes_stages_need_is_refused():
-    inv = loads(INVENTORY.replace("RUNTIME", "docker").replace("GPUS", "8").replace("runtime: docker}",
-                                                                                 "runtime: docker, stages: 2}"))
+    inv = on_paper([{"name": "a", "address": "198.18.0.11", "gpus": 8}], job="demo", job_fields={"stages": 2},
+                   train={"python": "/opt/venv/bin/python"})
     c = _torch(inv, Result("a", 0, "PROBE " + json.dumps({**H100, "devices": 6}), ""), False)
     assert not c.ok and c.detail == ("6 CUDA device(s) visible in image ddp-trainer:latest for 4 processes "
                                      "(GPUs 0,1,2,3,4,5,6,7); job.stages (2) GPUs per process")

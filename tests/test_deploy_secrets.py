@@ -19,25 +19,20 @@ from deploy.job.scripts import SECRETS_FROM_STDIN
 from deploy.nodes.transport import Result
 from agent.contract import SECRET_NAMES_ENV, Mask
 from agent.masking import StreamMask
+from local_job import inventory
 
-INVENTORY = """
-job: {{name: s}}
-rendezvous: {{node: a}}
-nodes: [{{name: a, address: 127.0.0.1}}]
-storage:
-  data: {{host: /nas/data, container: /data}}
-  checkpoints: {{host: /nas/ckpt, container: /ckpt}}
-train:
-  module: pkg.train
-  secrets: {{TOKEN: {{env: MY_TOKEN}}, KEY: {{file: {key}}}}}
-"""
+
+
+def _data(key: str, **train) -> dict:
+    return inventory([{"name": "a", "address": "127.0.0.1"}], job="s",
+                     train={"module": "pkg.train", "secrets": {"TOKEN": {"env": "MY_TOKEN"}, "KEY": {"file": key}}, **train})
 
 
 def _inv(tmp_path, key_text: str | None):
     key = tmp_path / "key.txt"
     if key_text is not None:
         key.write_text(key_text)
-    return loads(INVENTORY.format(key=key.name), base_dir=tmp_path)
+    return loads(json.dumps(_data(key.name)), base_dir=tmp_path)
 
 
 def test_values_come_from_the_environment_and_a_file_relative_to_hosts_yaml(tmp_path, monkeypatch):
@@ -122,15 +117,14 @@ def test_the_launcher_reads_secret_names_from_a_reserved_variable_a_job_cannot_s
     """The launcher reads the secrets' names from a reserved variable that a job cannot set."""
     mask = Mask.from_environ("TOKEN,MISSING", {"TOKEN": "tok-123456", SECRET_NAMES_ENV: "TOKEN"})
     assert mask("a tok-123456 b") == "a *** b"
-    hosts = INVENTORY.format(key="k").replace("  module: pkg.train\n",
-                                              f"  module: pkg.train\n  env: {{{SECRET_NAMES_ENV}: X}}\n")
+    hosts = json.dumps(_data("k", env={SECRET_NAMES_ENV: "X"}))
     with pytest.raises(InventoryError, match=SECRET_NAMES_ENV):
         loads(hosts, base_dir=tmp_path)
 
 
 def _states_for(stdout: str, secret: str) -> plan.NodeState:
     """fleet.node_states over one node whose status command printed ``stdout``."""
-    inv = loads(INVENTORY.format(key="k"), base_dir=Path("/nonexistent"))
+    inv = loads(json.dumps(_data("k")), base_dir=Path("/nonexistent"))
 
     class Printed:  # what the node printed; reaching a node is not what is tested
         def run(self, cmds, **_):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deploy.errors import InventoryError
-from local_job import local_hosts, local_nodes, on_paper
+from local_job import inventory, local_hosts, local_nodes, on_paper
 from waiting import wait_until
 
 
@@ -17,14 +17,11 @@ def _fleet(**fields):
     return on_paper(nodes, job="demo", spares=[{"name": "s", "address": "198.18.0.19"}], **fields)
 
 
-def _hosts(tmp_path, **fields):
-    data = {"nodes": [{"name": n, "address": f"198.18.0.{11 + i}"} for i, n in enumerate(("a", "b", "c"))],
-            "spares": [{"name": "s", "address": "198.18.0.19"}], "job": {"name": "demo", "runtime": "docker"},
-            "rendezvous": {"node": "b"}, "storage": {"data": {"host": "/nas/data", "container": "/data"},
-                                                     "checkpoints": {"host": "/nas/ckpt", "container": "/ckpt"}},
-            **fields}
+def _hosts(tmp_path):
+    nodes = [{"name": n, "address": f"198.18.0.{11 + i}"} for i, n in enumerate(("a", "b", "c"))]
     hosts = tmp_path / "hosts.yaml"
-    hosts.write_text(json.dumps(data))
+    hosts.write_text(json.dumps(inventory(nodes, job="demo", rendezvous={"node": "b"},
+                                          spares=[{"name": "s", "address": "198.18.0.19"}])))
     return hosts
 
 

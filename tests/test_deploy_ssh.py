@@ -21,6 +21,7 @@ from deploy.nodes.remote import Remote
 from fakes import free_port
 from procs import children_of
 from sshd import SSHD, start_sshd
+from local_job import inventory
 
 pytestmark = pytest.mark.skipif(
     not (os.path.exists(SSHD) and shutil.which("ssh-keygen") and os.geteuid() == 0),
@@ -50,16 +51,11 @@ def _inventory_text(sshd, tmp_path, *, key="client_key", known="good", policy="s
     elif known == "wrong":
         other = (d / "other_key.pub").read_text().split()
         kh.write_text(f"[127.0.0.1]:{p} {other[0]} {other[1]}\n")
-    text = json.dumps({
-        "job": {"name": "sshtest", "runtime": "host"},
-        "rendezvous": {"node": "n1"},
-        "ssh": ssh or {"user": "root", "port": p, "key": str(d / key), "known_hosts": str(kh),
-                       "host_key_policy": policy, "connect_timeout": 3},
-        "nodes": [{"name": f"n{i}", "address": f"127.0.0.{i}", **({"ssh": node_ssh} if node_ssh else {})}
-                  for i in range(1, nodes + 1)],
-        "storage": {"data": {"host": str(tmp_path / "data"), "container": "/data"},
-                    "checkpoints": {"host": str(tmp_path / "ckpt"), "container": "/ckpt"}},
-    })
+    text = json.dumps(inventory(
+        [{"name": f"n{i}", "address": f"127.0.0.{i}", **({"ssh": node_ssh} if node_ssh else {})}
+         for i in range(1, nodes + 1)], job="sshtest", nas=tmp_path, job_fields={"runtime": "host"},
+        ssh=ssh or {"user": "root", "port": p, "key": str(d / key), "known_hosts": str(kh),
+                    "host_key_policy": policy, "connect_timeout": 3}))
     return text, kh
 
 
