@@ -103,3 +103,19 @@ def test_a_proxyjump_loop_is_refused_with_its_cause(tmp_path):
 
 def test_no_config_file_is_no_config():
     assert read_config("/nonexistent/ssh_config").lookup("x") == paramiko.SSHConfig().lookup("x")
+
+
+def test_a_command_that_ends_before_reading_its_stdin_gives_its_exit_code_not_a_lost_connection():
+    """A refusal that exits before reading its stdin (a lock program's, under a planted lock root)
+    is that exit code: taken for a lost connection, the node would be skipped and its lock with it."""
+    import time
+    from types import SimpleNamespace
+
+    from deploy.nodes.transport import LocalTransport
+
+    def late():
+        time.sleep(0.5)  # the command has ended by now: the bytes stay buffered until the close
+        yield b"owner\n"
+
+    r = LocalTransport().send(SimpleNamespace(name="here"), late(), ["sh", "-c", "exit 3"], lambda n: None, 30)
+    assert r.connected and r.exit_code == 3, r

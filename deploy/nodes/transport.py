@@ -160,7 +160,7 @@ class LocalTransport(Transport):
         except BrokenPipeError:
             pass
         finally:
-            p.stdin.close()
+            _close(p.stdin)
         try:
             code = p.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -251,6 +251,15 @@ def run_here(argv: Sequence[str], *, timeout: float | None = None) -> Result:
     """Run on the operator's machine (docker build, image inspect)."""
     log.debug("local: %s", command_line(argv))
     return _run_process("local", argv, timeout)
+
+
+def _close(stream) -> None:
+    """Closes a pipe to a command that may have ended without reading it (a refusal before its
+    stdin): the unread rest is nobody's, and the command's exit code says what happened."""
+    try:
+        stream.close()
+    except BrokenPipeError:
+        pass
 
 
 def _kill(p: subprocess.Popen) -> None:
