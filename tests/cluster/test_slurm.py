@@ -102,7 +102,7 @@ def test_a_two_node_job_trains_to_completion_through_slurm(cluster, slurm, fresh
         assert handle.id == run and held.run(run).id == run
         assert handle.wait(timeout=120) == Outcome("finished", f"Slurm job {job_id} COMPLETED: all nodes finished "
                                                                "with exit code 0")
-        assert {(line.node, line.rank) for line in handle.logs(nodes=("node2",), ranks=(3,), tail=5)} == {("node2", 3)}
+        assert {(line.node, line.rank) for line in handle.logs(nodes=("node2",), ranks=(3,), tail=50)} == {("node2", 3)}
     assert _queue(slurm) == []
 
 
