@@ -487,19 +487,12 @@ class Inventory(Model):
                                                             "node(s) left out: a spare takes the place of a node "
                                                             "left out with --without")])
         joining = tuple(s for s in self.spares if s.name in names)
-        other = self._reshaped((*self.nodes, *joining), self.rendezvous.node)
-        other = other.model_copy(update={"spares": tuple(s for s in self.spares if s.name not in names)})
-        other._base_dir, other._listed = self._base_dir, self.listed
-        return other
+        return self._copied(nodes=(*self.nodes, *joining), spares=tuple(s for s in self.spares if s.name not in names))
 
     def and_spares(self) -> "Inventory":
         """Every machine of the job, its spares among the nodes: what ``check`` and ``deploy``
         reach (a spare is checked and made ready as a node is, and never started)."""
-        if not self.spares:
-            return self
-        other = self.model_copy(update={"nodes": (*self.nodes, *self.spares), "spares": ()})
-        other._base_dir, other._listed = self._base_dir, self.listed
-        return other
+        return self._copied(nodes=(*self.nodes, *self.spares), spares=()) if self.spares else self
 
     def hosting_rendezvous_on(self, name: str) -> "Inventory":
         """This inventory with the rendezvous on ``name`` (where a running job has it)."""
@@ -514,8 +507,11 @@ class Inventory(Model):
                                                          f"({', '.join(n.name for n in self.nodes)})")])
 
     def _reshaped(self, nodes: tuple[Node, ...], rendezvous_node: str) -> "Inventory":
-        rendezvous = self.rendezvous.model_copy(update={"node": rendezvous_node})
-        other = self.model_copy(update={"nodes": nodes, "rendezvous": rendezvous})
+        return self._copied(nodes=nodes, rendezvous=self.rendezvous.model_copy(update={"node": rendezvous_node}))
+
+    def _copied(self, **update) -> "Inventory":
+        """A copy with ``update``, still of this hosts.yaml: its directory, and how many nodes it lists."""
+        other = self.model_copy(update=update)
         other._base_dir, other._listed = self._base_dir, self.listed
         return other
 
