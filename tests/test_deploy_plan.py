@@ -93,7 +93,14 @@ def test_each_node_gets_its_own_local_addr_and_inventory_order_rank():
     assert [_opt(s.torchrun, "--local-addr") for s in specs] == ["198.18.0.11", "198.18.0.12", "198.18.0.13"]
     assert [_opt(s.torchrun, "--node-rank") for s in specs] == ["0", "1", "2"]
     assert all(_opt(s.torchrun, "--max-restarts") == "2" for s in specs)
-    assert all(_opt(s.torchrun, "--rdzv-id") == "demo" for s in specs)
+    assert all(_opt(s.torchrun, "--rdzv-id") == f"demo-{plan.DRY_RUN}" for s in specs)
+
+
+def test_each_run_meets_in_a_rendezvous_of_its_own():
+    """A node left over from an earlier run (a lost node come back) reaches the same endpoint, but
+    never the round of the run launched after it."""
+    ids = {_opt(plan.launch_spec(_inv(), 0, run=run).torchrun, "--rdzv-id") for run in ("20261207-0600-aaaa", "20261207-0601-bbbb")}
+    assert ids == {"demo-20261207-0600-aaaa", "demo-20261207-0601-bbbb"}
 
 
 def test_nnodes_is_a_fixed_range_when_procs_differ_and_plain_when_equal():

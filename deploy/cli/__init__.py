@@ -299,6 +299,21 @@ def export(st: _State, target: str, kind: str, namespace: str | None, pvc: str |
 
 
 @cli.command()
+@click.option("--run", "run_id", metavar="ID", default=None,
+              help="The run to watch (default: the job's current one, as its launch record says).")
+@click.option("--detach", is_flag=True,
+              help="Run in the background, in a session of its own: a closed terminal does not end it; its "
+                   "output goes to a log (the path is printed).")
+@pass_state
+def watch(st: _State, run_id: str | None, detach: bool) -> None:
+    """Heal the running job without you (hosts.yaml's heal.watch; `launch` starts one by itself): a
+    node unreachable for heal.lost_after seconds is left out, a spare put in its place, and the job
+    launched again from its newest checkpoint, until it ends. `status` shows what it does, `runs`
+    what it did, `stop` ends it with the job (docs/failures.md, "A job that heals itself")."""
+    st.engine.watch(run_id, detach)
+
+
+@cli.command()
 @click.option("--force", is_flag=True,
               help="Also remove a live lock (fresh heartbeat): only when you know its command no longer runs.")
 @pass_state

@@ -25,6 +25,7 @@ from ..engines import fleet
 from ..errors import InputError
 from ..inventory import Inventory
 from ..job import runs
+from ..text import safe
 from ..nodes.remote import Remote
 from . import render
 from .table import DataTable, cell
@@ -114,6 +115,10 @@ class Engine(ABC):
         """End the job (a checkpoint first unless ``now``); idempotent."""
 
     @_limited
+    def watch(self, run_id: str | None, detach: bool) -> None:
+        self.refuse("watch")
+
+    @_limited
     def unlock(self, force: bool) -> None:
         self.refuse("unlock")
 
@@ -144,6 +149,7 @@ class Engine(ABC):
                                     "outcome": "running" if running and r is kept[-1] else r.outcome(),
                                     "stopped": r.stop_data(),
                                     "goodput": good[r.id].as_data() if good.get(r.id) else None,
+                                    "heals": [e.as_data() for e in r.heals],
                                     "nodes": {n: {"exits": [list(e) for e in nr.exits], "metrics": nr.metrics,
                                                   "stopped": nr.stop.as_data() if nr.stop else None,
                                                   "formed": nr.formed,
@@ -165,6 +171,9 @@ class Engine(ABC):
                           (r.field("code_snapshot") or "-")[:8], (r.image_id or "-").removeprefix("sha256:")[:8],
                           outcome, good[r.id].text() if good.get(r.id) else "-", r.stall_text())
         render.out.print(table)
+        for r in kept:  # each decision of the job's watcher (heal.watch), with the run it was about
+            for e in r.heals:
+                click.echo(safe(f"{r.id}: {e.describe()}"))
 
     def plot(self, run_ids: tuple[str, ...], output: str | None) -> None:
         path = output or f"{self.inv.job.name}-metrics.png"

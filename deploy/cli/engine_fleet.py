@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import asdict
 
 import click
@@ -14,7 +15,7 @@ from ..checks import netcheck
 from ..engines import fleet
 from ..errors import InputError, RemoteFailure, RuntimeFailure
 from ..images import prepare
-from ..job import codesync, launchplan, lock, phases, plan, record, runtime, secretenv
+from ..job import codesync, healing, launchplan, lock, phases, plan, record, runtime, secretenv
 from ..nodes.remote import Remote
 from ..observe import view
 from ..text import safe
@@ -82,6 +83,8 @@ class FleetCommands(Engine):
                                    failed_checks=render.print_checks)
             click.echo(started.describe())
             click.echo(f"launch {phases.describe(started.phases)}")
+            if inv.heal.watch:
+                self._start_watcher(started.run)
             if not wait:
                 return
             final = render.follow(inv, remote, timeout, self.st.redact, run=started.run)
@@ -117,6 +120,8 @@ class FleetCommands(Engine):
                 click.echo(fleet.verdict(inv, render.follow(inv, remote, None, self.st.redact), remote, self.st.redact))
                 return
             states = fleet.node_states(inv, remote, self.st.redact)
+            answering = [n for n, s in states.items() if s.state != "unreachable"]
+            watcher = fleet.read_watch(inv, remote, answering[0]).watcher if inv.heal.watch and answering else None
             first = fleet.first_failure(inv, remote, fleet.witnesses(states), self.st.redact)
             # a stall named where it is shown: the culprit's node, rank and frame (deploy/observe/doctor.py)
             why = fleet.diagnose(inv, remote, self.st.redact).summary if any(s.stall for s in states.values()) else None
@@ -130,6 +135,34 @@ class FleetCommands(Engine):
         else:
             render.print_status(inv, states)
             render.print_findings(why, first, untrained)
+            if watcher is not None:
+                click.echo(safe(watcher.describe(time.time())))
+
+    def watch(self, run_id: str | None, detach: bool) -> None:
+        inv = self.inv
+        if not inv.heal.watch:
+            raise InputError("watch: heal.watch is not set in hosts.yaml",
+                             hint="set heal.watch: true (docs/failures.md, \"A job that heals itself\"); then "
+                                  "`ddp-deploy launch` starts the watcher with the job")
+        from ..inventory import load
+
+        with Remote(load(self.st.hosts).and_spares()) as remote:  # the nodes left out too: one may come back
+            run = run_id or fleet.current_run(inv, remote)
+            if detach:
+                self._start_watcher(run)
+                return
+            stamped = lambda line: render.say(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")  # noqa: E731
+            outcome, said = fleet.Watch(inv, run, remote, hosts=self.st.hosts, redact=self.st.redact, say=stamped,
+                                        warn=render.warn).watch()
+        stamped(f"the watch ended ({outcome or 'taken over'}): {said}")
+        if outcome in (healing.FAILED, healing.NOT_HEALED):
+            raise click.exceptions.Exit(1)
+
+    def _start_watcher(self, run: str) -> None:
+        log = fleet.log_path(self.inv)
+        pid = fleet.detached(fleet.watcher_argv(self.st.hosts, self.st.without, self.st.spares, run), log)
+        click.echo(f"watcher started (pid {pid}), detached from this terminal: it heals the job without you; "
+                   f"`ddp-deploy status` shows what it does, `ddp-deploy stop` ends it with the job; its log: {log}")
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv
@@ -160,7 +193,7 @@ class FleetCommands(Engine):
                 render.show(n.name, plan.stop_argv(every, n, grace))
             return
         with Remote(inv) as remote:
-            results = fleet.stop(inv, remote, now=now)
+            results = fleet.stop(inv, remote, now=now, say=render.say)
         for n, r in results.items():
             click.echo(safe(self.st.redact(f"{n}: {r.stdout.strip() if r.ok else r.summary()}")))  # quotes the program
         if not all(r.ok for r in results.values()):

@@ -26,7 +26,8 @@ class SlurmCommands(Engine):
     name = "Slurm"
     limits = {"join": "Slurm allocates the nodes; a requeued job comes back on its own",
               "unlock": "there is no job lock: Slurm queues the job",
-              "jobs": "Slurm keeps the jobs of its nodes: squeue lists them"}
+              "jobs": "Slurm keeps the jobs of its nodes: squeue lists them",
+              "watch": "Slurm requeues a job whose node fails (slurm.requeue)"}
 
     @classmethod
     def serves(cls, inv) -> bool:

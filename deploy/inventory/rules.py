@@ -77,6 +77,8 @@ def _slurm_problems(inv) -> list[tuple[tuple, str]]:
         out.append((("nodes",), "give nodes (an SSH fleet) or slurm (a Slurm cluster), not both"))
     if inv.spares:
         out.append((("spares",), "not on Slurm: Slurm allocates the nodes, and a requeued job gets others"))
+    if inv.heal.watch:
+        out.append((("heal", "watch"), "not on Slurm: Slurm requeues a job whose node fails (slurm.requeue)"))
     if inv.rendezvous.node is not None:
         out.append((("rendezvous", "node"), "not on Slurm: the allocation's first node hosts the rendezvous"))
     k = inv.job.stages

@@ -390,6 +390,19 @@ class Train(Model):
         return v
 
 
+class Heal(Model):
+    """The watcher that heals a running job without an operator (deploy/engines/fleet/heal.py,
+    docs/failures.md "A job that heals itself")."""
+
+    watch: bool = False
+    """``launch`` starts a watcher beside the job, detached from the operator's terminal: a node
+    lost for good is replaced by a spare (or left out, where the job may shrink), the job
+    relaunched on the new set from its newest checkpoint, the rendezvous moved off a lost node."""
+    lost_after: int = Field(default=60, ge=5, le=WEEK)
+    """Seconds a node of the job must stay unreachable (its SSH refused or silent, at every poll)
+    before the watcher takes it for lost for good."""
+
+
 class Inventory(Model):
     job: Job
     rendezvous: Rendezvous = Field(default_factory=Rendezvous)
@@ -403,6 +416,7 @@ class Inventory(Model):
     image: Image = Field(default_factory=Image)
     storage: Storage
     train: Train = Field(default_factory=Train)
+    heal: Heal = Field(default_factory=Heal)
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _listed: int | None = PrivateAttr(default=None)

@@ -82,6 +82,13 @@ def torchrun_options(inv: Inventory, index: int, *, rdzv_id: str | None = None,
     )
 
 
+def run_rdzv_id(inv: Inventory, run: str) -> str:
+    """The rendezvous id of one run: the job's, with the run's id. A node left over from an
+    earlier run (a lost node whose link came back, its torchrun still trying) reaches the same
+    endpoint, but never this run's round: it would make the running nodes start a round again."""
+    return f"{inv.rdzv_id}-{run}"
+
+
 def torchrun_procs(inv: Inventory, procs: int) -> str:
     """torchrun's --nproc-per-node for a node of ``procs`` processes: one where the program starts
     them itself (train.spawn: DDP_PROCS tells it how many)."""
@@ -205,7 +212,7 @@ def launch_spec(inv: Inventory, index: int, facts: NodeFacts = NodeFacts(), code
                 run: str = DRY_RUN) -> LaunchSpec:
     """nodes[index]'s start command; ``run``: the run's id (runs.py), new at each launch."""
     node = inv.nodes[index]
-    torchrun = torchrun_options(inv, index)
+    torchrun = torchrun_options(inv, index, rdzv_id=run_rdzv_id(inv, run))
     program = program_args(inv)
     # The started job's alone: a probe or a network check beside it never touches its heartbeats.
     env = (*node_env(inv, node, facts, code, run), (HEARTBEAT_DIR_ENV, heartbeat_dir(inv, node)))

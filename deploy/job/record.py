@@ -12,7 +12,7 @@ from ..inventory import Inventory
 from ..programs import node_program
 from . import secretenv
 from .payload import payload
-from .plan import endpoint, nnodes
+from .plan import endpoint, nnodes, run_rdzv_id
 from .runtime import RUN_SUBDIR, CodeDir, job_dir, runtime
 from .scripts import TOOL_DIR
 
@@ -24,8 +24,9 @@ def path(inv: Inventory) -> str:
     return f"{job_dir(inv)}/launch.json"
 
 
-def _fleet(inv: Inventory) -> dict:
-    return {"rendezvous": {"node": inv.rdzv_node.name, "endpoint": endpoint(inv), "id": inv.rdzv_id},
+def _fleet(inv: Inventory, run: str | None) -> dict:
+    return {"rendezvous": {"node": inv.rdzv_node.name, "endpoint": endpoint(inv),
+                           "id": inv.rdzv_id if run is None else run_rdzv_id(inv, run)},
             "nnodes": nnodes(inv),
             "nodes": [{"name": n.name, "address": n.address, "procs": n.nprocs, "gpus": list(n.devices)}
                       for n in inv.nodes]}
@@ -54,7 +55,7 @@ def launch_record(inv: Inventory, code: CodeDir | None, run: str | None = None, 
         "args": list(inv.train.args),
         "code_snapshot": code.snapshot if code else None,
         "where": runtime(inv, code).where(),
-        **(_fleet(inv) if inv.slurm is None else _slurm(inv)),
+        **(_fleet(inv, run) if inv.slurm is None else _slurm(inv)),
         "env": sorted({*inv.train.env, *(k for n in inv.nodes for k in n.env)}),
         "secrets": {name: secretenv.source(inv, name) for name in inv.train.secrets},
         "image": {"name": inv.image.name, "id": image_id} if image_id else None,  # None: no image (host)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ..inventory import Inventory
 from ..programs import node_program
 from ..text import lines
+from .healing import Event
 from .outcome import FORMED_MARKER, NOTHING_TRAINED, Stop, describe_stop, trained
 from .plan import NodeState
 from .runtime import RUN_SUBDIR, as_job_argv, job_dir, kept_dir, runtime, tail_argv
@@ -83,12 +84,14 @@ NODES_OF = r"""nodes_of() {
 STALL_DIAGNOSES = node_program("stall_diagnoses.sh")
 
 # $1 = runs dir, $2 = an id or the start of one ("" for all). For every such run, oldest first:
-# "@@run ID", its record, then its nodes (NODES_OF).
+# "@@run ID", its record, the watcher's decisions about it ("@@heal LINE", healing.Event), then its
+# nodes (NODES_OF).
 LIST_RUNS = NODES_OF + r"""cd "$1" 2>/dev/null || exit 0
 for d in $(ls -1 | grep -E '^[0-9]{8}-[0-9]{6}-[0-9a-f]{4}$' | sort); do
   case "$d" in "$2"*) ;; *) continue ;; esac
   echo "@@run $d"
   cat "$d/run.json" 2>/dev/null; echo
+  [ -f "$d/heal" ] && [ ! -L "$d/heal" ] && head -c 65536 "$d/heal" | head -n 200 | sed 's/^/@@heal /'
   nodes_of "$d"
 done
 exit 0
@@ -226,6 +229,13 @@ class Run:
     id: str
     record: dict = field(default_factory=dict)
     nodes: dict[str, NodeRun] = field(default_factory=dict)
+    heals: tuple[Event, ...] = ()
+    """What the job's watcher decided about it (heal.watch), oldest first."""
+
+    @property
+    def healed(self) -> Event | None:
+        """The watcher's relaunch that took the run's place, if one did."""
+        return next((e for e in reversed(self.heals) if e.what == "healed"), None)
 
     @property
     def start(self) -> float | None:
@@ -309,6 +319,8 @@ class Run:
         (outcome.NOTHING_TRAINED): what its nodes ended with."""
         if not self.nodes:
             return "no node started"
+        if self.healed is not None:  # its survivors' stop was the watcher's, to start the run that goes on
+            return f"healed: run {self.healed.run} went on in its place"
         stops = self.stops
         stopped = describe_stop(list(stops.values()), self.start) if stops else ""
         open_ = [n for n, r in self.nodes.items() if not r.exits and n not in stops]
@@ -338,6 +350,7 @@ def parse(stdout: str) -> list[Run]:
 
     stalls: dict[str, list[StallRecord]] = {}
     formed: set[str] = set()
+    heals: list[Event] = []
 
     def close_node():
         if node is not None:
@@ -348,12 +361,17 @@ def parse(stdout: str) -> list[Run]:
         if run_id is not None:
             close_node()
             record = _json("\n".join(record_lines) or "{}")
-            runs.append(Run(run_id, record if isinstance(record, dict) else {}, dict(nodes)))
+            runs.append(Run(run_id, record if isinstance(record, dict) else {}, dict(nodes), tuple(heals)))
 
     for line in lines(stdout):
         if line.startswith("@@run "):
             close_run()
             run_id, record_lines, nodes, node, exits, metrics = line[6:].strip(), [], {}, None, [], ""
+            heals = []
+        elif line.startswith("@@heal ") and node is None:
+            event = Event.parse(line[len("@@heal "):])
+            if event is not None:
+                heals.append(event)
         elif line.startswith("@@node "):
             close_node()
             node, exits, metrics = line[7:].strip(), [], ""

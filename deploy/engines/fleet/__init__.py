@@ -17,6 +17,7 @@ The click commands (deploy/cli/) only parse, call these and render (deploy/cli/r
 
 Its parts: ``common`` (what the verbs share), ``watch`` (a running job followed, and its end told
 truly), ``kept`` (the runs on the shared volume), ``actions`` (launch, stop, deploy, join, unlock),
+``heal`` (the watcher that heals a job without its operator),
 ``logs``, ``alljobs`` (every user's jobs on the nodes) and ``api`` (the :class:`Fleet` object).
 """
 
@@ -27,16 +28,19 @@ from .common import (
     running_job, start_run, sync_code, undo_start, without_interface,
 )
 from .watch import (
-    NOTHING_TRAINED_HINT, UNREACHABLE_POLLS, diagnose, first_failure, node_states, nothing_trained,
-    stalled_and_stopped, stopped_by_operator, verdict, wait, witnesses,
+    NOTHING_TRAINED_HINT, UNREACHABLE_POLLS, diagnose, end_watch, first_failure, node_states, nothing_trained,
+    read_watch, stalled_and_stopped, stopped_by_operator, verdict, wait, watched_inventory, witnesses,
 )
 from .kept import goodputs, kept_failure, kept_run, kept_runs, kept_stalls, metrics, newest_stall, plot, when
 from .actions import Joined, Shipping, Started, Unlocked, deploy, join, joinable, launch, no_progress, stop, unlock
 from .logs import LogLine, log_reads, read_logs
 from .alljobs import FleetJob, FleetJobs, jobs
+from .heal import NotWanted, Watch, current_run, detached, log_path, watcher_argv
 from .api import Fleet
 
 __all__ = [
+    "NotWanted", "Watch", "current_run", "detached", "end_watch", "log_path", "read_watch", "watched_inventory",
+    "watcher_argv",
     "FAILURE_TAIL", "Fleet", "FleetJob", "FleetJobs", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say",
     "Shipping", "Started",    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "jobs", "join",
     "joinable", "kept_failure", "kept_run", "kept_runs", "kept_stalls", "launch", "log_reads", "metrics",

@@ -15,7 +15,7 @@ from ...job import codesync, launchplan, lock, phases, plan, record, runs, runti
 from ...job.payload import payload
 from ...nodes.remote import Remote
 from .common import Say, node_index, one_image, quiet, refuse_failed_checks, running_job, start_run, sync_code, undo_start, without_interface
-from .watch import node_states
+from .watch import end_watch, node_states
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,14 @@ class Started:
 
 def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str], str] = str, say: Say = quiet,
            warn: Say = quiet, failed_checks: Callable[[list], None] = lambda checks: None,
-           wait_lock: float = 0.0) -> Started:
+           wait_lock: float = 0.0, confirm: Callable[[], None] = lambda: None) -> Started:
     """Starts the job on every node, all or nothing: under the job's lock (a live holder waited for
     up to ``wait_lock`` seconds), the nodes' states (none
     unreachable, none running the job), the code synced, every check of ``check``, one image on
     every node, a new run with its record, then the start; a node that did not start stops the
     others. ``failed_checks`` sees the failed checks before the refusal; ``hosts`` names the
-    inventory in the lock."""
+    inventory in the lock; ``confirm`` raises, just before the start, where the launch is no longer
+    wanted (the watcher's, heal.py: the operator stopped the job meanwhile)."""
     secrets = secretenv.resolve(inv)
     snap = codesync.snapshot_of(inv)
     took = phases.Phases()
@@ -85,6 +86,7 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
         # Preparing took a while: an `unlock --force` meanwhile may have let another operator in,
         # whose run the cleanup below or a second start would break.
         held.confirm("launch")
+        confirm()
         finished = {n: plan.stop_argv(inv, inv.node(n)) for n, s in states.items() if s.exists}
         if finished:  # a finished run's container or pid files; its checkpoints and kept logs stay
             with took("cleanup"):
@@ -112,10 +114,15 @@ def launch(inv: Inventory, remote: Remote, *, hosts: str, redact: Callable[[str]
                    payload(inv).describe(), code, took.data(), planned)
 
 
-def stop(inv: Inventory, remote: Remote, *, now: bool = False) -> dict:
+def stop(inv: Inventory, remote: Remote, *, now: bool = False, say: Say = quiet) -> dict:
     """Ends the job on every reachable node (idempotent): SIGTERM and up to runtime.STOP_GRACE_S
-    for its step and checkpoint, or ``now``: killed at once. Each node's Result, and each reachable
-    spare's (one a ``--with`` put in the job, which this command may not have been given)."""
+    for its step and checkpoint, or ``now``: killed at once. Its watcher's watch first
+    (heal.watch), so that nothing starts it again. Each node's Result, and each reachable spare's
+    (one a ``--with`` put in the job, which this command may not have been given)."""
+    by = runtime.operator()
+    ended = end_watch(inv, remote, f"the job was stopped by {by} with `ddp-deploy stop`")
+    if ended is not None:
+        say(f"the watcher of {inv.job.name} ({ended.by}, pid {ended.pid}) ends: it starts nothing again")
     grace = 0 if now else runtime.STOP_GRACE_S
     every = inv.and_spares()
     got = remote.run({n.name: plan.stop_argv(every, n, grace) for n in every.nodes}, check=False, timeout=grace + 120)

@@ -3,11 +3,12 @@ failure, a stall's diagnosis, a stop, a run that trained nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 from ...errors import JobStopped, LostContact, RuntimeFailure, StillRunning
-from ...job import outcome, plan, secretenv, stall
+from ...job import healing, outcome, plan, secretenv, stall
 from ...observe import doctor, failure
 from .common import FAILURE_TAIL, Say, quiet
 from .kept import newest_stall
@@ -18,6 +19,12 @@ def verdict(inv, final, remote, redact) -> str:
     lost) exited with 0 and something shows that it trained; else a failure naming the nodes and
     the first failure (node, rank, exit code, the program's first error line), or a JobStopped
     where the operator's ``stop`` ended it."""
+    if inv.heal.watch:
+        watcher = _watcher(inv, remote, final)
+        if watcher is not None and watcher.outcome == healing.NOT_HEALED:
+            raise RuntimeFailure(f"the job could not be healed: {watcher.said}",
+                                 hint="`ddp-deploy runs` shows each of its watcher's decisions; bring a node back "
+                                      "or add a spare, then launch again (it resumes from the newest checkpoint)")
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
     stopped = [n for n, s in final.items() if outcome.is_stopped(s.state)]
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost and n not in stopped]
@@ -73,17 +80,35 @@ def stalled_and_stopped(inv, remote, stalled: list[str], redact) -> RuntimeFailu
 
 
 UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
+WATCHER_POLLS = 5  # a watched job's watcher record is read every this many polls
+
+
+def _watcher(inv, remote, states) -> healing.Watcher | None:
+    answering = [n for n, s in states.items() if s.state != "unreachable"]
+    return read_watch(inv, remote, answering[0]).watcher if answering else None
+
+
+def watched_inventory(inv, watcher: healing.Watcher):
+    """The inventory of the nodes the watcher's record says the job runs on now: ``inv`` without
+    the nodes it lost, with the spares it put in their place."""
+    spares = {s.name for s in inv.spares}
+    gone = [n.name for n in inv.nodes if n.name not in watcher.nodes]
+    smaller = inv.without(gone) if gone else inv
+    return smaller.with_spares([n for n in watcher.nodes if n in spares])
 
 
 def wait(inv, remote, timeout, redact, show: Callable[[dict], None] = lambda states: None, say: Say = quiet,
          last: Callable[[dict], None] = lambda states: None) -> dict[str, plan.NodeState]:
     """Polls every node's state each second until the job has ended (an elastic job: on the nodes
     not lost), ``show`` each time; a RuntimeFailure past ``timeout`` or once too many nodes are
-    lost, after ``last`` (the states then)."""
+    lost, after ``last`` (the states then). A job with a live watcher (heal.watch) is followed into
+    each run it heals the job to, and a lost node is the watcher's to judge: until it has healed
+    the job, or ended it (heal.py)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     silent = {n.name: 0 for n in inv.nodes}
     floor = inv.job.min_nodes or len(inv.nodes)  # an elastic job goes on without lost nodes, down to this
     diagnosed = False
+    polls, watcher = 0, None
     while True:
         states = node_states(inv, remote, redact)
         show(states)
@@ -94,10 +119,24 @@ def wait(inv, remote, timeout, redact, show: Callable[[dict], None] = lambda sta
         for n, s in states.items():
             silent[n] = silent.get(n, 0) + 1 if s.state in ("unreachable", "unknown") else 0
         lost = [n for n, count in silent.items() if count >= UNREACHABLE_POLLS]
-        if len(inv.nodes) - len(lost) >= floor and all(
+        polls += 1
+        if inv.heal.watch and (polls % WATCHER_POLLS == 1 or all(
+                s.ended or s.state in ("absent", "unreachable") for s in states.values())):
+            watcher = _watcher(inv, remote, states)  # what a lost node means is its watcher's to decide
+            if watcher is not None and watcher.state == healing.WATCHING and watcher.nodes and set(
+                    watcher.nodes) != {n.name for n in inv.nodes}:  # followed into the run it healed the job to
+                inv = watched_inventory(inv, watcher)
+                silent = {n.name: 0 for n in inv.nodes}
+                say(f"healed: {watcher.said}; following run {watcher.run} on {', '.join(watcher.nodes)}")
+                continue
+        if watcher is not None and watcher.alive(time.time()):
+            over = all(s.ended or s.state == "absent" for s in states.values())
+            if (over and watcher.state != healing.HEALING) or watcher.outcome == healing.NOT_HEALED:
+                return states
+        elif len(inv.nodes) - len(lost) >= floor and all(
                 s.ended or s.state == "absent" or n in lost for n, s in states.items()):
             return states
-        if lost and len(inv.nodes) - len(lost) < floor:
+        if lost and len(inv.nodes) - len(lost) < floor and (watcher is None or not watcher.alive(time.time())):
             last(states)
             raise LostContact(f"lost contact with {', '.join(lost)} while the job ran",
                               hint="`ddp-deploy stop` ends it on the nodes still reachable; launch again to resume "
@@ -130,13 +169,17 @@ def node_states(inv, remote, redact) -> dict[str, plan.NodeState]:
     once parsed: what a node's state is never depends on them. A spare is asked too, and shown
     where the job (or a run of it) is there: one put in the job by a ``--with`` that this command
     was not given."""
-    every = inv.and_spares()
-    res = remote.run({n.name: plan.status_argv(every, n) for n in every.nodes}, check=False, timeout=60)
-    states = {n: plan.with_stall(secretenv.masked(plan.parse_status(r.stdout) if r.ok else plan.NodeState(
-                  "unknown" if r.connected else "unreachable", r.summary()), redact), inv.job.stall_timeout)
-              for n, r in res.items()}
+    states = states_of(inv, inv.and_spares().nodes, remote, redact)
     spares = {s.name for s in inv.spares}
     return {n: s for n, s in states.items() if n not in spares or s.exists}
+
+
+def states_of(inv, nodes, remote, redact) -> dict[str, plan.NodeState]:
+    """The job's state on each of ``nodes`` (of the inventory or not: a node left out, a spare)."""
+    res = remote.run({n.name: plan.status_argv(inv, n) for n in nodes}, check=False, timeout=60)
+    return {n: plan.with_stall(secretenv.masked(plan.parse_status(r.stdout) if r.ok else plan.NodeState(
+                "unknown" if r.connected else "unreachable", r.summary()), redact), inv.job.stall_timeout)
+            for n, r in res.items()}
 
 
 def diagnose(inv, remote, redact) -> doctor.Diagnosis:
@@ -150,3 +193,27 @@ def diagnose(inv, remote, redact) -> doctor.Diagnosis:
         else:
             silent[n] = redact(r.summary())
     return doctor.diagnose(ranks, silent, sum(n.nprocs for n in inv.nodes))
+
+
+def read_watch(inv, remote, node: str, run: str = "") -> healing.Read:
+    """The job's watch record (heal.py) and ``run``'s decisions, as ``node`` reads the shared
+    volume; nothing where it cannot."""
+    got = remote.run({node: healing.read_argv(inv, run)}, check=False, timeout=60)[node]
+    return healing.parse_read(got.stdout) if got.ok else healing.Read(None, ())
+
+
+def end_watch(inv, remote, said: str) -> healing.Watcher | None:
+    """Ends the job's watch, if one runs (its record, as the first node that answers reads it): it
+    says ``said``, and its watcher stops at its next poll and never starts the job again. The
+    watcher it ended, if any."""
+    for node in inv.nodes:
+        got = remote.run({node.name: healing.read_argv(inv)}, check=False, timeout=60)[node.name]
+        if not got.connected:
+            continue
+        found = healing.parse_read(got.stdout).watcher if got.ok else None
+        if found is None or found.state == healing.ENDED:
+            return None
+        ended = dataclasses.replace(found, state=healing.ENDED, said=said, outcome=healing.STOPPED)
+        remote.run({node.name: healing.put_argv(inv)}, stdin={node.name: ended.line()}, check=False, timeout=60)
+        return found
+    return None
