@@ -453,6 +453,92 @@ def test_the_rendezvous_node_lost_ends_the_job_in_time_and_it_resumes_without_it
                  bit_identical="n/a (resized to 2 nodes)")
 
 
+# A job that heals itself (heal.watch): two nodes of 3 processes and a spare, the world size of the
+# module's reference (3 nodes of 2): its ranks read the same batches whichever node runs them, and
+# gloo sums the same ranks' gradients, so the weights are the reference's bit for bit.
+HEAL_LOST_AFTER = 10
+# loss to training again: the watcher's lost_after and its polls, the stop of what is left, the
+# relaunch (lock, checks, start: one launch's time), then the startup of every rank; a loaded machine.
+HEAL_BOUND = 240
+
+
+def _heal_hosts(cluster, path: Path, runtime: str = "docker") -> Path:
+    return cluster.write_hosts_yaml(
+        path, runtime=runtime, procs=3, train_args=TRAIN, interface="eth0", **SETTINGS,
+        nodes=[{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0, "procs": 3, "interface": "eth0"}
+               for h in cluster.hosts[:2]],
+        spares=[{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0, "procs": 3, "interface": "eth0"}
+                for h in cluster.hosts[2:]],
+        heal={"watch": True, "lost_after": HEAL_LOST_AFTER})
+
+
+def _watcher_pid(launched: str) -> int:
+    line = next(line for line in launched.splitlines() if line.startswith("watcher started (pid "))
+    return int(line.split("(pid ")[1].split(")")[0])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_lost_rendezvous_node_is_healed_by_a_spare_with_nobody_watching_and_ends_bit_identical(
+        cluster, fresh_nas, hosts, reference, record_fault, tmp_path):
+    heal = _heal_hosts(cluster, tmp_path / "heal.yaml")
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    launched = ok(ddp(cluster, heal, "launch", env=env))
+    watcher = _watcher_pid(launched.stdout)
+    follower = start_ddp(cluster, heal, "status", "--follow", env=env)  # an operator's terminal, left open
+    try:
+        newest, _ = _run_past_a_checkpoint(fresh_nas)
+        cluster.take_link_down("node1")  # the rendezvous node, for good: its store goes with it
+        lost = time.time()
+        try:
+            resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * 3), HEAL_BOUND,
+                                 "the job to resume on node2 and the spare node3", interval=1)
+            training = _training_after(fresh_nas, resumed["time"])
+            assert resumed["step"] >= newest
+            assert containers_on(cluster, "node3") == [container_of(hosts, "node3")]
+        finally:
+            cluster.bring_link_up("node1")
+        back = time.time()
+        # node1 back: what was left of the job there is ended, and it stays out
+        wait_until(lambda: containers_on(cluster, "node1") == [], 120, "node1's leftover container to be removed")
+        states = _until_exited(cluster, heal, "the job to end", 900, ("node2", "node3"))
+        assert states["node2"] == states["node3"] == "exited(0)" and states["node1"] == "absent", states
+        final = records(fresh_nas)[-1]
+        assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 2 * 3
+        _assert_same_weights(reference, _weights(fresh_nas))
+        followed, err = follower.communicate(timeout=120)
+        assert follower.returncode == 0, followed[-3000:] + err[-3000:]
+        assert "healed: node1 (unreachable for " in followed and "all nodes finished with exit code 0" in followed
+        wait_until(lambda: _gone(watcher), 60, "the watcher to end with the job")
+        kept = json.loads(ok(ddp(cluster, heal, "runs", "--json")).stdout)
+        first, second = kept[-2], kept[-1]
+        assert first["outcome"] == f"healed: run {second['id']} went on in its place", first["outcome"]
+        assert [e["what"] for e in first["heals"]] == ["healed"] and first["heals"][0]["run"] == second["id"]
+        assert "the rendezvous moved from node1 to node2" in first["heals"][0]["said"]
+        assert [e["what"] for e in second["heals"]] == ["started", "returned", "ended"], second["heals"]
+        shown = ok(ddp(cluster, heal, "runs")).stdout
+        assert f"{second['id']}: " in shown and "node1 answers again" in shown
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        ddp(cluster, heal, "stop", "--now")
+        if not _gone(watcher):
+            os.kill(watcher, signal.SIGKILL)
+    redone = _last_step_before(fresh_nas, resumed["time"]) - resumed["step"]
+    assert 0 <= redone <= CKPT_EVERY
+    record_fault(fault="the rendezvous node lost for good (link down), `heal.watch` with a spare",
+                 finished="yes, on node2 and the spare node3, with nobody typing", redone_steps=redone,
+                 ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
+                 detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s; node1 back "
+                             f"{back - lost:.0f} s after the loss: its leftover ended, kept out)",
+                 left_running="nothing", bit_identical=True)
+
+
 def _assert_listening_on_own_addresses(cluster) -> None:
     """While a job trains: the rendezvous store, the workers' store and gloo listen on each node's
     own address from hosts.yaml, never on every address of the machine. (Asked of the elastic job,

@@ -107,8 +107,8 @@ class Watch:
         found = read_watch(self.job, self.remote, self.reader).watcher
         if not self.me.same(found):
             if found is not None and found.state == ENDED:
-                raise NotWanted(f"the watch ended: {found.said}", found.outcome)
-            raise NotWanted("the watch ended: another watcher took the job over")
+                raise NotWanted(found.said, found.outcome)
+            raise NotWanted("another watcher took the job over")
 
     # --- the watch ----------------------------------------------------------------------------
 
@@ -129,7 +129,6 @@ class Watch:
                     self.put()
                 self.sleep(self.poll_s)
         except NotWanted as e:
-            self.say(e.message)
             return e.outcome, e.message
 
     def poll(self) -> tuple[str, str] | None:
