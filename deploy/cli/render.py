@@ -112,7 +112,8 @@ def print_checks(checks) -> None:
 
 
 def status_table(inv, states):
-    return states_table(inv.job.name, {n.name: n.nprocs for n in inv.nodes}, states)
+    """Every node's row: a spare's too, where a --with (or the job's watcher) put the job there."""
+    return states_table(inv.job.name, {n: inv.node(n).nprocs for n in states}, states)
 
 
 def print_status(inv, states) -> None:

@@ -215,21 +215,18 @@ class Watch:
             undo_start(new, self.remote, list(started.nodes))
             raise
         old, self.run = self.run, started.run
-        self.job = new
-        self._leave_out(decided.lost)
+        self._leave_out(decided.lost, new)
         self.keep(old, "healed", decided.said + f": run {started.run}", started.run)
         self.keep(started.run, "started", f"started by the watcher in place of run {old}: {decided.said}", old)
         self.put(WATCHING, f"{decided.said}: run {started.run}")
 
-    def _leave_out(self, lost: tuple[str, ...]) -> None:
+    def _leave_out(self, lost: tuple[str, ...], then: Inventory | None = None) -> None:
+        """``lost`` kept out from now on (watched for their return); the job runs on ``then``
+        (default: the others)."""
         for name in lost:
-            self.gone[name] = self._node(name)
+            self.gone[name] = self.job.node(name)
             self.silences.silent.pop(name, None)
-        if any(n.name in lost for n in self.job.nodes):
-            self.job = self.job.without(lost)
-
-    def _node(self, name: str):
-        return self.gone.get(name) or self.job.node(name)
+        self.job = then or self.job.without(lost)
 
     def clear_returned(self, states) -> None:
         """A lost node that answers again with what is left of the job there: that part ended; the
