@@ -27,6 +27,7 @@ from procs import children_of
 from agent import launch
 
 from .operator_cli import (complete_checkpoint_steps, container_of, containers_on, ddp, empty_nas, node_states, ok, start_ddp,
+                           trainer_processes_on,
                            records, wait_until)
 
 pytestmark = pytest.mark.cluster
@@ -782,3 +783,52 @@ def test_host_runtime_a_killed_torchrun_starts_again_and_ends_bit_identical(
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(resumed["time"] - killed, 1),
                  detect_what="kill to the job resumed on all nodes (the tool's supervisor)",
                  left_running="nothing (all exited 0)", bit_identical=True)
+
+
+def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_none_left_ends_with_the_reason(
+        cluster, fresh_nas, host_hosts, record_fault, tmp_path):
+    heal = _heal_hosts(cluster, tmp_path / "heal.yaml", runtime="host")
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    waiting = start_ddp(cluster, heal, "launch", "--wait", env=env)  # the operator's terminal, left open
+    try:
+        newest, _ = _run_past_a_checkpoint(fresh_nas)
+        cluster.take_link_down("node2")  # a training node, for good
+        lost = time.time()
+        resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * 3), HEAL_BOUND,
+                             "the job to resume on node1 and the spare node3", interval=1)
+        training = _training_after(fresh_nas, resumed["time"])
+        assert resumed["step"] >= newest
+        redone = _last_step_before(fresh_nas, resumed["time"]) - resumed["step"]
+        assert 0 <= redone <= CKPT_EVERY
+
+        cluster.take_link_down("node3")  # a second loss: no spare is left (node2 is never taken back)
+        second = time.time()
+        out, err = waiting.communicate(timeout=HEAL_BOUND)
+        ended = time.time()
+        assert waiting.returncode == 1, out[-3000:] + err[-3000:]
+        assert "healed: node2 (unreachable for " in out, out[-3000:]
+        assert ("error: the job could not be healed: node3 (unreachable for " in err
+                and "no spare left and 1 node(s) still answering: a job of fixed size (job.min_nodes not set) "
+                    "needs its 2 nodes; the job ended here" in err), err[-3000:]
+        assert trainer_processes_on(cluster, "node1") == []  # what was left of it was stopped
+        shown = ok(ddp(cluster, heal, "status", env=env)).stdout
+        assert "): ended: node3 (unreachable for " in shown, shown
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+        cluster.bring_link_up("node2")
+        cluster.bring_link_up("node3")
+        ddp(cluster, heal, "stop", "--now")
+        ddp(cluster, host_hosts, "stop", "--now")
+    for node in ("node2", "node3"):
+        assert trainer_processes_on(cluster, node) == [], node
+    record_fault(fault="host runtime: a training node lost for good (link down), `heal.watch` with a spare",
+                 finished="training again on node1 and the spare node3, with nobody typing",
+                 redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
+                 detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s)",
+                 left_running="nothing", bit_identical="yes: the same world size (the docker test compares)")
+    record_fault(fault="host runtime: a second node lost, no spare left (a fixed-size job)",
+                 finished="no: the watcher stopped node1 and said why (`launch --wait` exit 1)",
+                 redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(ended - second, 1),
+                 detect_what="link down to `launch --wait` ending with the reason", left_running="nothing",
+                 bit_identical="n/a")
