@@ -571,17 +571,19 @@ class NetCluster:
     """
 
     def __init__(self, nodes: int = 3, state_dir: str | os.PathLike | None = None,
-                 keep_operator_store: bool = True, site: Site = FIRST_SITE) -> None:
+                 keep_operator_store: bool = True, site: Site = FIRST_SITE, spares: int = 0) -> None:
         """``keep_operator_store``: reuse the operator's data root kept under CACHE_DIR, reset
         to hold only the base image (warm setup in seconds); False starts the operator daemon
         empty and loads the base image from the cached tar (about 35 s more). ``site``: where on
-        this machine (Site); clusters on different sites run side by side."""
-        if not 1 <= nodes <= 200:
-            raise ValueError(f"nodes must be between 1 and 200, got {nodes}")
+        this machine (Site); clusters on different sites run side by side. ``spares``: hosts made
+        as the nodes are, after them (node4, ...), that no hosts.yaml of ``hosts_config`` lists:
+        ``spare_hosts``, for a test to list as hosts.yaml's spares."""
+        if not 1 <= nodes + spares <= 200 or nodes < 1 or spares < 0:
+            raise ValueError(f"nodes and spares must be between 1 and 200 in all, got {nodes} and {spares}")
         self.site = site
-        self.hosts = [Host(name=f"node{i}", ns=f"{site.ns_prefix}{i}",
-                           address=f"{site.subnet_prefix}{10 + i}", index=i, site=site)
-                      for i in range(1, nodes + 1)]
+        made = [Host(name=f"node{i}", ns=f"{site.ns_prefix}{i}", address=f"{site.subnet_prefix}{10 + i}", index=i,
+                     site=site) for i in range(1, nodes + spares + 1)]
+        self.hosts, self.spare_hosts = made[:nodes], made[nodes:]
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir else None
         self.base_image = BASE_IMAGE
@@ -636,11 +638,16 @@ class NetCluster:
     def bridge(self) -> str:
         return self.site.bridge
 
+    @property
+    def machines(self) -> list[Host]:
+        """Every host made: the nodes, then the spares."""
+        return [*self.hosts, *self.spare_hosts]
+
     def host(self, name: str) -> Host:
-        for h in self.hosts:
+        for h in self.machines:
             if h.name == name:
                 return h
-        raise KeyError(f"no node named {name!r}; nodes: {[h.name for h in self.hosts]}")
+        raise KeyError(f"no node named {name!r}; nodes: {[h.name for h in self.machines]}")
 
     def node_docker_host(self, name: str) -> str:
         return self.host(name).docker_host
@@ -681,7 +688,7 @@ class NetCluster:
             with self.timings.step("ssh keys"):
                 self._make_keys()
             with self.timings.step("sshd per node"):
-                for h in self.hosts:
+                for h in self.machines:
                     self._start_sshd(h)
             with self.timings.step("wait for base image"):
                 while loader.is_alive():
@@ -691,9 +698,9 @@ class NetCluster:
             with self.timings.step("node stores: copies of the base's"):
                 self._copy_node_stores()
             with self.timings.step("dockerd per node"):
-                for h in self.hosts:
+                for h in self.machines:
                     self._start_dockerd(h.name, h)
-                for h in self.hosts:
+                for h in self.machines:
                     self._wait_sshd(h)
                     self._wait_docker(h.docker_host, h.name)
             self._write_description()
@@ -701,7 +708,7 @@ class NetCluster:
                 with self.timings.step(f"restart {type(part).__name__}"):
                     part.start()
             self.timings.steps["total"] = round(time.monotonic() - start, 2)
-            _log(f"cluster of {len(self.hosts)} nodes up in {time.monotonic() - start:.1f} s "
+            _log(f"cluster of {len(self.hosts)} nodes and {len(self.spare_hosts)} spares up in {time.monotonic() - start:.1f} s "
                  f"(state {self.state_dir})")
             return self
         except BaseException:
@@ -750,7 +757,7 @@ class NetCluster:
         _run(["ip", "addr", "add", f"{site.operator_address}/24", "dev", site.bridge])
         _run(["ip", "link", "set", site.bridge, "up"])
         _run(["iptables", "-I", *site.forward_rule])
-        for h in self.hosts:
+        for h in self.machines:
             plug_namespace(h.ns, h.veth, h.address, site.bridge)
 
     def _make_keys(self) -> None:
@@ -761,7 +768,7 @@ class NetCluster:
         # readable by every user: sshd reads it as the user who logs in (the tests' second user too)
         os.chmod(ssh / "authorized_keys", 0o644)
         lines = []
-        for h in self.hosts:
+        for h in self.machines:
             d = self.state_dir / "nodes" / h.name
             d.mkdir(exist_ok=True)
             key = d / "ssh_host_ed25519_key"
@@ -884,7 +891,7 @@ class NetCluster:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the other site may be making it: once
             if not template.exists():
                 self._make_node_store(template)
-        for h in self.hosts:
+        for h in self.machines:
             data = self.site.data_root / h.name
             if data.exists():
                 _unmount_under(data)
@@ -981,6 +988,7 @@ class NetCluster:
             "operator_docker_host": self.operator_docker_host,
             "base_image": self.base_image,
             "hosts": [h.to_json() for h in self.hosts],
+            "spares": [h.to_json() for h in self.spare_hosts],
             "ssh": {"user": "root", "port": 22, "key": self.ssh_key,
                     "known_hosts": self.known_hosts},
             "nas_dir": self.nas_dir, "state_dir": str(self.state_dir),
@@ -992,7 +1000,8 @@ class NetCluster:
     def from_state(cls, state_dir: str | os.PathLike) -> "NetCluster":
         """The cluster described by ``state_dir/cluster.json`` (made by ``up``)."""
         desc = json.loads((Path(state_dir) / "cluster.json").read_text())
-        return cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"], site=Site(desc.get("site", 0)))
+        return cls(nodes=len(desc["hosts"]), state_dir=desc["state_dir"], site=Site(desc.get("site", 0)),
+                   spares=len(desc.get("spares", [])))
 
     # ---- helpers for tests and benchmarks
 

@@ -52,7 +52,7 @@ def container_of(hosts: Path, node: str) -> str:
     from deploy.job.runtime import runtime
 
     inv = load(hosts)
-    return runtime(inv).container(next(n for n in inv.nodes if n.name == node))
+    return runtime(inv).container(inv.node(node))  # a spare's too
 
 
 def containers_on(cluster, node: str) -> list[str]:

@@ -454,9 +454,7 @@ def test_the_rendezvous_node_lost_ends_the_job_in_time_and_it_resumes_without_it
                  bit_identical="n/a (resized to 2 nodes)")
 
 
-# A job that heals itself (heal.watch): two nodes of 3 processes and a spare, the world size of the
-# module's reference (3 nodes of 2): its ranks read the same batches whichever node runs them, and
-# gloo sums the same ranks' gradients, so the weights are the reference's bit for bit.
+# A job that heals itself (heal.watch): the fault job on the 3 nodes, and node4 as its spare.
 HEAL_LOST_AFTER = 10
 # loss to training again: the watcher's lost_after and its polls, the stop of what is left, the
 # relaunch (lock, checks, start: one launch's time), then the startup of every rank; a loaded machine.
@@ -464,13 +462,14 @@ HEAL_BOUND = 240
 
 
 def _heal_hosts(cluster, path: Path, runtime: str = "docker") -> Path:
-    return cluster.write_hosts_yaml(
-        path, runtime=runtime, procs=3, train_args=TRAIN, interface="eth0", **SETTINGS,
-        nodes=[{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0, "procs": 3, "interface": "eth0"}
-               for h in cluster.hosts[:2]],
-        spares=[{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0, "procs": 3, "interface": "eth0"}
-                for h in cluster.hosts[2:]],
+    """The fault job with node4 as its spare and a watcher; deployed (the spare gets the image)."""
+    hosts = cluster.write_hosts_yaml(
+        path, runtime=runtime, procs=PROCS, train_args=TRAIN, interface="eth0", **SETTINGS,
+        spares=[{"name": h.name, "address": h.address, "connection": "ssh", "gpus": 0, "procs": PROCS,
+                 "interface": "eth0"} for h in cluster.spare_hosts],
         heal={"watch": True, "lost_after": HEAL_LOST_AFTER})
+    ok(ddp(cluster, hosts, "deploy"))
+    return hosts
 
 
 def _watcher_pid(launched: str) -> int:
@@ -497,20 +496,20 @@ def test_a_lost_rendezvous_node_is_healed_by_a_spare_with_nobody_watching_and_en
         cluster.take_link_down("node1")  # the rendezvous node, for good: its store goes with it
         lost = time.time()
         try:
-            resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * 3), HEAL_BOUND,
-                                 "the job to resume on node2 and the spare node3", interval=1)
+            resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 3 * PROCS), HEAL_BOUND,
+                                 "the job to resume on node2, node3 and the spare node4", interval=1)
             training = _training_after(fresh_nas, resumed["time"])
             assert resumed["step"] >= newest
-            assert containers_on(cluster, "node3") == [container_of(hosts, "node3")]
+            assert containers_on(cluster, "node4") == [container_of(heal, "node4")]
         finally:
             cluster.bring_link_up("node1")
         back = time.time()
         # node1 back: what was left of the job there is ended, and it stays out
         wait_until(lambda: containers_on(cluster, "node1") == [], 120, "node1's leftover container to be removed")
-        states = _until_exited(cluster, heal, "the job to end", 900, ("node2", "node3"))
-        assert states["node2"] == states["node3"] == "exited(0)" and states["node1"] == "absent", states
+        states = _until_exited(cluster, heal, "the job to end", 900, ("node2", "node3", "node4"))
+        assert states == {"node1": "absent", "node2": "exited(0)", "node3": "exited(0)", "node4": "exited(0)"}, states
         final = records(fresh_nas)[-1]
-        assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 2 * 3
+        assert final["kind"] == "final" and final["step"] == STEPS and final["world_size"] == 3 * PROCS
         _assert_same_weights(reference, _weights(fresh_nas))
         followed, err = follower.communicate(timeout=120)
         assert follower.returncode == 0, followed[-3000:] + err[-3000:]
@@ -533,7 +532,7 @@ def test_a_lost_rendezvous_node_is_healed_by_a_spare_with_nobody_watching_and_en
     redone = _last_step_before(fresh_nas, resumed["time"]) - resumed["step"]
     assert 0 <= redone <= CKPT_EVERY
     record_fault(fault="the rendezvous node lost for good (link down), `heal.watch` with a spare",
-                 finished="yes, on node2 and the spare node3, with nobody typing", redone_steps=redone,
+                 finished="yes, on node2, node3 and the spare node4, with nobody typing", redone_steps=redone,
                  ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
                  detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s; node1 back "
                              f"{back - lost:.0f} s after the loss: its leftover ended, kept out)",
@@ -794,8 +793,8 @@ def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_no
         newest, _ = _run_past_a_checkpoint(fresh_nas)
         cluster.take_link_down("node2")  # a training node, for good
         lost = time.time()
-        resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 2 * 3), HEAL_BOUND,
-                             "the job to resume on node1 and the spare node3", interval=1)
+        resumed = wait_until(lambda: _resumed_with(fresh_nas, lost, 3 * PROCS), HEAL_BOUND,
+                             "the job to resume on node1, node3 and the spare node4", interval=1)
         training = _training_after(fresh_nas, resumed["time"])
         assert resumed["step"] >= newest
         redone = _last_step_before(fresh_nas, resumed["time"]) - resumed["step"]
@@ -808,9 +807,10 @@ def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_no
         assert waiting.returncode == 1, out[-3000:] + err[-3000:]
         assert "healed: node2 (unreachable for " in out, out[-3000:]
         assert ("error: the job could not be healed: node3 (unreachable for " in err
-                and "no spare left and 1 node(s) still answering: a job of fixed size (job.min_nodes not set) "
-                    "needs its 2 nodes; the job ended here" in err), err[-3000:]
-        assert trainer_processes_on(cluster, "node1") == []  # what was left of it was stopped
+                and "no spare left and 2 node(s) still answering: a job of fixed size (job.min_nodes not set) "
+                    "needs its 3 nodes; the job ended here" in err), err[-3000:]
+        for node in ("node1", "node4"):  # what was left of it was stopped
+            assert trainer_processes_on(cluster, node) == [], node
         shown = ok(ddp(cluster, heal, "status", env=env)).stdout
         assert "): ended: node3 (unreachable for " in shown, shown
     finally:
@@ -823,12 +823,12 @@ def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_no
     for node in ("node2", "node3"):
         assert trainer_processes_on(cluster, node) == [], node
     record_fault(fault="host runtime: a training node lost for good (link down), `heal.watch` with a spare",
-                 finished="training again on node1 and the spare node3, with nobody typing",
+                 finished="training again on node1, node3 and the spare node4, with nobody typing",
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
                  detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s)",
                  left_running="nothing", bit_identical="yes: the same world size (the docker test compares)")
     record_fault(fault="host runtime: a second node lost, no spare left (a fixed-size job)",
-                 finished="no: the watcher stopped node1 and said why (`launch --wait` exit 1)",
+                 finished="no: the watcher stopped node1 and node4 and said why (`launch --wait` exit 1)",
                  redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(ended - second, 1),
                  detect_what="link down to `launch --wait` ending with the reason", left_running="nothing",
                  bit_identical="n/a")
