@@ -55,7 +55,7 @@ class Engine(ABC):
 
     name: ClassVar[str]
     VERBS: ClassVar[tuple[str, ...]] = ("validate", "check", "deploy", "launch", "join", "status", "doctor", "logs",
-                                        "runs", "plot", "stop", "export", "unlock", "jobs")
+                                        "runs", "plot", "stop", "watch", "export", "unlock", "jobs")
     limits: ClassVar[dict[str, str]] = {}  # verb -> why it does not apply to this engine
 
     def __init__(self, st: Invocation) -> None:

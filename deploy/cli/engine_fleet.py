@@ -159,10 +159,7 @@ class FleetCommands(Engine):
             raise click.exceptions.Exit(1)
 
     def _start_watcher(self, run: str) -> None:
-        log = fleet.log_path(self.inv)
-        pid = fleet.detached(fleet.watcher_argv(self.st.hosts, self.st.without, self.st.spares, run), log)
-        click.echo(f"watcher started (pid {pid}), detached from this terminal: it heals the job without you; "
-                   f"`ddp-deploy status` shows what it does, `ddp-deploy stop` ends it with the job; its log: {log}")
+        click.echo(fleet.start_watcher(self.inv, self.st.hosts, run).describe())
 
     def doctor(self, as_json: bool) -> None:
         inv = self.inv

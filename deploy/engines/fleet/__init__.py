@@ -36,10 +36,11 @@ from .actions import Joined, Shipping, Started, Unlocked, deploy, join, joinable
 from .logs import LogLine, log_reads, read_logs
 from .alljobs import FleetJob, FleetJobs, jobs
 from .heal import NotWanted, Watch, current_run, detached, log_path, watcher_argv
+from .heal import start as start_watcher
 from .api import Fleet
 
 __all__ = [
-    "NotWanted", "Watch", "current_run", "detached", "end_watch", "log_path", "read_watch", "watched_inventory",
+    "NotWanted", "Watch", "current_run", "start_watcher", "detached", "end_watch", "log_path", "read_watch", "watched_inventory",
     "watcher_argv",
     "FAILURE_TAIL", "Fleet", "FleetJob", "FleetJobs", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say",
     "Shipping", "Started",    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "jobs", "join",

@@ -18,6 +18,9 @@ from .kept import goodputs, kept_runs, metrics, plot
 from .actions import Joined, deploy, join, launch, no_progress, stop, unlock
 from .logs import LogLine, log_reads, read_logs
 from .alljobs import FleetJobs, jobs
+from .heal import Watch, current_run
+from .heal import start as start_watcher
+from ...nodes.remote import Remote
 from ..handle import JobApi, Run
 
 
@@ -60,11 +63,14 @@ class Fleet(JobApi):
 
     def launch(self, *, wait_lock: float = 0.0) -> Run:
         """Starts the job on every node, all or nothing (``ddp-deploy launch``; ``wait_lock``: seconds
-        to wait for another command of this job that holds its lock): the run, with what the launch
-        did (``.started``: its nodes, its phases, the plan it ran)."""
+        to wait for another command of this job that holds its lock), and its watcher where
+        heal.watch is set: the run, with what the launch did (``.started``: its nodes, its phases,
+        the plan it ran)."""
         with self.connected() as remote:
             started = launch(self.inv, remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn,
                              wait_lock=wait_lock)
+        if self.inv.heal.watch:
+            self.say(start_watcher(self.inv, self.hosts, started.run).describe())
         return Run(self, started.run, started)
 
     def join(self, node: str) -> Joined:
@@ -151,10 +157,21 @@ class Fleet(JobApi):
         with self.connected() as remote:
             return diagnose(self.inv, remote, self.redact)
 
+    def watch(self, run: str | None = None) -> tuple[str, str]:
+        """Heals the running job (its run ``run``, default the current one) until it ends, as
+        ``ddp-deploy watch`` does (heal.watch): how it ended (healing.OUTCOMES) and the last decision."""
+        if not self.inv.heal.watch:
+            raise InputError("watch: heal.watch is not set in hosts.yaml", hint="set heal.watch: true")
+        with Remote(load(self.hosts).and_spares()) as remote:  # the nodes left out too: one may come back
+            run = run or current_run(self.inv, remote)
+            return Watch(self.inv, run, remote, hosts=self.hosts, redact=self.redact, say=self.say,
+                         warn=self.warn).watch()
+
     def stop(self, *, now: bool = False) -> dict[str, str]:
-        """Ends the job (see :func:`stop`): each node's answer; a RemoteFailure where one did not."""
+        """Ends the job (see :func:`stop`), and its watcher first: each node's answer; a RemoteFailure
+        where one did not."""
         with self.connected() as remote:
-            results = stop(self.inv, remote, now=now)
+            results = stop(self.inv, remote, now=now, say=self.say)
         if not all(r.ok for r in results.values()):
             raise RemoteFailure("stop", results, hint="stop it there by hand once reachable, or run stop again")
         return {n: self.redact(r.stdout.strip()) for n, r in results.items()}

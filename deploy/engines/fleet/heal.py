@@ -25,6 +25,7 @@ what is lost).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import DeployError, JobStopped, RuntimeFailure
-from ...inventory import Inventory
+from ...inventory import Inventory, load
 from ...job import healing, plan, record, runs
 from ...job.healing import ENDED, HEALING, WATCHING, Event, Watcher
 from ...job.runtime import operator
@@ -276,9 +277,31 @@ def watcher_argv(hosts: str, without: tuple[str, ...], spares: tuple[str, ...], 
             "watch", "--run", run]
 
 
+@dataclass(frozen=True)
+class Started:
+    """A watcher started detached: its process and its log."""
+
+    pid: int
+    log: Path
+
+    def describe(self) -> str:
+        return (f"watcher started (pid {self.pid}), detached from this terminal: it heals the job without you; "
+                f"`ddp-deploy status` shows what it does, `ddp-deploy stop` ends it with the job; its log: {self.log}")
+
+
+def start(inv: Inventory, hosts: str, run: str) -> Started:
+    """A watcher of run ``run`` of the job ``inv`` (the nodes a launch ran it on), detached."""
+    listed = load(hosts)
+    ran = {n.name for n in inv.nodes}
+    without = tuple(n.name for n in listed.nodes if n.name not in ran)
+    spares = tuple(s.name for s in listed.spares if s.name in ran)
+    log = log_path(inv)
+    return Started(detached(watcher_argv(hosts, without, spares, run), log), log)
+
+
 def log_path(inv: Inventory) -> Path:
     state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
     return state / "ddp-deploy" / f"{inv.job.name}.watch.log"
 
 
-__all__ = ["NotWanted", "POLL_S", "Watch", "current_run", "detached", "log_path", "watcher_argv"]
+__all__ = ["NotWanted", "POLL_S", "Started", "Watch", "current_run", "detached", "log_path", "start", "watcher_argv"]
