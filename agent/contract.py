@@ -54,7 +54,7 @@ pyproject.toml). Tested at both ends and at the Dockerfile's default base (docs/
 
 RUN_ID_ENV = "DDP_LAUNCH_ID"
 """This launch's run id, new at every launch (``ddp-deploy runs`` lists them; ``DDP_RUN_ID``, the
-rendezvous id, stays the same across relaunches). The trainer tags each metrics record with it
+job's rendezvous.id, stays the same across relaunches). The trainer tags each metrics record with it
 (``"run"``) and names the run's TensorBoard directory after it."""
 LOG_DIR_ENV = "DDP_DEPLOY_LOG_DIR"
 """For a container: the node's directory of the run on the shared volume, where the launcher keeps
