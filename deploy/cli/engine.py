@@ -173,7 +173,7 @@ class Engine(ABC):
         render.out.print(table)
         for r in kept:  # each decision of the job's watcher (heal.watch), with the run it was about
             for e in r.heals:
-                click.echo(safe(f"{r.id}: {e.describe()}"))
+                click.echo(safe(redact(f"{r.id}: {e.describe()}")))
 
     def plot(self, run_ids: tuple[str, ...], output: str | None) -> None:
         path = output or f"{self.inv.job.name}-metrics.png"

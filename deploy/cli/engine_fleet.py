@@ -120,8 +120,7 @@ class FleetCommands(Engine):
                 click.echo(fleet.verdict(inv, render.follow(inv, remote, None, self.st.redact), remote, self.st.redact))
                 return
             states = fleet.node_states(inv, remote, self.st.redact)
-            answering = [n for n, s in states.items() if s.state != "unreachable"]
-            watcher = fleet.read_watch(inv, remote, answering[0]).watcher if inv.heal.watch and answering else None
+            watcher = fleet.watcher_of(inv, remote, states) if inv.heal.watch else None
             first = fleet.first_failure(inv, remote, fleet.witnesses(states), self.st.redact)
             # a stall named where it is shown: the culprit's node, rank and frame (deploy/observe/doctor.py)
             why = fleet.diagnose(inv, remote, self.st.redact).summary if any(s.stall for s in states.values()) else None
@@ -136,7 +135,7 @@ class FleetCommands(Engine):
             render.print_status(inv, states)
             render.print_findings(why, first, untrained)
             if watcher is not None:
-                click.echo(safe(watcher.describe(time.time())))
+                click.echo(safe(self.st.redact(watcher.describe(time.time()))))
 
     def watch(self, run_id: str | None, detach: bool) -> None:
         inv = self.inv

@@ -43,9 +43,9 @@ def add_argv(inv: Inventory, run: str) -> tuple[str, ...]:
     return _argv(inv, "add", run)
 
 
-def read_argv(inv: Inventory, run: str = "") -> tuple[str, ...]:
-    """``@@watch LINE`` and the run's ``@@heal LINE``s."""
-    return _argv(inv, "read", run)
+def read_argv(inv: Inventory) -> tuple[str, ...]:
+    """``@@watch LINE``, where the job has a watch record."""
+    return _argv(inv, "read")
 
 
 def _text(value, most: int = 2000) -> str | None:
@@ -168,22 +168,10 @@ class Event:
         return {"time": self.time, "what": self.what, "said": self.said, "run": self.run}
 
 
-@dataclass(frozen=True)
-class Read:
-    watcher: Watcher | None
-    events: tuple[Event, ...]
-
-
-def parse_read(text: str) -> Read:
-    watcher, events = None, []
-    for line in text.splitlines():
-        if line.startswith("@@watch "):
-            watcher = Watcher.parse(line[8:])
-        elif line.startswith("@@heal "):
-            e = Event.parse(line[7:])
-            if e is not None:
-                events.append(e)
-    return Read(watcher, tuple(events))
+def parse_read(text: str) -> Watcher | None:
+    """The watch record ``read_argv`` printed, if it is one."""
+    found = [line[8:] for line in text.splitlines() if line.startswith("@@watch ")]
+    return Watcher.parse(found[0]) if found else None
 
 
 # --- deciding -----------------------------------------------------------------------------------
@@ -274,5 +262,5 @@ def decide(job: Inventory, lost: tuple[str, ...], spares: list[str], silent_s: d
     return Relaunch(lost, use, f"{named} lost for good: relaunched{instead}{moved}, from the newest checkpoint")
 
 
-__all__ = ["ENDED", "FAILED", "FINISHED", "NOT_HEALED", "OUTCOMES", "STOPPED", "End", "Event", "GoOn", "HEALING", "Read", "Relaunch", "Silences", "WATCHING", "Watcher",
+__all__ = ["ENDED", "FAILED", "FINISHED", "NOT_HEALED", "OUTCOMES", "STOPPED", "End", "Event", "GoOn", "HEALING", "Relaunch", "Silences", "WATCHING", "Watcher",
            "add_argv", "decide", "parse_read", "put_argv", "read_argv"]

@@ -506,6 +506,7 @@ def test_a_lost_rendezvous_node_is_healed_by_a_spare_with_nobody_watching_and_en
         back = time.time()
         # node1 back: what was left of the job there is ended, and it stays out
         wait_until(lambda: containers_on(cluster, "node1") == [], 120, "node1's leftover container to be removed")
+        cleared = time.time()
         states = _until_exited(cluster, heal, "the job to end", 900, ("node2", "node3", "node4"))
         assert states == {"node1": "absent", "node2": "exited(0)", "node3": "exited(0)", "node4": "exited(0)"}, states
         final = records(fresh_nas)[-1]
@@ -534,8 +535,12 @@ def test_a_lost_rendezvous_node_is_healed_by_a_spare_with_nobody_watching_and_en
     record_fault(fault="the rendezvous node lost for good (link down), `heal.watch` with a spare",
                  finished="yes, on node2, node3 and the spare node4, with nobody typing", redone_steps=redone,
                  ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
-                 detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s; node1 back "
-                             f"{back - lost:.0f} s after the loss: its leftover ended, kept out)",
+                 detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s)",
+                 left_running="nothing", bit_identical=True)
+    record_fault(fault="the lost rendezvous node back after the spare took its place",
+                 finished="yes: the job trained on, on node2, node3 and node4", redone_steps=0,
+                 ckpt_every=CKPT_EVERY, detect_s=round(cleared - back, 1),
+                 detect_what="link up to its leftover container removed (the node kept out: no flapping)",
                  left_running="nothing", bit_identical=True)
 
 
@@ -785,7 +790,7 @@ def test_host_runtime_a_killed_torchrun_starts_again_and_ends_bit_identical(
 
 
 def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_none_left_ends_with_the_reason(
-        cluster, fresh_nas, host_hosts, record_fault, tmp_path):
+        cluster, fresh_nas, host_hosts, host_reference, record_fault, tmp_path):
     heal = _heal_hosts(cluster, tmp_path / "heal.yaml", runtime="host")
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
     waiting = start_ddp(cluster, heal, "launch", "--wait", env=env)  # the operator's terminal, left open
@@ -819,14 +824,21 @@ def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_no
         cluster.bring_link_up("node2")
         cluster.bring_link_up("node3")
         ddp(cluster, heal, "stop", "--now")
-        ddp(cluster, host_hosts, "stop", "--now")
     for node in ("node2", "node3"):
         assert trainer_processes_on(cluster, node) == [], node
+    # the nodes back, a person launches again: the job ends as an uninterrupted run does, the steps
+    # the healed run trained (on node1, node3 and the spare) among those its weights come from
+    try:
+        ok(ddp(cluster, host_hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+        assert records(fresh_nas)[-1]["kind"] == "final"
+        _assert_same_weights(host_reference, _weights(fresh_nas))
+    finally:
+        ddp(cluster, host_hosts, "stop", "--now")
     record_fault(fault="host runtime: a training node lost for good (link down), `heal.watch` with a spare",
                  finished="training again on node1, node3 and the spare node4, with nobody typing",
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(training["time"] - lost, 1),
                  detect_what=f"link down to training again (heal.lost_after {HEAL_LOST_AFTER} s)",
-                 left_running="nothing", bit_identical="yes: the same world size (the docker test compares)")
+                 left_running="nothing", bit_identical="yes, once launched again after the second loss")
     record_fault(fault="host runtime: a second node lost, no spare left (a fixed-size job)",
                  finished="no: the watcher stopped node1 and node4 and said why (`launch --wait` exit 1)",
                  redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(ended - second, 1),

@@ -29,7 +29,7 @@ from .common import (
 )
 from .watch import (
     NOTHING_TRAINED_HINT, UNREACHABLE_POLLS, diagnose, end_watch, first_failure, node_states, nothing_trained,
-    read_watch, stalled_and_stopped, stopped_by_operator, verdict, wait, watched_inventory, witnesses,
+    read_watch, stalled_and_stopped, watcher_of, stopped_by_operator, verdict, wait, watched_inventory, witnesses,
 )
 from .kept import goodputs, kept_failure, kept_run, kept_runs, kept_stalls, metrics, newest_stall, plot, when
 from .actions import Joined, Shipping, Started, Unlocked, deploy, join, joinable, launch, no_progress, stop, unlock
@@ -40,7 +40,7 @@ from .heal import start as start_watcher
 from .api import Fleet
 
 __all__ = [
-    "NotWanted", "Watch", "current_run", "start_watcher", "detached", "end_watch", "log_path", "read_watch", "watched_inventory",
+    "NotWanted", "Watch", "current_run", "start_watcher", "detached", "end_watch", "log_path", "read_watch", "watched_inventory", "watcher_of",
     "watcher_argv",
     "FAILURE_TAIL", "Fleet", "FleetJob", "FleetJobs", "Joined", "LogLine", "NOTHING_TRAINED_HINT", "Say",
     "Shipping", "Started",    "UNREACHABLE_POLLS", "Unlocked", "check", "deploy", "diagnose", "first_failure", "goodputs", "jobs", "join",

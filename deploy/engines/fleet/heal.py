@@ -86,7 +86,10 @@ class Watch:
     # --- the record ---------------------------------------------------------------------------
 
     def put(self, state: str | None = None, said: str | None = None) -> None:
-        self.me = dataclasses.replace(self.me, state=state or self.me.state, said=said or self.me.said,
+        """The watch record rewritten: its state, its last decision (a secret the job printed, that a
+        refusal quotes, masked: nothing of it rests on the volume), its beat."""
+        said = self.redact(said) if said else self.me.said
+        self.me = dataclasses.replace(self.me, state=state or self.me.state, said=said,
                                       beat=time.time(), run=self.run, nodes=tuple(n.name for n in self.job.nodes),
                                       spares=tuple(s.name for s in self.job.spares if s.name not in self.refused))
         got = self.remote.run({self.reader: healing.put_argv(self.job)}, stdin={self.reader: self.me.line()},
@@ -95,7 +98,8 @@ class Watch:
             self.warn(f"{self.reader}: the watch record was not written: {got.summary()}")
 
     def keep(self, run: str, what: str, said: str, other: str | None = None) -> None:
-        """A decision about ``run``, kept with it, and said."""
+        """A decision about ``run``, kept with it (masked), and said."""
+        said = self.redact(said)
         self.say(said)
         line = Event(time.time(), what, said, other).line()
         got = self.remote.run({self.reader: healing.add_argv(self.job, run)}, stdin={self.reader: line},
@@ -103,9 +107,20 @@ class Watch:
         if not got.ok:
             self.warn(f"{self.reader}: the decision was not kept with run {run}: {got.summary()}")
 
-    def still_mine(self) -> None:
-        """A NotWanted where the watch record is no longer this watcher's (stopped, taken over)."""
-        found = read_watch(self.job, self.remote, self.reader).watcher
+    def still_mine(self, sure: bool = False) -> None:
+        """A NotWanted where the watch record is no longer this watcher's (stopped, taken over);
+        where no node reads it, nothing (``sure``: a NotWanted after a few tries, as before a start)."""
+        for attempt in range(3 if sure else 1):
+            got = read_watch(self.job, self.remote, [self.reader, *(n.name for n in self.job.nodes)])
+            if got is not None:
+                break
+            self.sleep(2 * sure)
+        else:
+            if sure:
+                raise NotWanted("no node read the watch record just before a start: the watcher starts nothing "
+                                "unsure that the job is still wanted")
+            return
+        found = got[1]
         if not self.me.same(found):
             if found is not None and found.state == ENDED:
                 raise NotWanted(found.said, found.outcome)
@@ -209,9 +224,9 @@ class Watch:
     def relaunch(self, survivors: Inventory, decided: healing.Relaunch) -> None:
         new = survivors.with_spares(decided.spares) if decided.spares else survivors
         started = launch(new, self.remote, hosts=self.hosts, redact=self.redact, say=self.say, warn=self.warn,
-                         confirm=self.still_mine)
+                         confirm=lambda: self.still_mine(sure=True))
         try:
-            self.still_mine()  # a stop that began while it started: undone
+            self.still_mine(sure=True)  # a stop that began while it started: undone
         except NotWanted:
             undo_start(new, self.remote, list(started.nodes))
             raise

@@ -20,7 +20,7 @@ def verdict(inv, final, remote, redact) -> str:
     the first failure (node, rank, exit code, the program's first error line), or a JobStopped
     where the operator's ``stop`` ended it."""
     if inv.heal.watch:
-        watcher = _watcher(inv, remote, final)
+        watcher = watcher_of(inv, remote, final)
         if watcher is not None and watcher.outcome == healing.NOT_HEALED:
             raise RuntimeFailure(f"the job could not be healed: {watcher.said}",
                                  hint="`ddp-deploy runs` shows each of its watcher's decisions; bring a node back "
@@ -83,9 +83,10 @@ UNREACHABLE_POLLS = 30  # consecutive 1-s polls before a silent node ends --wait
 WATCHER_POLLS = 5  # a watched job's watcher record is read every this many polls
 
 
-def _watcher(inv, remote, states) -> healing.Watcher | None:
-    answering = [n for n, s in states.items() if s.state != "unreachable"]
-    return read_watch(inv, remote, answering[0]).watcher if answering else None
+def watcher_of(inv, remote, states) -> healing.Watcher | None:
+    """The job's watcher as its record says, read on a node that answered (``states``)."""
+    got = read_watch(inv, remote, [n for n, s in states.items() if s.state != "unreachable"])
+    return got[1] if got else None
 
 
 def watched_inventory(inv, watcher: healing.Watcher):
@@ -122,7 +123,7 @@ def wait(inv, remote, timeout, redact, show: Callable[[dict], None] = lambda sta
         polls += 1
         if inv.heal.watch and (polls % WATCHER_POLLS == 1 or all(
                 s.ended or s.state in ("absent", "unreachable") for s in states.values())):
-            watcher = _watcher(inv, remote, states)  # what a lost node means is its watcher's to decide
+            watcher = watcher_of(inv, remote, states)  # what a lost node means is its watcher's to decide
             if watcher is not None and watcher.state == healing.WATCHING and watcher.nodes and set(
                     watcher.nodes) != {n.name for n in inv.nodes}:  # followed into the run it healed the job to
                 inv = watched_inventory(inv, watcher)
@@ -195,25 +196,23 @@ def diagnose(inv, remote, redact) -> doctor.Diagnosis:
     return doctor.diagnose(ranks, silent, sum(n.nprocs for n in inv.nodes))
 
 
-def read_watch(inv, remote, node: str, run: str = "") -> healing.Read:
-    """The job's watch record (heal.py) and ``run``'s decisions, as ``node`` reads the shared
-    volume; nothing where it cannot."""
-    got = remote.run({node: healing.read_argv(inv, run)}, check=False, timeout=60)[node]
-    return healing.parse_read(got.stdout) if got.ok else healing.Read(None, ())
+def read_watch(inv, remote, nodes) -> tuple[str, healing.Watcher | None] | None:
+    """The job's watch record (heal.py), as the first of ``nodes`` (names) that answers reads the
+    shared volume: that node and the record (None: there is none); None where no node answered."""
+    for node in nodes:
+        got = remote.run({node: healing.read_argv(inv)}, check=False, timeout=60)[node]
+        if got.ok:
+            return node, healing.parse_read(got.stdout)
+    return None
 
 
 def end_watch(inv, remote, said: str) -> healing.Watcher | None:
-    """Ends the job's watch, if one runs (its record, as the first node that answers reads it): it
-    says ``said``, and its watcher stops at its next poll and never starts the job again. The
-    watcher it ended, if any."""
-    for node in inv.nodes:
-        got = remote.run({node.name: healing.read_argv(inv)}, check=False, timeout=60)[node.name]
-        if not got.connected:
-            continue
-        found = healing.parse_read(got.stdout).watcher if got.ok else None
-        if found is None or found.state == healing.ENDED:
-            return None
-        ended = dataclasses.replace(found, state=healing.ENDED, said=said, outcome=healing.STOPPED)
-        remote.run({node.name: healing.put_argv(inv)}, stdin={node.name: ended.line()}, check=False, timeout=60)
-        return found
-    return None
+    """Ends the job's watch, if one runs: its record says ``said``, and its watcher stops at its
+    next poll and never starts the job again. The watcher it ended, if any."""
+    got = read_watch(inv, remote, [n.name for n in inv.nodes])
+    if got is None or got[1] is None or got[1].state == healing.ENDED:
+        return None
+    node, found = got
+    ended = dataclasses.replace(found, state=healing.ENDED, said=said, outcome=healing.STOPPED)
+    remote.run({node: healing.put_argv(inv)}, stdin={node: ended.line()}, check=False, timeout=60)
+    return found
