@@ -25,16 +25,16 @@ what is lost).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DeployError, JobStopped, RuntimeFailure
-from ...inventory import Inventory, load
+from ...inventory import Inventory, Node, load
 from ...job import healing, plan, record, runs
 from ...job.healing import ENDED, HEALING, WATCHING, Event, Watcher
 from ...job.runtime import operator
@@ -75,7 +75,7 @@ class Watch:
         self.clock, self.sleep = clock, sleep
         # a short heal.lost_after is polled more often: a node is lost after MIN_POLLS polls and that long
         self.poll_s = max(1.0, min(POLL_S, job.heal.lost_after / (healing.MIN_POLLS + 1)))
-        self.gone: dict[str, object] = {}  # the nodes it lost, kept out: name -> Node
+        self.gone: dict[str, Node] = {}  # the nodes it lost, kept out
         self.refused: set[str] = set()  # spares whose relaunch was refused
         self.silences = healing.Silences(job.heal.lost_after)
         self.reader = job.nodes[0].name
@@ -110,7 +110,7 @@ class Watch:
     def still_mine(self, sure: bool = False) -> None:
         """A NotWanted where the watch record is no longer this watcher's (stopped, taken over);
         where no node reads it, nothing (``sure``: a NotWanted after a few tries, as before a start)."""
-        for attempt in range(3 if sure else 1):
+        for _ in range(3 if sure else 1):
             got = read_watch(self.job, self.remote, [self.reader, *(n.name for n in self.job.nodes)])
             if got is not None:
                 break
@@ -153,7 +153,8 @@ class Watch:
         states = states_of(self.job, every, self.remote, self.redact)
         now = self.clock()
         self.silences.poll({n: s.state != "unreachable" for n, s in states.items()}, now)
-        answering = [n.name for n in self.job.nodes if states[n.name].state != "unreachable"]
+        # the job's nodes first: the reader of the shared volume (a spare mounts it too)
+        answering = [n.name for n in (*self.job.nodes, *self.job.spares) if states[n.name].state != "unreachable"]
         if not answering:  # the watcher's own network, or its machine asleep: nothing to judge by
             return None
         self.reader = answering[0]
