@@ -176,3 +176,27 @@ def test_a_watcher_that_slept_watches_on_and_stop_ends_it_before_the_job(ddp, tm
     assert ended.outcome == healing.STOPPED and "stopped by" in ended.said, ended
     assert len(json.loads(ddp(hosts, "runs", "--json").stdout)) == 1  # it started nothing again
     assert f"(pid {pid}): ended: the job was stopped by " in ddp(hosts, "status").stdout
+
+
+def test_what_the_watcher_keeps_on_the_volume_holds_no_secret(tmp_path, monkeypatch):
+    """A refusal it keeps may quote the job's output, and that a secret: masked before it is written."""
+    from deploy.engines.fleet.heal import Watch
+    from deploy.inventory import load
+    from deploy.job import secretenv
+    from deploy.nodes.remote import Remote
+
+    monkeypatch.setenv("TEST_HEAL_TOKEN", "s3cr3t-value-77")
+    hosts = local_hosts(tmp_path, job="healed", nodes=local_nodes("a"), heal={"watch": True},
+                        train={"secrets": {"TOKEN": {"env": "TEST_HEAL_TOKEN"}}})
+    inv = load(hosts)
+    (tmp_path / "nas/ckpt").mkdir(parents=True)  # as deploy makes it
+    with Remote(inv) as remote:
+        w = Watch(inv, "20261207-000000-abcd", remote, hosts=str(hosts), redact=secretenv.redactor_for(inv))
+        w.put(healing.HEALING, "the relaunch was refused: a: probe said s3cr3t-value-77")
+        w.keep(w.run, "refused", "the relaunch was refused: a: probe said s3cr3t-value-77")
+    job = tmp_path / "nas/ckpt/.ddp-deploy/healed"
+    kept = [job / "watch", job / "runs/20261207-000000-abcd/heal"]
+    for path in kept:
+        text = path.read_text()
+        assert "s3cr3t-value-77" not in text and "probe said ***" in text, (path, text)
+    assert oct((job / "watch").stat().st_mode & 0o777) == "0o644"
