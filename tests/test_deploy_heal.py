@@ -5,6 +5,7 @@ slept). Its healing of lost nodes runs on the test cluster (tests/cluster/test_f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,22 +128,29 @@ def state_home(tmp_path, monkeypatch):
     return tmp_path / "state"
 
 
-@pytest.mark.e2e
-def test_launch_starts_a_watcher_apart_from_the_terminal_that_ends_with_the_job(ddp, tmp_path, state_home):
-    hosts = _hosts(tmp_path, epochs=2)
+@contextlib.contextmanager
+def _launched(ddp, hosts: Path):
+    """The job launched, and its watcher's pid; the watcher killed after, if it is still there."""
     r = ddp(hosts, "launch")
     assert r.exit_code == 0, r.output
     pid = _pid(r.stdout)
     try:
+        yield pid
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+def test_launch_starts_a_watcher_apart_from_the_terminal_that_ends_with_the_job(ddp, tmp_path, state_home):
+    hosts = _hosts(tmp_path, epochs=2)
+    with _launched(ddp, hosts) as pid:
         assert os.getsid(pid) == pid  # a session of its own: the terminal's hang-up is not its
         assert Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[4] == "0"  # no controlling terminal
         wait_until(lambda: _record(tmp_path) is not None, 60, "the watch record")
         shown = ddp(hosts, "status").stdout
         assert f"(pid {pid}): watching run " in shown and "on a, b (spares: s)" in shown
         wait_until(lambda: not _alive(pid), 240, "the watcher to end with the job")
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
     ended = _record(tmp_path)
     assert ended.state == healing.ENDED and ended.outcome == healing.FINISHED, ended
     runs = ddp(hosts, "runs")
@@ -154,10 +162,7 @@ def test_launch_starts_a_watcher_apart_from_the_terminal_that_ends_with_the_job(
 @pytest.mark.e2e
 def test_a_watcher_that_slept_watches_on_and_stop_ends_it_before_the_job(ddp, tmp_path, state_home):
     hosts = _hosts(tmp_path, epochs=1000)
-    r = ddp(hosts, "launch")
-    assert r.exit_code == 0, r.output
-    pid = _pid(r.stdout)
-    try:
+    with _launched(ddp, hosts) as pid:
         wait_until(lambda: _record(tmp_path) is not None, 60, "the watch record")
         os.kill(pid, signal.SIGSTOP)  # its machine asleep
         time.sleep(4)
@@ -169,9 +174,6 @@ def test_a_watcher_that_slept_watches_on_and_stop_ends_it_before_the_job(ddp, tm
         assert stopped.exit_code == 0, stopped.output
         assert "the watcher of healed (" in stopped.stdout and f"pid {pid}) ends: it starts nothing again" in stopped.stdout
         wait_until(lambda: not _alive(pid), 60, "the watcher to end")
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
     ended = _record(tmp_path)
     assert ended.outcome == healing.STOPPED and "stopped by" in ended.said, ended
     assert len(json.loads(ddp(hosts, "runs", "--json").stdout)) == 1  # it started nothing again

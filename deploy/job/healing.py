@@ -48,6 +48,15 @@ def read_argv(inv: Inventory) -> tuple[str, ...]:
     return _argv(inv, "read")
 
 
+def _object(text: str) -> dict | None:
+    """The JSON object ``text`` holds (a record's line), if it holds one."""
+    try:
+        found = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def _text(value, most: int = 2000) -> str | None:
     return value[:most] if isinstance(value, str) else None
 
@@ -95,11 +104,8 @@ class Watcher:
 
     @classmethod
     def parse(cls, text: str) -> "Watcher | None":
-        try:
-            d = json.loads(text)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(d, dict) or d.get("state") not in (WATCHING, HEALING, ENDED):
+        d = _object(text)
+        if d is None or d.get("state") not in (WATCHING, HEALING, ENDED):
             return None
         run, by, said = _text(d.get("run"), 64), _text(d.get("by"), 200), _text(d.get("said"))
         since, beat, pid = _time(d.get("since")), _time(d.get("beat")), d.get("pid")
@@ -150,11 +156,8 @@ class Event:
 
     @classmethod
     def parse(cls, text: str) -> "Event | None":
-        try:
-            d = json.loads(text)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(d, dict):
+        d = _object(text)
+        if d is None:
             return None
         when, what, said = _time(d.get("time")), _text(d.get("what"), 20), _text(d.get("said"))
         if when is None or what is None or said is None:
