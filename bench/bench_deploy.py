@@ -134,15 +134,15 @@ def shipped_mb(output: str) -> float:
 
 
 def measure(cluster: NetCluster, workdir: Path, rounds: int, nodes: int | None = None,
-            only_check: bool = False, cold_all: bool = True) -> dict:
+            only_check: bool = False, cold_all: bool = True, cold_one: bool = True) -> dict:
     """Every part (the module's docstring) ``rounds`` times, on 1 node and on ``nodes`` (default:
     all of the cluster's): the record main() writes. The operator's IMAGE is left retagged to the
     code-only change's build (its previous build stays tagged ``ddp-trainer:previous``).
 
-    ``cold_all``: the deploy to every node finds them without the base too, as the one to one
-    node does. The smoke test (tests/cluster/test_bench_deploy.py) sets it False: they hold the
-    base there, and the image goes whole to one node alone (a whole ship costs about 33 s of a
-    core, and putting the base back on a node 20 more)."""
+    ``cold_all``, ``cold_one``: the deploy to every node, to one node, finds them without the
+    base too. The smoke test (tests/cluster/test_bench_deploy.py) sets both False: the nodes hold
+    the base, and only the layers above it travel (a whole ship costs about 33 s of a core, and
+    putting the base back on a node 20 more)."""
     times: dict[str, list[float]] = {"check_1": [], "check_all": [], "deploy_1": [], "deploy_all": [],
                                      "redeploy_all": [], "launch_to_first_step": [],
                                      "code_change_1": [], "code_change_all": []}
@@ -159,7 +159,7 @@ def measure(cluster: NetCluster, workdir: Path, rounds: int, nodes: int | None =
         timed(times, cpu, "check_all", cluster, every, "check")
         if only_check:
             continue
-        drop_image(cluster, one)
+        drop_image(cluster, one, base=cold_one)
         deploy_mb["1"].append(shipped_mb(timed(times, cpu, "deploy_1", cluster, one, "deploy", "--no-build").stdout))
         drop_image(cluster, every, base=cold_all)
         deploy_mb["all"].append(shipped_mb(timed(times, cpu, "deploy_all", cluster, every, "deploy",
@@ -205,7 +205,7 @@ def measure(cluster: NetCluster, workdir: Path, rounds: int, nodes: int | None =
         "code_change_image_mb": code_change_mb, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         # All nodes and the operator share this machine's cores: a run on N nodes needs at least
         # its busy CPU seconds / cores of wall time, whatever the parallelism.
-        "cores": os.cpu_count(), "busy_cpu_seconds": cpu, "cold_all": cold_all,
+        "cores": os.cpu_count(), "busy_cpu_seconds": cpu, "cold_all": cold_all, "cold_one": cold_one,
         "busy_cpu_median": {k: statistics.median(v) for k, v in cpu.items()},
     }
 

@@ -1,9 +1,10 @@
 """bench/bench_deploy.py in its smoke mode on the session's cluster: every part once, on 1 node
 against 2 (check, deploy of a missing image, a repeated deploy, launch to the first step, deploy
-after a code-only change), so that the deploy benchmark cannot rot. Its cold deploy
-to one node ships the whole image; to two, they hold the base (cold_all=False). No time is
-asserted; what is asserted is that each part was timed, and the bytes the benchmark exists to
-watch: nothing shipped again for an unchanged image, a code-only change far smaller than the image.
+after a code-only change), so that the deploy benchmark cannot rot. The nodes hold the base
+(cold_one=False, cold_all=False): the layers above it travel, never the whole image (its whole
+ship is the image tests'). No time is asserted; what is asserted is that each part was timed, and
+the bytes the benchmark exists to watch: the same layers to one node as to each of two, nothing
+shipped again for an unchanged image, a code-only change far smaller than the image.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _image_id(docker, name: str) -> str | None:
 def test_the_deploy_benchmark_times_each_part_on_one_node_and_two(cluster, fresh_nas, tmp_path):
     bench = bench_module.load("bench_deploy")
     try:
-        record = bench.measure(cluster, tmp_path, rounds=1, nodes=2, cold_all=False)
+        record = bench.measure(cluster, tmp_path, rounds=1, nodes=2, cold_all=False, cold_one=False)
     finally:
         _as_found(cluster, bench)
     assert record["nodes"] == 2 and record["rounds"] == 1
@@ -36,10 +37,11 @@ def test_the_deploy_benchmark_times_each_part_on_one_node_and_two(cluster, fresh
     assert all(len(v) == 1 and math.isfinite(v[0]) and v[0] > 0 for v in record["seconds"].values()), record
     assert set(record["busy_cpu_median"]) == {"check_1", "check_all", "deploy_1", "deploy_all", "code_change_1",
                                               "code_change_all"}
-    # to one node without the base: the whole image; to two holding it, the layers above it (a chain: each the same)
-    (whole,), (both,) = record["deploy_image_mb"]["1"], record["deploy_image_mb"]["all"]
-    assert whole > 1000 and both < whole / 4, record["deploy_image_mb"]
-    assert record["cold_all"] is False
+    # to one node and to two, holding the base: the layers above it, far less than the 1.2 GB image, the
+    # same to each node (the figure for two is both nodes' together)
+    (one,), (both,) = record["deploy_image_mb"]["1"], record["deploy_image_mb"]["all"]
+    assert 0 < one < 300 and abs(both - 2 * one) <= 0.1 * one, record["deploy_image_mb"]
+    assert record["cold_all"] is False and record["cold_one"] is False
     assert record["redeploy_image_mb"] == [0.0]  # an image every node holds is not sent again
     assert max(record["code_change_image_mb"]["all"]) < 50, record["code_change_image_mb"]  # of a 1.2 GB image
 
