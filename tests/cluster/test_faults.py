@@ -52,8 +52,9 @@ def _train(samples: int = SAMPLES, epochs: int = EPOCHS, batch: int = BATCH, mod
 
 
 # The fixed-size job: what its tests prove (resumed from a checkpoint, bit for bit, in time) is not
-# the model's, so the light one (about half the CPU a job); the elastic job keeps the default ConvNet,
-# its steps slow enough that it still trains when a node comes back.
+# the model's, so the light one (about half the CPU a job); the elastic job and the stop tests' keep
+# the default ConvNet, its steps slow enough that it still trains when a node comes back or a stop
+# arrives.
 TRAIN = _train(model=LIGHT_MODEL)
 SETTINGS = {"job": {"max_restarts": MAX_RESTARTS}, "rendezvous": {"join_timeout": JOIN_TIMEOUT},
             "ssh": {"connect_timeout": 3}}
@@ -227,6 +228,24 @@ def hosts(cluster, tmp_path_factory) -> Path:
 def reference(cluster, hosts) -> dict:
     """Final weights of the same job run once without any fault."""
     return _uninterrupted_weights(cluster, hosts)
+
+
+# The stop tests' job: `stop` (a process of its own, its SSH to three nodes on the cores the job's
+# 6 workers share) must reach it mid-run, which the light model's 64 steps leave no time for on a
+# loaded machine (all of them ended before the stop, attempt after attempt); the default ConvNet's do.
+STOP_TRAIN = _train()
+
+
+@pytest.fixture(scope="module")
+def stop_hosts(cluster, hosts, tmp_path_factory) -> Path:
+    """The stop tests' inventory (the image already deployed by ``hosts``)."""
+    return _hosts(cluster, tmp_path_factory.mktemp("stops") / "hosts.yaml", train=STOP_TRAIN)
+
+
+@pytest.fixture(scope="module")
+def stop_reference(cluster, stop_hosts) -> dict:
+    """Final weights of the stop tests' job run once without any fault."""
+    return _uninterrupted_weights(cluster, stop_hosts)
 
 
 def _uninterrupted_weights(cluster, hosts: Path) -> dict:
@@ -557,8 +576,8 @@ def _listening(cluster, node: str) -> list[tuple[str, str]]:
 
 
 def test_a_stopped_job_checkpoints_and_its_relaunch_ends_bit_identical(
-        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    asked, said, waiting = _stopped_mid_run(cluster, hosts, fresh_nas)
+        cluster, fresh_nas, stop_hosts, stop_reference, record_fault, stop_after):
+    asked, said, waiting = _stopped_mid_run(cluster, stop_hosts, fresh_nas)
     took = time.time() - asked
     _no_containers_anywhere(cluster)
     assert "final" not in [r["kind"] for r in records(fresh_nas)], "stopped too late: the job had finished"
@@ -572,12 +591,12 @@ def test_a_stopped_job_checkpoints_and_its_relaunch_ends_bit_identical(
     for h in cluster.hosts:
         assert f"{h.name}: stopped: trainer: stopped by SIGTERM" in said, said
     # status shows each node of the stopped run as runs does (its container gone: not absent)
-    shown = {n["node"]: n["state"] for n in json.loads(ok(ddp(cluster, hosts, "status", "--json")).stdout)}
+    shown = {n["node"]: n["state"] for n in json.loads(ok(ddp(cluster, stop_hosts, "status", "--json")).stdout)}
     assert shown == {h.name: f"stopped (graceful, checkpoint at step {stop['step']})" for h in cluster.hosts}, shown
     _ended_as_a_stop(waiting, f"graceful, checkpoint at step {stop['step']}")
 
     relaunched = time.time()
-    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    ok(ddp(cluster, stop_hosts, "launch", "--wait", "--timeout", "900", timeout=960))
     resumed = _resumed_after(fresh_nas, relaunched)
     assert resumed["checkpoint"] == stop["checkpoint"] and resumed["step"] == stop["step"]
     redone = stop["step"] - resumed["step"]
@@ -585,7 +604,7 @@ def test_a_stopped_job_checkpoints_and_its_relaunch_ends_bit_identical(
     # a stop that reached the job at its last step (a loaded machine's) leaves nothing to train
     assert sorted(after)[:1] == ([stop["step"] + 1] if stop["step"] < STEPS else [])
     assert records(fresh_nas)[-1]["kind"] == "final"
-    _assert_same_weights(reference, _weights(fresh_nas))
+    _assert_same_weights(stop_reference, _weights(fresh_nas))
     record_fault(fault="the whole job stopped (stop: SIGTERM, checkpoint) and launched again", finished=True,
                  redone_steps=redone, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
                  detect_what="stop to every container gone, checkpoint written",
@@ -629,8 +648,8 @@ def _ended_as_a_stop(waiting: subprocess.Popen, how: str) -> None:
 
 
 def test_a_job_stopped_now_resumes_and_never_loads_a_damaged_checkpoint(
-        cluster, fresh_nas, hosts, reference, record_fault, stop_after):
-    _, _, waiting = _stopped_mid_run(cluster, hosts, fresh_nas, "--now")
+        cluster, fresh_nas, stop_hosts, stop_reference, record_fault, stop_after):
+    _, _, waiting = _stopped_mid_run(cluster, stop_hosts, fresh_nas, "--now")
     stopped = time.time()
     _ended_as_a_stop(waiting, "--now, no checkpoint")
     assert "stopped" not in [r["kind"] for r in records(fresh_nas)], "--now gave the job no time for a checkpoint"
@@ -649,12 +668,12 @@ def test_a_job_stopped_now_resumes_and_never_loads_a_damaged_checkpoint(
         path.write_bytes(content)
         os.chown(path, 1000, 1000)
 
-    ok(ddp(cluster, hosts, "launch", "--wait", "--timeout", "900", timeout=960))
+    ok(ddp(cluster, stop_hosts, "launch", "--wait", "--timeout", "900", timeout=960))
     resumed = _resumed_after(fresh_nas, stopped)
     assert resumed["checkpoint"] == f"ckpt-{newest:09d}.pt"
     redone = _last_step_before(fresh_nas, stopped) - resumed["step"]
     assert records(fresh_nas)[-1]["kind"] == "final"
-    _assert_same_weights(reference, _weights(fresh_nas))
+    _assert_same_weights(stop_reference, _weights(fresh_nas))
     record_fault(fault="the whole job killed (stop --now) and launched again", finished=True, redone_steps=redone,
                  ckpt_every=CKPT_EVERY, detect_s=None, detect_what="(operator's stop --now)",
                  left_running="nothing (stop removed every container)", bit_identical=True)
@@ -681,17 +700,19 @@ def test_a_taken_rendezvous_port_or_a_running_job_is_named_and_nothing_else_star
         squatter.kill()
         squatter.wait()
 
-    ok(ddp(cluster, hosts, "launch"))
+    # the running job: one that trains until stopped, so that it still runs when the other comes
+    running = _hosts(cluster, tmp_path / "running.yaml", train=_train(epochs=1000, model=LIGHT_MODEL))
+    ok(ddp(cluster, running, "launch"))
     wait_until(lambda: any(r["kind"] == "train" for r in records(fresh_nas)), 300, "the first job to train")
     other = _hosts(cluster, tmp_path / "other.yaml", job={"name": "ddp-other", "max_restarts": MAX_RESTARTS})
     try:
         second = ddp(cluster, other, "launch")
         assert second.returncode == 1 and "port 29400 is in use" in second.stderr
         for h in cluster.hosts:
-            assert containers_on(cluster, h.name) == [container_of(hosts, h.name)]  # the first job alone
+            assert containers_on(cluster, h.name) == [container_of(running, h.name)]  # the first job alone
     finally:
         ddp(cluster, other, "stop")
-    ok(ddp(cluster, hosts, "stop"))
+    ok(ddp(cluster, running, "stop"))
     _no_containers_anywhere(cluster)
     record_fault(fault="rendezvous port taken / another job on it", finished="refused before starting",
                  redone_steps=None, ckpt_every=CKPT_EVERY, detect_s=round(took, 1),
