@@ -85,6 +85,8 @@ def test_a_program_launches_follows_and_stops_a_job_and_gets_data_back(ddp, tmp_
     assert fleet.stop() == {"here": "cleared (had exited 0)"}  # each node's answer
     assert fleet.stop() == {"here": "absent"}  # idempotent
     assert fleet.states()["here"].state == "absent"
+    # a stop that came after the end cleared the run: what it ended with is still the run's kept end
+    assert fleet.verdict(fleet.states()) == "all nodes finished with exit code 0"
     (kept,) = fleet.runs()  # the run, as `runs` keeps it
     assert kept.id == started.run and kept.outcome() == "exit 0" and kept.nodes["here"].exits[-1][1] == 0
     found = fleet.doctor()  # no rank runs now, and the diagnosis says so

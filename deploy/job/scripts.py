@@ -271,12 +271,14 @@ exit 0
 # and SIGKILL after the grace; a container stopped so is never restarted by its policy. A
 # container found running has its stop kept with its run (RECORD_STOP; the run's id is the
 # container's DDP_LAUNCH_ID), with what it printed on stopping; so has one that had ended before
-# the stop began and whose program said it stopped (as in HOST_STOP).
+# the stop began and whose program said it stopped (as in HOST_STOP); one that ended on its own is
+# cleared, its exit code said, as the host runtime's is.
 DOCKER_STOP = RECORD_STOP + BEGIN_STOP + TOOL_DIR + DROP_BEATS + LAUNCH_ID + r"""c=$1; grace=$2; by=$3; root=$4; sub=$5; name=$6; node=$7
 beats=$8
-if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
+if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.ExitCode}} {{.State.StartedAt}}' "$c" 2>/dev/null); then
   t0=$(date +%s); mode=now; [ "$grace" -gt 0 ] && mode=graceful
-  started=${s#* }; s=${s%% *}
+  # shellcheck disable=SC2086  # three words: the state, the exit code, the start
+  set -- $s; s=$1; code=$2; started=$3
   run=$(launch_id "$c") && run_dir "$root" "$sub" "$name" "$run" 2>/dev/null && kept=$root/$sub/$name/runs/$run/$node || kept=""
   case "$s" in running|restarting) begin_stop "$kept" node "$mode" "$by" "$t0" ;; esac
   [ "$grace" -gt 0 ] && docker stop --time "$grace" "$c" > /dev/null 2>&1
@@ -286,7 +288,11 @@ if s=$(docker inspect --type container --format '{{.State.Status}} {{.State.Star
     running|restarting) said=$(if [ "$grace" -gt 0 ]; then this_start; fi | record_stop "$kept" node "$mode" "$by" "$t0") ;;
     *) [ "$grace" -gt 0 ] && said=$(this_start | record_stop "$kept" node "$mode" "$by" "$t0" said) ;;
   esac
-  docker rm -f "$c" > /dev/null && drop_beats "$beats" && echo "stopped$said"
+  docker rm -f "$c" > /dev/null && drop_beats "$beats" || exit 1
+  case "$s$said" in
+    exited|dead) echo "cleared (had exited $code)" ;;  # ended before this stop began, on its own
+    *) echo "stopped$said" ;;
+  esac
 else echo absent; fi
 """
 

@@ -61,8 +61,9 @@ def test_check_deploy_launch_status_logs_stop_in_docker_across_three_nodes(clust
     assert sum("fetched" in line for line in said) == 1  # downloaded once for the whole cluster
     assert sum("found" in line for line in said) == 2
 
-    ok(ddp(cluster, hosts, "stop"))
+    cleared = ok(ddp(cluster, hosts, "stop")).stdout
     for node in nodes:
+        assert f"{node}: cleared (had exited 0)" in cleared, cleared  # its end its own, not the stop's
         assert containers_on(cluster, node) == []
 
     # The containers are gone; the run stays on the NAS: its record, every node's log and exit code.

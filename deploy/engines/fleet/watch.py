@@ -11,7 +11,7 @@ from ...errors import JobStopped, LostContact, RuntimeFailure, StillRunning
 from ...job import healing, outcome, plan, secretenv, stall
 from ...observe import doctor, failure
 from .common import FAILURE_TAIL, Say, quiet
-from .kept import newest_stall
+from .kept import kept_runs, newest_stall
 
 
 def verdict(inv, final, remote, redact) -> str:
@@ -25,6 +25,7 @@ def verdict(inv, final, remote, redact) -> str:
             raise RuntimeFailure(f"the job could not be healed: {watcher.said}",
                                  hint="`ddp-deploy runs` shows each of its watcher's decisions; bring a node back "
                                       "or add a spare, then launch again (it resumes from the newest checkpoint)")
+    final = with_kept_ends(inv, remote, final, redact)
     lost = [n for n, s in final.items() if s.state in ("unreachable", "unknown")] if inv.elastic else []
     stopped = [n for n, s in final.items() if outcome.is_stopped(s.state)]
     failed = [n for n, s in final.items() if s.state != "exited(0)" and n not in lost and n not in stopped]
@@ -44,6 +45,21 @@ def verdict(inv, final, remote, redact) -> str:
         return (f"finished without {', '.join(lost)} (lost; job.min_nodes {inv.job.min_nodes}): the other "
                 "nodes exited with code 0")
     return "all nodes finished with exit code 0"
+
+
+def with_kept_ends(inv, remote, final, redact) -> dict[str, plan.NodeState]:
+    """``final`` with each ``absent`` node (its container or run cleared by a ``stop`` that came after
+    its part had ended on its own: no stop of it kept) in the state the job's newest run kept for it,
+    so that a job that finished as a stop came is no failure; a node with no end kept stays absent."""
+    cleared = [n for n, s in final.items() if s.state == "absent"]
+    if not cleared:
+        return final
+    try:
+        kept = kept_runs(inv, remote, "", redact).runs
+    except RuntimeFailure:  # no node could read the volume: what the nodes showed is all there is
+        return final
+    nodes = kept[-1].nodes if kept else {}
+    return {**final, **{n: nodes[n].state() for n in cleared if n in nodes and nodes[n].exits}}
 
 
 NOTHING_TRAINED_HINT = ("a program that trains forms the process group (init_process_group) or prints METRICS lines "
