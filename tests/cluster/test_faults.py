@@ -834,11 +834,11 @@ def test_host_runtime_a_lost_node_is_healed_by_a_spare_and_a_second_loss_with_no
         shown = ok(ddp(cluster, heal, "status", env=env)).stdout
         assert "): ended: node3 (unreachable for " in shown, shown
         kept = json.loads(ok(ddp(cluster, heal, "runs", "--json", env=env)).stdout)  # each incident, kept
-        first, second = kept[-2], kept[-1]
-        assert first["outcome"] == f"healed: run {second['id']} went on in its place", first["outcome"]
-        assert [e["what"] for e in first["heals"]] == ["healed"] and "node2 (unreachable for " in first["heals"][0]["said"]
-        assert [e["what"] for e in second["heals"]] == ["started", "ended"], second["heals"]
-        assert "node3 (unreachable for " in second["heals"][1]["said"] and "no spare left" in second["heals"][1]["said"]
+        healed, last = kept[-2], kept[-1]
+        assert healed["outcome"] == f"healed: run {last['id']} went on in its place", healed["outcome"]
+        assert [e["what"] for e in healed["heals"]] == ["healed"] and "node2 (unreachable for " in healed["heals"][0]["said"]
+        assert [e["what"] for e in last["heals"]] == ["started", "ended"], last["heals"]
+        assert "node3 (unreachable for " in last["heals"][1]["said"] and "no spare left" in last["heals"][1]["said"]
     finally:
         if waiting.poll() is None:
             waiting.kill()
