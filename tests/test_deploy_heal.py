@@ -202,3 +202,57 @@ def test_what_the_watcher_keeps_on_the_volume_holds_no_secret(tmp_path, monkeypa
         text = path.read_text()
         assert "s3cr3t-value-77" not in text and "probe said ***" in text, (path, text)
     assert oct((job / "watch").stat().st_mode & 0o777) == "0o644"
+
+
+
+def _watch_of(tmp_path: Path, **sections):
+    """A Watch of the local job a, b with the spare s (as `ddp-deploy watch` makes it), and its remote."""
+    from deploy.engines.fleet.heal import Watch
+    from deploy.inventory import load
+    from deploy.nodes.remote import Remote
+
+    hosts = local_hosts(tmp_path, job="healed", nodes=local_nodes("a", "b"),
+                        spares=[{"name": "s", "address": "127.0.0.3", "connection": "local", "procs": 1}],
+                        heal={"watch": True, "lost_after": 5}, **sections)
+    inv = load(hosts)
+    (tmp_path / "nas/ckpt").mkdir(parents=True, exist_ok=True)  # as deploy makes it
+    remote = Remote(inv.and_spares())
+    return inv, remote, Watch(inv, "20261207-000000-abcd", remote, hosts=str(hosts))
+
+
+@pytest.mark.e2e
+def test_a_refused_relaunch_tries_each_spare_once_and_the_end_says_why(tmp_path):
+    """Node b lost; the relaunch with the spare is refused by its checks (here: too little free
+    space for storage.min_free_gb), no spare is left: the watch ends with one line that gives both
+    reasons, the refusal is kept with the run, and nothing was started."""
+    from deploy.engines.fleet.watch import states_of
+
+    inv, remote, w = _watch_of(tmp_path, storage={"min_free_gb": 100000})
+    with remote:
+        states = states_of(inv, [*inv.nodes, *inv.spares], remote, str)
+        w.put(healing.WATCHING)
+        ended = w.heal(("b",), states, time.monotonic())
+    assert ended is not None and ended[0] == healing.NOT_HEALED, ended
+    said = ended[1]
+    assert said.startswith("b (unreachable for ") and "no spare left" in said, said
+    assert "; the relaunch with s was refused: launch refused, nothing started: " in said, said
+    assert w.refused == {"s"}
+    kept = (tmp_path / f"nas/ckpt/.ddp-deploy/healed/runs/{w.run}/heal").read_text().splitlines()
+    assert [healing.Event.parse(line).what for line in kept] == ["refused", "ended"], kept
+    assert sorted(p.name for p in (tmp_path / "nas/ckpt/.ddp-deploy/healed/runs").iterdir()) == [w.run]  # none started
+
+
+def test_a_watch_record_gone_with_the_volume_ends_the_watch_with_the_reason(tmp_path):
+    """The checkpoint volume lost or emptied under a running watch: it says so and ends, never
+    taking it for another watcher's."""
+    from deploy.engines.fleet.heal import NotWanted
+
+    _, remote, w = _watch_of(tmp_path)
+    with remote:
+        w.put(healing.WATCHING)
+        w.still_mine(sure=True)  # its own record: nothing to say
+        (tmp_path / "nas/ckpt/.ddp-deploy/healed/watch").unlink()
+        with pytest.raises(NotWanted) as gone:
+            w.still_mine()
+    assert gone.value.outcome == healing.NOT_HEALED
+    assert "the watch record is gone from the shared volume (a read none: the checkpoint volume lost" in str(gone.value)

@@ -121,8 +121,12 @@ class Watch:
                                 "unsure that the job is still wanted")
             return
         found = got[1]
+        if found is None:  # it wrote one when it began: the volume was lost or emptied since
+            raise NotWanted(f"the watch record is gone from the shared volume ({self.reader} read none: the "
+                            "checkpoint volume lost or emptied): the watcher ends, healing nothing more",
+                            healing.NOT_HEALED)
         if not self.me.same(found):
-            if found is not None and found.state == ENDED:
+            if found.state == ENDED:
                 raise NotWanted(found.said, found.outcome)
             raise NotWanted("another watcher took the job over")
 
@@ -198,6 +202,7 @@ class Watch:
         survivors = self.job.without(lost) if isinstance(decided, healing.Relaunch) else None
         self.put(HEALING, decided.said)
         self._stop_what_is_left(lost)
+        refusals = []  # each refused relaunch's spares and reason: the end says them
         while isinstance(decided, healing.Relaunch):
             try:
                 self.relaunch(survivors, decided)
@@ -207,14 +212,18 @@ class Watch:
             except DeployError as e:
                 self.keep(self.run, "refused", f"the relaunch ({decided.said}) was refused: {e.message}")
                 if not decided.spares:
-                    return healing.NOT_HEALED, f"{', '.join(lost)} lost, and the relaunch was refused: {e.message}"
+                    said = f"{', '.join(lost)} lost, and the relaunch was refused: {e.message}"
+                    self.keep(self.run, "ended", said)
+                    return healing.NOT_HEALED, said
+                refusals.append(f"the relaunch with {', '.join(decided.spares)} was refused: {e.message}")
                 self.refused.update(decided.spares)
                 spares = [s for s in spares if s not in self.refused]
                 decided = healing.decide(self.job, lost, spares, silent)
                 if isinstance(decided, healing.GoOn):  # what was left is stopped now: it goes on by a relaunch
                     decided = healing.Relaunch(lost, (), decided.said)
-        self.keep(self.run, "ended", decided.said)
-        return healing.NOT_HEALED, decided.said
+        said = "; ".join((decided.said, *refusals))
+        self.keep(self.run, "ended", said)
+        return healing.NOT_HEALED, said
 
     def _stop_what_is_left(self, lost: tuple[str, ...]) -> None:
         """The run ended at once on every node that answers (a lost node's part, once it is back)."""
