@@ -204,7 +204,6 @@ def test_what_the_watcher_keeps_on_the_volume_holds_no_secret(tmp_path, monkeypa
     assert oct((job / "watch").stat().st_mode & 0o777) == "0o644"
 
 
-
 def _watch_of(tmp_path: Path, **sections):
     """A Watch of the local job a, b with the spare s (as `ddp-deploy watch` makes it), and its remote."""
     from deploy.engines.fleet.heal import Watch

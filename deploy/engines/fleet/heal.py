@@ -213,15 +213,15 @@ class Watch:
                 self.keep(self.run, "refused", f"the relaunch ({decided.said}) was refused: {e.message}")
                 if not decided.spares:
                     said = f"{', '.join(lost)} lost, and the relaunch was refused: {e.message}"
-                    self.keep(self.run, "ended", said)
-                    return healing.NOT_HEALED, said
+                    break
                 refusals.append(f"the relaunch with {', '.join(decided.spares)} was refused: {e.message}")
                 self.refused.update(decided.spares)
                 spares = [s for s in spares if s not in self.refused]
                 decided = healing.decide(self.job, lost, spares, silent)
                 if isinstance(decided, healing.GoOn):  # what was left is stopped now: it goes on by a relaunch
                     decided = healing.Relaunch(lost, (), decided.said)
-        said = "; ".join((decided.said, *refusals))
+        else:  # no relaunch left to try: the decision's reason, and each refusal's
+            said = "; ".join((decided.said, *refusals))
         self.keep(self.run, "ended", said)
         return healing.NOT_HEALED, said
 
